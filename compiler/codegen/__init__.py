@@ -1,0 +1,1 @@
+"""Code generation: backend scheduling rules, kernels and the Python wrapper."""

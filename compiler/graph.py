@@ -1,0 +1,275 @@
+"""GraphLowering: an FX interpreter that turns an ATen graph into loop-level IR.
+
+Placeholders become ``InputBuffer``s, every ``call_function`` goes through the
+``lowerings`` registry (ops with no lowering become ``FallbackKernel``s), and the
+outputs are realized and pinned. ``register_buffer`` is the one place buffers are named.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from .errors import LoweringError, MalformedGraphError
+from .ir.extern import make_fallback_call, realize_input
+from .ir.layout import FixedLayout, FlexibleLayout, MutationLayout, contiguous_strides
+from .ir.nodes import (
+    Buffer,
+    ComputedBuffer,
+    ConstantBuffer,
+    InputBuffer,
+    IRNode,
+    Pointwise,
+    Reduction,
+    ReinterpretView,
+    StorageBox,
+    TensorBox,
+    as_storage_and_layout,
+)
+from .ir.sym import sympify_tuple
+from .lowering import lowerings
+from .virtualized import V
+
+log = logging.getLogger("kiln.graph")
+
+# A value with several users stays a closure unless it reads more than this many buffers.
+REALIZE_READS_THRESHOLD = 4
+
+
+class GraphLowering(torch.fx.Interpreter):
+    """Lower ``gm`` (an ATen FX graph) for inputs shaped like ``example_inputs``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                 name: str = "graph") -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.name = name
+        self.example_inputs = list(example_inputs)
+        self.buffers: list[Buffer] = []
+        self.name_to_buffer: dict[str, Buffer] = {}
+        self.graph_inputs: dict[str, TensorBox] = {}
+        self.graph_input_names: list[str] = []
+        self.constants: dict[str, torch.Tensor] = {}
+        self.graph_outputs: list[IRNode] = []
+        self.mutated_inputs: dict[str, str] = {}  # input name -> buffer that writes it
+        self.lazy_readers: dict[str, list[TensorBox]] = {}
+        self.default_device = self._default_device()
+        self.current_node: torch.fx.Node | None = None
+
+    def _default_device(self) -> torch.device:
+        for t in self.example_inputs:
+            if isinstance(t, torch.Tensor):
+                return torch.device(t.device.type)
+        return torch.device("cpu")
+
+    # -- buffer registry ------------------------------------------------------------
+
+    def register_buffer(self, buffer: Buffer) -> str:
+        """Name ``buffer`` ``buf<N>`` and make it visible to the scheduler and wrapper."""
+        name = f"buf{len(self.buffers)}"
+        self.buffers.append(buffer)
+        self.name_to_buffer[name] = buffer
+        return name
+
+    def get_buffer(self, name: str) -> Buffer:
+        if name in self.name_to_buffer:
+            return self.name_to_buffer[name]
+        box = self.graph_inputs[name]
+        storage = box.storage()
+        assert storage is not None and isinstance(storage.data, Buffer)
+        return storage.data
+
+    def get_dtype(self, name: str) -> torch.dtype:
+        return self.get_buffer(name).get_dtype()
+
+    def get_output_names(self) -> list[str]:
+        names = []
+        for out in self.graph_outputs:
+            if isinstance(out, (Buffer, ReinterpretView)):
+                names.append(out.get_name())
+        return names
+
+    # -- FX interpreter hooks -------------------------------------------------------
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        with V.set_graph_handler(self):
+            return super().run(*self.example_inputs)
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        example = super().placeholder(target, args, kwargs)
+        name = self.current_node.name if self.current_node is not None else str(target)
+        if not isinstance(example, torch.Tensor):
+            return example  # a Python scalar input is baked into the graph
+        layout = FixedLayout(torch.device(example.device.type), example.dtype,
+                             sympify_tuple(example.shape), sympify_tuple(example.stride()),
+                             sympy.Integer(example.storage_offset()))
+        box = TensorBox.create(InputBuffer(name=name, layout=layout))
+        self.graph_inputs[name] = box
+        self.graph_input_names.append(name)
+        return box
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            return value
+        name = f"_tensor_constant{len(self.constants)}"
+        self.constants[name] = value
+        layout = FixedLayout(torch.device(value.device.type), value.dtype,
+                             sympify_tuple(value.shape), sympify_tuple(value.stride()))
+        box = TensorBox.create(ConstantBuffer(name=name, layout=layout))
+        self.graph_inputs[name] = box
+        return box
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        node = self.current_node
+        node_name = node.name if node is not None else "?"
+        if target is operator.getitem and isinstance(args[0], (list, tuple)):
+            return args[0][args[1]]
+        if target not in lowerings:
+            if not isinstance(target, torch._ops.OpOverload):
+                raise LoweringError(f"{target!r} is not an ATen op and has no lowering",
+                                    node=node_name, op=str(target), graph=self.name)
+            log.debug("no lowering for %s: falling back to eager ATen", target)
+            return self._lower(lambda *a, **k: make_fallback_call(target, a, k), target,
+                               args, kwargs, node_name)
+        return self._lower(lowerings[target], target, args, kwargs, node_name)
+
+    def _lower(self, fn: Any, target: Any, args: Any, kwargs: Any, node_name: str) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LoweringError:
+            raise
+        except Exception as e:
+            raise LoweringError(f"lowering failed: {type(e).__name__}: {e}", node=node_name,
+                                op=str(target), graph=self.name) from e
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        raise MalformedGraphError("call_module in an ATen graph: trace it with AOTAutograd",
+                                  node=str(target), op="call_module", graph=self.name)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        raise MalformedGraphError("call_method in an ATen graph: trace it with AOTAutograd",
+                                  node=str(target), op=f"call_method {target}",
+                                  graph=self.name)
+
+    def output(self, target: Any, args: Any, kwargs: Any) -> Any:
+        outs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        metas = self._output_metas()
+        for i, value in enumerate(outs):
+            if isinstance(value, IRNode):
+                self.graph_outputs.append(self._realize_output(value, metas[i]))
+            else:
+                self.graph_outputs.append(value)
+        return outs
+
+    def _output_metas(self) -> list[Any]:
+        out_node = next(n for n in self.module.graph.nodes if n.op == "output")
+        arg = out_node.args[0]
+        arg = arg if isinstance(arg, (list, tuple)) else [arg]
+        return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in arg]
+
+    def _realize_output(self, value: IRNode, meta: Any) -> IRNode:
+        """Realize an output with the strides eager gives it, when it owns its storage."""
+        if isinstance(value, TensorBox):
+            storage = value.storage()
+            if (storage is not None and not storage.is_realized()
+                    and value.data is storage and isinstance(meta, torch.Tensor)):
+                storage.realize()
+                buf = storage.data
+                assert isinstance(buf, Buffer)
+                if _is_dense(meta) and buf.is_flexible():
+                    buf.freeze_layout(sympify_tuple(meta.stride()))
+        return realize_input(value)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current_node = n
+        try:
+            result = super().run_node(n)
+        except (LoweringError, MalformedGraphError):
+            raise
+        except Exception as e:
+            raise LoweringError(f"{type(e).__name__}: {e}", node=n.name, op=str(n.target),
+                                graph=self.name) from e
+        if n.op == "call_function" and isinstance(result, TensorBox):
+            self._realize_if_needed(n, result)
+            self._track_lazy_reads(result)
+        return result
+
+    # -- realization triggers ---------------------------------------------------------
+
+    def _realize_if_needed(self, n: torch.fx.Node, result: TensorBox) -> None:
+        """Realize a value whose inlining into several users would recompute too much."""
+        storage = result.storage()
+        if storage is None or storage.is_realized() or len(n.users) < 2:
+            return
+        reduction_users = sum(1 for u in n.users if _is_reduction_target(u.target))
+        if reduction_users >= 2 or storage.num_reads() > REALIZE_READS_THRESHOLD:
+            storage.realize()
+
+    def _track_lazy_reads(self, result: TensorBox) -> None:
+        storage = result.storage()
+        if storage is None or storage.is_realized():
+            return
+        from .dependencies import extract_read_writes
+
+        assert isinstance(storage.data, (Pointwise, Reduction))
+        for name in extract_read_writes(storage.data).read_names():
+            self.lazy_readers.setdefault(name, []).append(result)
+
+    def mutate_input(self, dst: IRNode, src: IRNode) -> IRNode:
+        """Write ``src`` into the storage of graph input ``dst`` (a ``copy_``)."""
+        found = as_storage_and_layout(dst)
+        if found is None or not isinstance(found[0], InputBuffer):
+            raise LoweringError("copy_ into something that is not a graph input",
+                                node=self._node_name(), op="aten.copy_", graph=self.name)
+        target, layout = found
+        # Lazy readers of the old value must read it before it is overwritten.
+        for reader in self.lazy_readers.pop(target.get_name(), []):
+            reader.realize()
+        load = src.make_loader()
+        mut_layout = MutationLayout(layout.device, layout.dtype, layout.size, layout.stride,
+                                    layout.offset, target=target.get_name())
+        data = Pointwise(src.get_device(), src.get_dtype(), load, tuple(dst.get_size()))
+        box = TensorBox(StorageBox(data))
+        storage = box.storage()
+        assert storage is not None
+        storage.realize()
+        buf = storage.data
+        assert isinstance(buf, ComputedBuffer)
+        buf.layout = mut_layout
+        self.mutated_inputs[target.get_name()] = buf.get_name()
+        return box
+
+    def _node_name(self) -> str:
+        return self.current_node.name if self.current_node is not None else "?"
+
+    def finalize_layouts(self) -> None:
+        """Decide every layout still flexible (contiguous) before scheduling."""
+        for buf in self.buffers:
+            if isinstance(buf.layout, FlexibleLayout):
+                buf.freeze_layout(contiguous_strides(buf.layout.size))
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when strides are a permutation of dense strides (no gaps, no overlap)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_REDUCTION_TARGETS = {"sum", "prod", "amax", "amin", "argmax", "argmin", "any", "all", "mean",
+                      "var_mean", "var", "max", "min", "std", "std_mean", "logsumexp"}
+
+
+def _is_reduction_target(target: Any) -> bool:
+    name = getattr(target, "__name__", "")
+    return name.split(".")[0] in _REDUCTION_TARGETS

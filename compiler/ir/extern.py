@@ -1,0 +1,208 @@
+"""Ops that cannot be closures: extern library calls and eager fallbacks.
+
+Both are buffers from the moment they exist (``register_buffer`` runs at construction);
+their inputs are realized buffers or strided views of them. The scheduler sees their
+reads as ``StarDep``s, and they are fusion barriers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ..virtualized import V
+from .layout import FixedLayout, Layout, MultiOutputLayout
+from .nodes import (
+    Buffer,
+    IRNode,
+    Pointwise,
+    ReinterpretView,
+    StorageBox,
+    TensorBox,
+    as_storage_and_layout,
+)
+from .sym import sympify_tuple
+
+
+def realize_input(x: IRNode) -> IRNode:
+    """A real tensor for an extern kernel: a buffer, a strided view of one, or a copy."""
+    if isinstance(x, TensorBox):
+        storage = x.storage()
+        if storage is not None:
+            storage.realize()
+        found = as_storage_and_layout(x)
+        if found is not None:
+            buf, layout = found
+            if layout == buf.layout:
+                return buf
+            return ReinterpretView(buf, layout)
+        # Not expressible as strides over a buffer: copy into a fresh buffer.
+        copy = TensorBox.create(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(),
+                                          x.get_size()))
+        copy.realize()
+        return realize_input(copy)
+    if isinstance(x, StorageBox):
+        x.realize()
+        return x.data
+    return x
+
+
+def meta_tensor(x: IRNode) -> torch.Tensor:
+    """A meta tensor with the size, stride and dtype of a realized input."""
+    if isinstance(x, (Buffer, ReinterpretView)):
+        lay = x.get_layout() if isinstance(x, Buffer) else x.layout
+        return torch.empty_strided([int(s) for s in lay.size], [int(s) for s in lay.stride],
+                                   dtype=lay.dtype, device="meta")
+    size = [int(s) for s in x.get_size()]
+    return torch.empty(size, dtype=x.get_dtype(), device="meta")
+
+
+def layout_of(t: torch.Tensor, device: torch.device) -> FixedLayout:
+    return FixedLayout(device, t.dtype, sympify_tuple(t.shape), sympify_tuple(t.stride()),
+                       sympy.Integer(t.storage_offset()))
+
+
+@dataclass(eq=False, repr=False)
+class ExternKernel(Buffer):
+    """A call into a vendor library through ATen (mm, bmm, addmm, baddbmm, convolution)."""
+
+    inputs: list[IRNode] = field(default_factory=list)
+    constant_args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    op_overload: Any = None
+
+    def __post_init__(self) -> None:
+        self.name = V.graph.register_buffer(self)
+
+    def input_names(self) -> list[str]:
+        return [x.get_name() for x in self.inputs if isinstance(x, (Buffer, ReinterpretView))]
+
+    def kernel_name(self) -> str:
+        return str(self.op_overload)
+
+    @classmethod
+    def create(cls, op: Any, tensor_args: Sequence[IRNode], constant_args: Sequence[Any] = (),
+               kwargs: dict[str, Any] | None = None) -> TensorBox:
+        inputs = [realize_input(x) for x in tensor_args]
+        kwargs = kwargs or {}
+        out = op(*[meta_tensor(x) for x in inputs], *constant_args, **kwargs)
+        device = inputs[0].get_device()
+        node = cls(name=None, layout=layout_of(out, device), inputs=inputs,
+                   constant_args=tuple(constant_args), kwargs=dict(kwargs), op_overload=op)
+        return TensorBox.create(node)
+
+
+@dataclass(eq=False, repr=False)
+class FallbackKernel(ExternKernel):
+    """Any ATen op with no lowering, run eagerly: correct, but a fusion barrier.
+
+    ``args_template`` is the op's argument structure with each tensor replaced by the
+    index of its entry in ``inputs``, so the wrapper can rebuild the call.
+    """
+
+    args_template: Any = None
+    kwargs_template: Any = None
+    outputs: list[Buffer] = field(default_factory=list)
+    mutated_inputs: list[str] = field(default_factory=list)
+
+    def get_mutation_names(self) -> list[str]:
+        return list(self.mutated_inputs)
+
+
+@dataclass(eq=False, repr=False)
+class MultiOutput(ExternKernel):
+    """One tensor of a multi-output fallback: ``parent`` result at ``indices``."""
+
+    parent: FallbackKernel | None = None
+    indices: tuple[int, ...] = ()
+
+
+class _TensorSlot:
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<input {self.i}>"
+
+
+def _template(value: Any, inputs: list[IRNode]) -> Any:
+    """Replace tensors in an argument structure by slots, collecting realized inputs."""
+    if isinstance(value, IRNode):
+        inputs.append(realize_input(value))
+        return _TensorSlot(len(inputs) - 1)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_template(v, inputs) for v in value)
+    return value
+
+
+def fill_template(value: Any, filler: Any) -> Any:
+    if isinstance(value, _TensorSlot):
+        return filler(value.i)
+    if isinstance(value, (list, tuple)):
+        return type(value)(fill_template(v, filler) for v in value)
+    if isinstance(value, dict):
+        return {k: fill_template(v, filler) for k, v in value.items()}
+    return value
+
+
+def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
+                       kwargs: dict[str, Any]) -> Any:
+    """Lower ``op(*args, **kwargs)`` to a FallbackKernel; return TensorBoxes like the op."""
+    inputs: list[IRNode] = []
+    args_t = _template(list(args), inputs)
+    kwargs_t = {k: _template(v, inputs) for k, v in kwargs.items()}
+    metas = [meta_tensor(x) for x in inputs]
+    out = op(*fill_template(args_t, metas.__getitem__),
+             **fill_template(kwargs_t, metas.__getitem__))
+    device = _fallback_device(inputs, kwargs)
+    mutated = [inputs[i].get_name() for i in _mutated_arg_slots(op, args_t, kwargs_t)]
+    if isinstance(out, torch.Tensor):
+        node = FallbackKernel(name=None, layout=layout_of(out, device), inputs=inputs,
+                              op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
+                              mutated_inputs=mutated)
+        return TensorBox.create(node)
+    node = FallbackKernel(name=None, layout=MultiOutputLayout(device), inputs=inputs,
+                          op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
+                          mutated_inputs=mutated)
+    return _multi_outputs(node, out, (), device)
+
+
+def _multi_outputs(parent: FallbackKernel, out: Any, indices: tuple[int, ...],
+                   device: torch.device) -> Any:
+    if isinstance(out, torch.Tensor):
+        mo = MultiOutput(name=None, layout=layout_of(out, device), inputs=[parent],
+                         parent=parent, indices=indices)
+        parent.outputs.append(mo)
+        return TensorBox.create(mo)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_multi_outputs(parent, o, indices + (i,), device)
+                         for i, o in enumerate(out))
+    return out
+
+
+def _fallback_device(inputs: list[IRNode], kwargs: dict[str, Any]) -> torch.device:
+    if inputs:
+        return inputs[0].get_device()
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else V.graph.default_device
+
+
+def _mutated_arg_slots(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any) -> list[int]:
+    slots: list[int] = []
+    schema = op._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args_t[i] if i < len(args_t) else kwargs_t.get(arg.name)
+        if isinstance(value, _TensorSlot):
+            slots.append(value.i)
+    return slots
+
+
+def layout_matches(layout: Layout, size: Sequence[int], stride: Sequence[int]) -> bool:
+    return all(int(a) == b for a, b in zip(layout.size, size)) and all(
+        int(a) == b or int(n) == 1 for a, b, n in zip(layout.stride, stride, layout.size))

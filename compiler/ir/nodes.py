@@ -1,0 +1,428 @@
+"""The loop-level IR: lazy loops (Pointwise, Reduction), buffers, and the boxes around them.
+
+A ``TensorBox`` is what a lowering returns. It holds a view chain whose leaf is a
+``StorageBox``; the storage holds either a lazy loop (``Pointwise`` / ``Reduction``,
+whose ``inner_fn`` is a closure over sympy index expressions) or a realized ``Buffer``.
+``StorageBox.realize`` is the only place a ``ComputedBuffer`` is made.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ..virtualized import V, ops
+from .layout import FixedLayout, FlexibleLayout, Layout, MultiOutputLayout
+from .sym import Expr, sympify_tuple
+
+Loader = Callable[[Sequence[Expr]], Any]
+
+
+class IRNode:
+    """Base of every IR node: a tensor-valued thing with a size, dtype and device."""
+
+    def get_size(self) -> tuple[Expr, ...]:
+        raise NotImplementedError(type(self).__name__)
+
+    def get_dtype(self) -> torch.dtype:
+        raise NotImplementedError(type(self).__name__)
+
+    def get_device(self) -> torch.device:
+        raise NotImplementedError(type(self).__name__)
+
+    def make_loader(self) -> Loader:
+        raise NotImplementedError(type(self).__name__)
+
+    def get_numel(self) -> Expr:
+        n: Expr = sympy.Integer(1)
+        for s in self.get_size():
+            n = n * s
+        return n
+
+    def realize(self) -> str | None:
+        return None
+
+    def unwrap_storage(self) -> IRNode:
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class Loops(IRNode):
+    """A lazy loop nest: ``inner_fn(index)`` computes one element through ``ops``."""
+
+    device: torch.device
+    dtype: torch.dtype
+    inner_fn: Callable[..., Any]
+    ranges: tuple[Expr, ...]
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.ranges
+
+    def get_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def get_device(self) -> torch.device:
+        return self.device
+
+    def get_reduction_size(self) -> tuple[Expr, ...]:
+        return ()
+
+    def index_vars(self, prefix: str = "d") -> list[sympy.Symbol]:
+        return [sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True)
+                for i in range(len(self.ranges))]
+
+
+@dataclass(frozen=True, eq=False)
+class Pointwise(Loops):
+    """One output element as a function of its index."""
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype, inner_fn: Callable[..., Any],
+               ranges: Sequence[Expr]) -> TensorBox:
+        return TensorBox.create(cls(device, dtype, inner_fn, tuple(ranges)))
+
+    def make_loader(self) -> Loader:
+        return self.inner_fn
+
+    def store_output(self, name: str, indexer: Callable[[Sequence[Expr]], Expr],
+                     index: Sequence[Expr]) -> None:
+        ops.store(name, indexer(index), self.inner_fn(index))
+
+
+@dataclass(frozen=True, eq=False)
+class Reduction(Loops):
+    """``reduction_type`` over ``reduction_ranges`` of ``inner_fn(index, rindex)``.
+
+    Multi-output reductions (Welford's mean, m2 and weight) are one Reduction per output
+    with ``output_index`` set; the backends compute the shared reduction once (CSE).
+    """
+
+    reduction_ranges: tuple[Expr, ...] = ()
+    reduction_type: str = "sum"
+    src_dtype: torch.dtype = torch.float32
+    output_index: int | None = None
+
+    def get_reduction_size(self) -> tuple[Expr, ...]:
+        return self.reduction_ranges
+
+    def make_loader(self) -> Loader:
+        raise RuntimeError("a Reduction is read only after it is realized")
+
+    def store_output(self, name: str, indexer: Callable[[Sequence[Expr]], Expr],
+                     index: Sequence[Expr], rindex: Sequence[Expr]) -> None:
+        value = ops.reduction(self.dtype, self.src_dtype, self.reduction_type,
+                              self.inner_fn(index, rindex))
+        if self.output_index is not None:
+            value = ops.getitem(value, self.output_index)
+        ops.store_reduction(name, indexer(index), value)
+
+
+@dataclass(eq=False)
+class Buffer(IRNode):
+    """A named tensor in memory. The name is given by ``register_buffer`` or the graph."""
+
+    name: str | None
+    layout: Layout | MultiOutputLayout
+
+    def get_name(self) -> str:
+        assert self.name is not None, "buffer used before register_buffer named it"
+        return self.name
+
+    def get_layout(self) -> Layout:
+        assert isinstance(self.layout, Layout), f"{self.name} has no single layout"
+        return self.layout
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.get_layout().size
+
+    def get_stride(self) -> tuple[Expr, ...]:
+        return self.get_layout().stride
+
+    def get_dtype(self) -> torch.dtype:
+        return self.get_layout().dtype
+
+    def get_device(self) -> torch.device:
+        return self.layout.device
+
+    def make_loader(self) -> Loader:
+        indexer = self.get_layout().make_indexer()
+        name = self.get_name()
+        return lambda index: ops.load(name, indexer(index))
+
+    def freeze_layout(self, stride: Sequence[Expr] | None = None) -> None:
+        if isinstance(self.layout, FlexibleLayout):
+            self.layout = self.layout.as_fixed(stride)
+
+    def is_flexible(self) -> bool:
+        return isinstance(self.layout, FlexibleLayout)
+
+    def get_mutation_names(self) -> list[str]:
+        return []
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        if isinstance(lay, Layout):
+            desc = f"{lay.dtype}, size={list(lay.size)}, stride={list(lay.stride)}"
+        else:
+            desc = "multi-output"
+        return f"{type(self).__name__}({self.name}, {desc})"
+
+
+@dataclass(eq=False, repr=False)
+class InputBuffer(Buffer):
+    """A graph input: a placeholder of the FX graph."""
+
+
+@dataclass(eq=False, repr=False)
+class ConstantBuffer(InputBuffer):
+    """A tensor constant of the graph (a ``get_attr``), passed to ``call`` like an input."""
+
+
+@dataclass(eq=False, repr=False)
+class ComputedBuffer(Buffer):
+    """A realized lazy loop: its body writes every element of the buffer."""
+
+    data: Loops = field(default=None)  # type: ignore[assignment]
+
+    def get_reduction_size(self) -> tuple[Expr, ...]:
+        return self.data.get_reduction_size()
+
+    def get_reduction_type(self) -> str | None:
+        return self.data.reduction_type if isinstance(self.data, Reduction) else None
+
+    def is_reduction(self) -> bool:
+        return isinstance(self.data, Reduction)
+
+    def store_body(self) -> Callable[..., None]:
+        """The loop body that writes this buffer: ``body(index)`` or ``body(index, rindex)``."""
+        indexer = self.get_layout().make_indexer()
+        name = self.get_name()
+        data = self.data
+        if isinstance(data, Reduction):
+            return lambda index, rindex: data.store_output(name, indexer, index, rindex)
+        assert isinstance(data, Pointwise)
+        return lambda index: data.store_output(name, indexer, index)
+
+    def get_mutation_names(self) -> list[str]:
+        target = getattr(self.layout, "target", "")
+        return [target] if target else []
+
+
+@dataclass(eq=False, repr=False)
+class TemplateBuffer(Buffer):
+    """A buffer computed by a kernel template; its reads come from its declared inputs."""
+
+    inputs: list[IRNode] = field(default_factory=list)
+    template_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = V.graph.register_buffer(self)
+
+
+class StorageBox(IRNode):
+    """Holds a lazy loop until something realizes it, then the buffer it became."""
+
+    def __init__(self, data: IRNode) -> None:
+        self.data = data
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.data.get_size()
+
+    def get_dtype(self) -> torch.dtype:
+        return self.data.get_dtype()
+
+    def get_device(self) -> torch.device:
+        return self.data.get_device()
+
+    def make_loader(self) -> Loader:
+        return self.data.make_loader()
+
+    def is_realized(self) -> bool:
+        return isinstance(self.data, Buffer)
+
+    def realize(self) -> str | None:
+        """Make the lazy loop a ComputedBuffer and register it; no-op if already a buffer."""
+        if isinstance(self.data, Buffer):
+            return self.data.name
+        assert isinstance(self.data, Loops), type(self.data)
+        layout = FlexibleLayout.contiguous(
+            self.data.get_device(), self.data.get_dtype(), self.data.get_size())
+        buf = ComputedBuffer(name=None, layout=layout, data=self.data)
+        buf.name = V.graph.register_buffer(buf)
+        self.data = buf
+        return buf.name
+
+    def unwrap_storage(self) -> IRNode:
+        return self.data
+
+    def num_reads(self) -> int:
+        if isinstance(self.data, Buffer):
+            return 1
+        from ..dependencies import extract_read_writes
+
+        assert isinstance(self.data, Loops)
+        return len(extract_read_writes(self.data).reads)
+
+    def __repr__(self) -> str:
+        return f"StorageBox({self.data!r})"
+
+
+class TensorBox(IRNode):
+    """What lowerings return: a view chain (possibly empty) over a StorageBox."""
+
+    def __init__(self, data: IRNode) -> None:
+        self.data = data
+
+    @staticmethod
+    def create(data: IRNode) -> TensorBox:
+        if isinstance(data, (Loops, Buffer)):
+            return TensorBox(StorageBox(data))
+        return TensorBox(data)
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.data.get_size()
+
+    def get_dtype(self) -> torch.dtype:
+        return self.data.get_dtype()
+
+    def get_device(self) -> torch.device:
+        return self.data.get_device()
+
+    def make_loader(self) -> Loader:
+        return self.data.make_loader()
+
+    def storage(self) -> StorageBox | None:
+        node = self.data
+        while isinstance(node, (View, ReinterpretView)):
+            node = node.data
+        return node if isinstance(node, StorageBox) else None
+
+    def realize(self) -> str | None:
+        storage = self.storage()
+        return storage.realize() if storage is not None else None
+
+    def unwrap_storage(self) -> IRNode:
+        return self.data.unwrap_storage()
+
+    def __repr__(self) -> str:
+        return f"TensorBox({self.data!r})"
+
+
+@dataclass(eq=False)
+class View(IRNode):
+    """A view as index remapping: ``reindex`` maps an output index to the base's index."""
+
+    data: IRNode
+    size: tuple[Expr, ...]
+    reindex: Callable[[Sequence[Expr]], Sequence[Expr]]
+    kind: str = "view"
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.size
+
+    def get_dtype(self) -> torch.dtype:
+        return self.data.get_dtype()
+
+    def get_device(self) -> torch.device:
+        return self.data.get_device()
+
+    def make_loader(self) -> Loader:
+        inner = self.data.make_loader()
+        reindex = self.reindex
+        return lambda index: inner(reindex(index))
+
+    def __repr__(self) -> str:
+        return f"View[{self.kind}]({list(self.size)}, {self.data!r})"
+
+
+@dataclass(eq=False)
+class ReinterpretView(IRNode):
+    """A strided view of a realized buffer's storage (no copy, no index remapping)."""
+
+    data: Buffer
+    layout: FixedLayout
+
+    def get_size(self) -> tuple[Expr, ...]:
+        return self.layout.size
+
+    def get_stride(self) -> tuple[Expr, ...]:
+        return self.layout.stride
+
+    def get_dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+    def get_device(self) -> torch.device:
+        return self.layout.device
+
+    def get_name(self) -> str:
+        return self.data.get_name()
+
+    def make_loader(self) -> Loader:
+        indexer = self.layout.make_indexer()
+        name = self.data.get_name()
+        return lambda index: ops.load(name, indexer(index))
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"ReinterpretView({self.data.name}, size={list(lay.size)}, "
+                f"stride={list(lay.stride)}, offset={lay.offset})")
+
+
+def view_chain_reindex(node: IRNode) -> tuple[StorageBox, Callable[[Sequence[Expr]], Any]] | None:
+    """The storage under a chain of Views and the composed index map, if there is one."""
+    maps: list[Callable[[Sequence[Expr]], Sequence[Expr]]] = []
+    while isinstance(node, (TensorBox, View)):
+        if isinstance(node, View):
+            maps.append(node.reindex)
+        node = node.data
+    if not isinstance(node, StorageBox):
+        return None
+
+    def composed(index: Sequence[Expr]) -> Sequence[Expr]:
+        for m in maps:
+            index = m(index)
+        return index
+
+    return node, composed
+
+
+_unique = itertools.count()
+
+
+def fresh_index_vars(n: int, prefix: str = "i") -> list[sympy.Symbol]:
+    tag = next(_unique)
+    return [sympy.Symbol(f"{prefix}{tag}_{i}", integer=True, nonnegative=True) for i in range(n)]
+
+
+def as_storage_and_layout(node: IRNode) -> tuple[Buffer, FixedLayout] | None:
+    """Express ``node`` as a strided view of a realized buffer, freezing its layout."""
+    if isinstance(node, TensorBox):
+        node = node.data
+    if isinstance(node, ReinterpretView):
+        return node.data, node.layout
+    found = view_chain_reindex(node)
+    if found is None:
+        return None
+    storage, reindex = found
+    if not isinstance(storage.data, Buffer) or not isinstance(storage.data.layout, Layout):
+        return None
+    buf = storage.data
+    size = node.get_size()
+    idx = fresh_index_vars(len(size))
+    from .sym import linear_coefficients
+
+    base_layout = buf.get_layout()
+    flat = base_layout.make_indexer()(list(reindex(idx)))
+    lin = linear_coefficients(flat, idx)
+    if lin is None:
+        return None
+    coeffs, offset = lin
+    buf.freeze_layout()
+    strides = [c if s != 1 else sympy.Integer(c) for c, s in zip(coeffs, size)]
+    return buf, FixedLayout(buf.get_device(), buf.get_dtype(), sympify_tuple(size),
+                            sympify_tuple(strides), offset)

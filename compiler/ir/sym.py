@@ -1,0 +1,158 @@
+"""Integer index arithmetic for loop bodies: sympy functions and helpers.
+
+Sizes, strides and offsets are sympy expressions from the start (plain integers for
+now) so that symbolic sizes later only change what the symbols are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import reduce
+from typing import Any
+
+import sympy
+
+Expr = sympy.Expr
+
+
+def sympify_tuple(values: Iterable[Any]) -> tuple[Expr, ...]:
+    return tuple(sympy.Integer(v) if isinstance(v, int) else sympy.sympify(v) for v in values)
+
+
+def prod(values: Iterable[Any]) -> Expr:
+    return reduce(lambda a, b: a * b, values, sympy.Integer(1))
+
+
+class FloorDiv(sympy.Function):
+    """``base // divisor`` for non-negative integer index expressions."""
+
+    nargs = (2,)
+    is_integer = True
+
+    @classmethod
+    def eval(cls, base: Expr, divisor: Expr) -> Expr | None:
+        if divisor == 1:
+            return base
+        if base == 0:
+            return sympy.Integer(0)
+        if isinstance(base, sympy.Integer) and isinstance(divisor, sympy.Integer):
+            return sympy.Integer(int(base) // int(divisor))
+        if isinstance(base, FloorDiv):
+            return FloorDiv(base.args[0], base.args[1] * divisor)
+        if isinstance(divisor, sympy.Integer) and isinstance(base, sympy.Add):
+            # Terms that are multiples of the divisor come out of the division exactly.
+            exact, rest = [], []
+            for term in base.args:
+                coeff, _ = term.as_coeff_Mul()
+                if isinstance(coeff, sympy.Integer) and int(coeff) % int(divisor) == 0:
+                    exact.append(term / divisor)
+                else:
+                    rest.append(term)
+            if exact and rest:
+                return sympy.Add(*exact) + FloorDiv(sympy.Add(*rest), divisor)
+            if exact:
+                return sympy.Add(*exact)
+        if isinstance(divisor, sympy.Integer) and isinstance(base, sympy.Mul):
+            coeff, rest = base.as_coeff_Mul()
+            if isinstance(coeff, sympy.Integer) and int(coeff) % int(divisor) == 0:
+                return (coeff / divisor) * rest
+        return None
+
+
+class ModularIndexing(sympy.Function):
+    """``(base // divisor) % modulus`` for non-negative integer index expressions."""
+
+    nargs = (3,)
+    is_integer = True
+
+    @classmethod
+    def eval(cls, base: Expr, divisor: Expr, modulus: Expr) -> Expr | None:
+        if modulus == 1 or base == 0:
+            return sympy.Integer(0)
+        if all(isinstance(a, sympy.Integer) for a in (base, divisor, modulus)):
+            return sympy.Integer((int(base) // int(divisor)) % int(modulus))
+        if isinstance(divisor, sympy.Integer) and isinstance(modulus, sympy.Integer):
+            if isinstance(base, sympy.Add):
+                # Terms that are multiples of divisor * modulus wrap to zero.
+                period = int(divisor) * int(modulus)
+                kept = []
+                for term in base.args:
+                    coeff, _ = term.as_coeff_Mul()
+                    if not (isinstance(coeff, sympy.Integer) and int(coeff) % period == 0):
+                        kept.append(term)
+                if len(kept) != len(base.args):
+                    return ModularIndexing(sympy.Add(*kept), divisor, modulus)
+        return None
+
+
+def free_index_symbols(expr: Expr) -> set[sympy.Symbol]:
+    return {s for s in expr.free_symbols if isinstance(s, sympy.Symbol)}
+
+
+def simplify_with_ranges(expr: Expr, var_ranges: dict[sympy.Symbol, Expr]) -> Expr:
+    """Drop divisions and moduli that the ranges of the variables make trivial."""
+
+    def upper_bound(e: Expr) -> int | None:
+        # An upper bound (exclusive) of a non-negative expression, if linear in the vars.
+        if isinstance(e, sympy.Integer):
+            return int(e) + 1
+        if isinstance(e, sympy.Symbol):
+            r = var_ranges.get(e)
+            return int(r) if isinstance(r, sympy.Integer) else None
+        if isinstance(e, sympy.Mul):
+            coeff, rest = e.as_coeff_Mul()
+            ub = upper_bound(rest)
+            if ub is None or not isinstance(coeff, sympy.Integer) or coeff < 0:
+                return None
+            return int(coeff) * (ub - 1) + 1
+        if isinstance(e, sympy.Add):
+            bounds = [upper_bound(a) for a in e.args]
+            if any(b is None for b in bounds):
+                return None
+            return sum(b - 1 for b in bounds if b is not None) + 1
+        if isinstance(e, FloorDiv):
+            ub = upper_bound(e.args[0])
+            if ub is None or not isinstance(e.args[1], sympy.Integer):
+                return None
+            return (ub - 1) // int(e.args[1]) + 1
+        if isinstance(e, ModularIndexing) and isinstance(e.args[2], sympy.Integer):
+            return int(e.args[2])
+        return None
+
+    def visit_mod(base: Expr, divisor: Expr, modulus: Expr) -> Expr:
+        ub = upper_bound(base)
+        if ub is not None and isinstance(divisor, sympy.Integer):
+            if isinstance(modulus, sympy.Integer) and ub <= int(divisor) * int(modulus):
+                return FloorDiv(base, divisor)
+        return ModularIndexing(base, divisor, modulus)
+
+    def visit_div(base: Expr, divisor: Expr) -> Expr:
+        ub = upper_bound(base)
+        if ub is not None and isinstance(divisor, sympy.Integer) and ub <= int(divisor):
+            return sympy.Integer(0)
+        return FloorDiv(base, divisor)
+
+    if not expr.has(FloorDiv, ModularIndexing):
+        return expr
+    expr = expr.replace(ModularIndexing, visit_mod)
+    return expr.replace(FloorDiv, visit_div)
+
+
+def linear_coefficients(
+    expr: Expr, variables: Sequence[sympy.Symbol]
+) -> tuple[list[Expr], Expr] | None:
+    """Coefficients and constant of ``expr`` if it is affine in ``variables``; else None."""
+    expr = sympy.expand(expr)
+    if expr.has(FloorDiv, ModularIndexing):
+        return None
+    coeffs: list[Expr] = []
+    for v in variables:
+        c = expr.coeff(v)
+        if c.free_symbols & set(variables):
+            return None
+        coeffs.append(c)
+    const = expr.subs({v: 0 for v in variables})
+    rebuilt = sympy.expand(const + sum(c * v for c, v in zip(coeffs, variables)))
+    if sympy.expand(rebuilt - expr) != 0:
+        return None
+    return coeffs, const

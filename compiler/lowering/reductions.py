@@ -1,0 +1,207 @@
+"""Reduction lowerings. A reduction is realized as soon as it is made: inlining it into a
+consumer would recompute the whole reduction for every element the consumer reads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ..ir.nodes import IRNode, Pointwise, Reduction, TensorBox
+from ..ir.sym import Expr, prod
+from ..virtualized import ops
+from .pointwise import to_dtype
+from .registry import register_lowering
+from .views import view
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_IDENTITY_DTYPE = {"any": torch.bool, "all": torch.bool, "argmax": torch.int64,
+                   "argmin": torch.int64}
+
+
+def _dims(x: IRNode, dim: int | Sequence[int] | None) -> list[int]:
+    ndim = len(x.get_size())
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d + ndim if d < 0 else d for d in dims})
+
+
+def _result_dtype(x: IRNode, reduction_type: str, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    if reduction_type in _IDENTITY_DTYPE:
+        return _IDENTITY_DTYPE[reduction_type]
+    src = x.get_dtype()
+    if reduction_type in ("sum", "prod") and (src == torch.bool or not src.is_floating_point):
+        return torch.int64
+    return src
+
+
+def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: torch.dtype,
+                        keepdim: bool, output_index: int | None = None,
+                        src_dtype: torch.dtype | None = None) -> TensorBox:
+    """Build and realize the Reduction of ``x`` over ``dims`` (kept dims become size 1)."""
+    size = list(x.get_size())
+    kept = [d for d in range(len(size)) if d not in dims]
+    ranges = tuple(size[d] for d in kept)
+    rranges = tuple(size[d] for d in dims)
+    loader = x.make_loader()
+    src = src_dtype or x.get_dtype()
+
+    def inner_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        full: list[Expr] = [sympy.Integer(0)] * len(size)
+        for d, i in zip(kept, index):
+            full[d] = i
+        for d, r in zip(dims, rindex):
+            full[d] = r
+        value = loader(full)
+        return ops.to_dtype(value, src, x.get_dtype()) if src != x.get_dtype() else value
+
+    if prod(rranges) == 1 and reduction_type not in ("argmax", "argmin", "welford_reduce"):
+        # Nothing to reduce: a cast of the input.
+        result: TensorBox = Pointwise.create(
+            x.get_device(), dtype, lambda idx: ops.to_dtype(inner_fn(idx, [0] * len(dims)),
+                                                            dtype), ranges)
+    else:
+        node = Reduction(x.get_device(), dtype, inner_fn, ranges, rranges, reduction_type,
+                         src, output_index)
+        result = TensorBox.create(node)
+        result.realize()
+    if keepdim:
+        shape = [1 if d in dims else int(s) for d, s in enumerate(size)]
+        return view(result, shape)  # type: ignore[return-value]
+    return result
+
+
+def make_reduction(reduction_type: str) -> Any:
+    def lowering(x: IRNode, dim: Any = None, keepdim: bool = False, *,
+                 dtype: torch.dtype | None = None) -> TensorBox:
+        out_dtype = _result_dtype(x, reduction_type, dtype)
+        if reduction_type in ("sum", "prod") and out_dtype != x.get_dtype():
+            x = to_dtype(x, out_dtype)
+        if reduction_type in ("any", "all"):
+            x = to_dtype(x, torch.bool)
+        return make_reduction_node(x, _dims(x, dim), reduction_type, out_dtype, keepdim)
+
+    lowering.__name__ = reduction_type
+    return lowering
+
+
+register_lowering(aten.sum)(make_reduction("sum"))
+register_lowering(aten.prod)(make_reduction("prod"))
+register_lowering(aten.amax)(make_reduction("max"))
+register_lowering(aten.amin)(make_reduction("min"))
+register_lowering(aten.any)(make_reduction("any"))
+register_lowering(aten.all)(make_reduction("all"))
+register_lowering(prims.sum)(lambda x, dims, *, output_dtype=None:
+                             make_reduction("sum")(x, dims, dtype=output_dtype))
+
+
+def _arg_reduction(reduction_type: str) -> Any:
+    def lowering(x: IRNode, dim: int | None = None, keepdim: bool = False) -> IRNode:
+        if dim is None:
+            flat = view(x, [-1])
+            out = make_reduction_node(flat, [0], reduction_type, torch.int64, False)
+            return view(out, [1] * len(x.get_size())) if keepdim else out
+        return make_reduction_node(x, _dims(x, dim), reduction_type, torch.int64, keepdim)
+
+    return lowering
+
+
+register_lowering(aten.argmax)(_arg_reduction("argmax"))
+register_lowering(aten.argmin)(_arg_reduction("argmin"))
+
+
+def _minmax_dim(kind: str) -> Any:
+    def lowering(x: IRNode, dim: int, keepdim: bool = False) -> tuple[IRNode, IRNode]:
+        values = make_reduction_node(x, _dims(x, dim), kind, x.get_dtype(), keepdim)
+        indices = make_reduction_node(x, _dims(x, dim), "arg" + kind, torch.int64, keepdim)
+        return values, indices
+
+    return lowering
+
+
+register_lowering(aten.max.dim)(_minmax_dim("max"))
+register_lowering(aten.min.dim)(_minmax_dim("min"))
+register_lowering(aten.max.default)(lambda x: make_reduction("max")(x))
+register_lowering(aten.min.default)(lambda x: make_reduction("min")(x))
+
+
+def _float_dtype(x: IRNode, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return x.get_dtype() if x.get_dtype().is_floating_point else torch.get_default_dtype()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@register_lowering(aten.mean)
+def mean(x: IRNode, dim: Any = None, keepdim: bool = False, *,
+         dtype: torch.dtype | None = None) -> IRNode:
+    out_dtype = _float_dtype(x, dtype)
+    dims = _dims(x, dim)
+    n = prod(x.get_size()[d] for d in dims)
+    acc = _acc_dtype(out_dtype)
+    total = make_reduction_node(to_dtype(x, acc), dims, "sum", acc, keepdim)
+    load = total.make_loader()
+    return Pointwise.create(
+        x.get_device(), out_dtype,
+        lambda idx: ops.to_dtype(ops.truediv(load(idx), ops.constant(int(n), acc)), out_dtype),
+        total.get_size())
+
+
+def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
+                     ) -> tuple[IRNode, IRNode]:
+    """(var, mean) from one Welford reduction; the two outputs fuse into one kernel."""
+    out_dtype = _float_dtype(x, None)
+    acc = _acc_dtype(out_dtype)
+    dims = _dims(x, dim)
+    n = int(prod(x.get_size()[d] for d in dims))
+    src = to_dtype(x, acc)
+    mean_ = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=0)
+    m2 = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=1)
+    denom = max(0.0, n - correction)
+    load_m2, load_mean = m2.make_loader(), mean_.make_loader()
+    var = Pointwise.create(
+        x.get_device(), out_dtype,
+        lambda idx: ops.to_dtype(ops.truediv(load_m2(idx), ops.constant(denom, acc)),
+                                 out_dtype), m2.get_size())
+    mean_out = Pointwise.create(x.get_device(), out_dtype,
+                                lambda idx: ops.to_dtype(load_mean(idx), out_dtype),
+                                mean_.get_size()) if out_dtype != acc else mean_
+    return var, mean_out
+
+
+def _correction(correction: float | None, unbiased: bool | None) -> float:
+    if correction is not None:
+        return float(correction)
+    return 1.0 if unbiased is None or unbiased else 0.0
+
+
+@register_lowering(aten.var_mean)
+def var_mean(x: IRNode, dim: Any = None, unbiased: bool | None = None, keepdim: bool = False,
+             *, correction: float | None = None) -> tuple[IRNode, IRNode]:
+    if isinstance(dim, bool):  # var_mean(x, unbiased)
+        dim, unbiased = None, dim
+    return var_mean_welford(x, dim, _correction(correction, unbiased), keepdim)
+
+
+@register_lowering(aten.var)
+def var(x: IRNode, dim: Any = None, unbiased: bool | None = None, keepdim: bool = False,
+        *, correction: float | None = None) -> IRNode:
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    return var_mean_welford(x, dim, _correction(correction, unbiased), keepdim)[0]
+
+
+@register_lowering(prims.var)
+def prims_var(x: IRNode, dims: Any, correction: float = 1.0, *,
+              output_dtype: torch.dtype | None = None) -> IRNode:
+    return var_mean_welford(x, dims, correction, False)[0]

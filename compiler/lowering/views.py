@@ -1,0 +1,237 @@
+"""View lowerings: each remaps indices onto its base and copies nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ..ir.extern import realize_input
+from ..ir.layout import FixedLayout
+from ..ir.nodes import Buffer, IRNode, ReinterpretView, TensorBox, View
+from ..ir.sym import Expr, FloorDiv, ModularIndexing, prod, sympify_tuple
+from .registry import expand, register_lowering
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _view(x: IRNode, size: Sequence[Expr], reindex: Any, kind: str) -> TensorBox:
+    base = x.data if isinstance(x, TensorBox) else x
+    return TensorBox(View(base, tuple(sympify_tuple(size)), reindex, kind))
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _infer_size(size: Sequence[int], numel: Expr) -> list[Expr]:
+    size = list(size)
+    if -1 in size:
+        i = size.index(-1)
+        known = prod(s for j, s in enumerate(size) if j != i)
+        size[i] = sympy.simplify(numel / known)
+    return list(sympify_tuple(size))
+
+
+def _reshape_groups(old: Sequence[Expr], new: Sequence[Expr]
+                    ) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of non-1 dims of ``old`` and ``new`` whose sizes multiply to the same."""
+    oi = [d for d in range(len(old)) if old[d] != 1]
+    nj = [d for d in range(len(new)) if new[d] != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    a = b = 0
+    while a < len(oi) and b < len(nj):
+        gi, gj = [oi[a]], [nj[b]]
+        po, pn = old[oi[a]], new[nj[b]]
+        a, b = a + 1, b + 1
+        while po != pn:
+            if int(po) < int(pn):
+                gi.append(oi[a])
+                po, a = po * old[oi[a]], a + 1
+            else:
+                gj.append(nj[b])
+                pn, b = pn * new[nj[b]], b + 1
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape_reindex(old: Sequence[Expr], new: Sequence[Expr]) -> Any:
+    """Index map from a reshaped view to its base, matching dimension groups by product."""
+    groups = _reshape_groups(old, new)
+
+    def reindex(index: Sequence[Expr]) -> list[Expr]:
+        out: list[Expr] = [sympy.Integer(0)] * len(old)
+        for gi, gj in groups:
+            flat: Expr = sympy.Integer(0)
+            for d in gj:
+                flat = flat * new[d] + index[d]
+            stride: Expr = sympy.Integer(1)
+            for d in reversed(gi):
+                out[d] = FloorDiv(flat, stride) if d == gi[0] else \
+                    ModularIndexing(flat, stride, old[d])
+                stride = stride * old[d]
+        return out
+
+    return reindex
+
+
+@register_lowering(aten.view, aten.reshape, aten._unsafe_view, prims.reshape)
+def view(x: IRNode, size: Sequence[int]) -> IRNode:
+    if isinstance(size, torch.dtype):
+        from ..ir.extern import make_fallback_call
+
+        return make_fallback_call(aten.view.dtype, [x, size], {})
+    old = list(x.get_size())
+    new = _infer_size(size, prod(old))
+    if old == new:
+        return x
+    return _view(x, new, reshape_reindex(old, new), "reshape")
+
+
+@register_lowering(aten.permute, prims.transpose)
+def permute(x: IRNode, dims: Sequence[int]) -> TensorBox:
+    ndim = len(x.get_size())
+    dims = [_norm_dim(d, ndim) for d in dims]
+    size = [x.get_size()[d] for d in dims]
+    inverse = [dims.index(i) for i in range(ndim)]
+
+    def reindex(index: Sequence[Expr]) -> list[Expr]:
+        return [index[inverse[i]] for i in range(ndim)]
+
+    return _view(x, size, reindex, "permute")
+
+
+@register_lowering(aten.t)
+def t(x: IRNode) -> IRNode:
+    return permute(x, [1, 0]) if len(x.get_size()) == 2 else x
+
+
+@register_lowering(aten.transpose)
+def transpose(x: IRNode, d0: int, d1: int) -> TensorBox:
+    dims = list(range(len(x.get_size())))
+    d0, d1 = _norm_dim(d0, len(dims)), _norm_dim(d1, len(dims))
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return permute(x, dims)
+
+
+@register_lowering(aten.expand, prims.broadcast_in_dim)
+def expand_(x: IRNode, size: Sequence[int], *args: Any, implicit: bool = False) -> IRNode:
+    if args:  # prims.broadcast_in_dim(x, shape, broadcast_dimensions)
+        dims = list(args[0])
+        inner = list(sympify_tuple(size))
+        shape = [sympy.Integer(1)] * len(inner)
+        for k, d in enumerate(dims):
+            shape[d] = x.get_size()[k]
+        x = view(x, [int(s) for s in shape])
+        return expand(x, inner)
+    old = x.get_size()
+    new = [old[i - (len(size) - len(old))] if s == -1 else s for i, s in enumerate(size)]
+    return expand(x, sympify_tuple(new))
+
+
+@register_lowering(aten.unsqueeze)
+def unsqueeze(x: IRNode, dim: int) -> TensorBox:
+    size = list(x.get_size())
+    dim = _norm_dim(dim, len(size) + 1)
+    new = size[:dim] + [sympy.Integer(1)] + size[dim:]
+    return _view(x, new, lambda idx: list(idx[:dim]) + list(idx[dim + 1:]), "unsqueeze")
+
+
+@register_lowering(aten.squeeze, prims.squeeze)
+def squeeze(x: IRNode, dim: int | Sequence[int] | None = None) -> IRNode:
+    size = list(x.get_size())
+    if dim is None:
+        dims = [i for i, s in enumerate(size) if s == 1]
+    else:
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        dims = [_norm_dim(d, len(size)) for d in dims if size[_norm_dim(d, len(size))] == 1]
+    if not dims:
+        return x
+    keep = [i for i in range(len(size)) if i not in dims]
+
+    def reindex(index: Sequence[Expr]) -> list[Expr]:
+        out: list[Expr] = [sympy.Integer(0)] * len(size)
+        for k, d in enumerate(keep):
+            out[d] = index[k]
+        return out
+
+    return _view(x, [size[i] for i in keep], reindex, "squeeze")
+
+
+@register_lowering(aten.slice)
+def slice_(x: IRNode, dim: int = 0, start: int | None = None, end: int | None = None,
+           step: int = 1) -> IRNode:
+    size = list(x.get_size())
+    dim = _norm_dim(dim, len(size))
+    n = int(size[dim])
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    start, end = max(0, min(start, n)), max(0, min(end, n))
+    if start == 0 and end == n and step == 1:
+        return x
+    length = max(0, (end - start + step - 1) // step)
+    new = size[:dim] + [sympy.Integer(length)] + size[dim + 1:]
+
+    def reindex(index: Sequence[Expr]) -> list[Expr]:
+        out = list(index)
+        out[dim] = index[dim] * step + start
+        return out
+
+    return _view(x, new, reindex, "slice")
+
+
+@register_lowering(aten.select)
+def select(x: IRNode, dim: int, index: int) -> TensorBox:
+    size = list(x.get_size())
+    dim = _norm_dim(dim, len(size))
+    index = index + int(size[dim]) if index < 0 else index
+
+    def reindex(idx: Sequence[Expr]) -> list[Expr]:
+        return list(idx[:dim]) + [sympy.Integer(index)] + list(idx[dim:])
+
+    return _view(x, size[:dim] + size[dim + 1:], reindex, "select")
+
+
+@register_lowering(aten.split_with_sizes)
+def split_with_sizes(x: IRNode, sizes: Sequence[int], dim: int = 0) -> list[IRNode]:
+    out, start = [], 0
+    for s in sizes:
+        out.append(slice_(x, dim, start, start + s))
+        start += s
+    return out
+
+
+@register_lowering(aten.split)
+def split(x: IRNode, split_size: int | Sequence[int], dim: int = 0) -> list[IRNode]:
+    if not isinstance(split_size, int):
+        return split_with_sizes(x, split_size, dim)
+    n = int(x.get_size()[_norm_dim(dim, len(x.get_size()))])
+    return split_with_sizes(x, [min(split_size, n - s) for s in range(0, n, split_size)], dim)
+
+
+@register_lowering(aten.unbind)
+def unbind(x: IRNode, dim: int = 0) -> list[IRNode]:
+    n = int(x.get_size()[_norm_dim(dim, len(x.get_size()))])
+    return [select(x, dim, i) for i in range(n)]
+
+
+@register_lowering(aten.as_strided)
+def as_strided(x: IRNode, size: Sequence[int], stride: Sequence[int],
+               storage_offset: int | None = None) -> IRNode:
+    """A view of the base's storage: realize the base, then reinterpret its strides."""
+    base = realize_input(x)
+    buf = base.data if isinstance(base, ReinterpretView) else base
+    assert isinstance(buf, Buffer)
+    buf.freeze_layout()
+    offset = buf.get_layout().offset if storage_offset is None else sympy.Integer(storage_offset)
+    layout = FixedLayout(buf.get_device(), buf.get_dtype(), sympify_tuple(size),
+                         sympify_tuple(stride), offset)
+    return TensorBox(ReinterpretView(buf, layout))
+
+
+@register_lowering(aten.alias)
+def alias(x: IRNode) -> IRNode:
+    return x

@@ -1,0 +1,126 @@
+"""Buffer lifetimes: last uses, buffers that never leave a kernel, reuse, peak memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ir.layout import Layout, MutationLayout
+from .ir.nodes import Buffer, ComputedBuffer, InputBuffer
+from .scheduler import BaseSchedulerNode, Scheduler
+from .virtualized import V
+
+
+@dataclass
+class MemoryPlan:
+    """What the wrapper needs to allocate, reuse and free buffers."""
+
+    removed_buffers: set[str] = field(default_factory=set)
+    reuse: dict[str, str] = field(default_factory=dict)  # new buffer -> buffer it takes over
+    allocations: dict[str, int] = field(default_factory=dict)  # buffer -> bytes it holds
+    peak_bytes: int = 0
+    lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # buf -> (def, last)
+
+
+def buffer_bytes(buf: Buffer) -> int:
+    layout = buf.layout
+    if not isinstance(layout, Layout):
+        return 0
+    return int(layout.storage_size()) * layout.dtype.itemsize
+
+
+def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
+    """Walk back from the outputs: a node's last_usage is what no later node uses."""
+    future_used = set(outputs)
+    for node in reversed(nodes):
+        used = node.used_buffer_names()
+        node.last_usage = used - future_used
+        future_used |= used
+
+
+def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
+    """Buffers written and read only inside one fused kernel: they live in registers."""
+    users: dict[str, set[int]] = {}
+    for i, node in enumerate(scheduler.nodes):
+        for name in node.used_buffer_names():
+            users.setdefault(name, set()).add(i)
+    removed = set()
+    for i, node in enumerate(scheduler.nodes):
+        if len(node.get_nodes()) < 2:
+            continue
+        for sub in node.get_nodes():
+            buf = getattr(sub, "node", None)
+            if not isinstance(buf, ComputedBuffer) or isinstance(buf.layout, MutationLayout):
+                continue
+            name = buf.get_name()
+            if name in outputs or users.get(name, set()) != {i}:
+                continue
+            if any(name in n.read_writes.read_names() for n in node.get_nodes()):
+                removed.add(name)
+    return removed
+
+
+def plan_memory(scheduler: Scheduler) -> MemoryPlan:
+    """Last uses, in-kernel buffers, storage reuse and the peak-memory estimate."""
+    graph = V.graph
+    outputs = set(graph.get_output_names())
+    nodes = scheduler.nodes
+    compute_last_usage(nodes, outputs)
+    plan = MemoryPlan(removed_buffers=find_removed_buffers(scheduler, outputs))
+    free_pool: list[str] = []
+    live = peak = 0
+    for step, node in enumerate(nodes):
+        for name in sorted(node.get_buffer_names() - plan.removed_buffers):
+            buf = graph.name_to_buffer.get(name)
+            if buf is None or not _allocates(buf):
+                continue
+            plan.lifetimes[name] = (step, step)
+            donor = _take_reusable(free_pool, buf, graph)
+            if donor is not None:
+                plan.reuse[name] = donor
+            # A reused storage was counted free when its first owner died; it is live again.
+            live += buffer_bytes(buf)
+            plan.allocations[name] = buffer_bytes(buf)
+        peak = max(peak, live)
+        for name in sorted(node.last_usage):
+            if name in plan.lifetimes:
+                plan.lifetimes[name] = (plan.lifetimes[name][0], step)
+            if name in outputs or name in plan.removed_buffers:
+                continue
+            buf = graph.name_to_buffer.get(name)
+            if buf is None or not _allocates(buf):
+                continue
+            free_pool.append(name)
+        live -= sum(plan.allocations.get(n, 0) for n in node.last_usage if n not in outputs)
+    for name, (start, _) in list(plan.lifetimes.items()):
+        if name in outputs:
+            plan.lifetimes[name] = (start, len(nodes))
+    plan.peak_bytes = peak
+    return plan
+
+
+def _allocates(buf: Buffer) -> bool:
+    if isinstance(buf, InputBuffer) or isinstance(buf.layout, MutationLayout):
+        return False
+    return isinstance(buf.layout, Layout)
+
+
+def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
+    """A freed buffer with the same device, dtype and storage size, if there is one."""
+    want = (buf.get_device().type, buf.get_dtype(), buffer_bytes(buf))
+    for i, name in enumerate(pool):
+        other = graph.name_to_buffer[name]  # type: ignore[attr-defined]
+        if (other.get_device().type, other.get_dtype(), buffer_bytes(other)) == want:
+            return pool.pop(i)
+    return None
+
+
+def describe(plan: MemoryPlan, nodes: list[BaseSchedulerNode]) -> str:
+    lines = [f"peak memory estimate: {plan.peak_bytes} bytes"]
+    for node in nodes:
+        lines.append(f"{node.get_name()}: last_usage={sorted(node.last_usage)}")
+    for new, old in plan.reuse.items():
+        lines.append(f"{new} reuses {old}")
+    if plan.removed_buffers:
+        lines.append(f"in-kernel only (never allocated): {sorted(plan.removed_buffers)}")
+    return "\n".join(lines)
+

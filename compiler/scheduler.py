@@ -1,0 +1,488 @@
+"""The scheduler: one node per buffer, dependencies from ``read_writes``, greedy fusion.
+
+Fusion is gated by the backend's ``can_fuse`` (legality of one kernel for both nodes),
+ranked by ``score_fusion_memory`` (bytes the merge saves) and refused by
+``will_fusion_create_cycle`` (a path from one node to the other through a third).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from .dependencies import (
+    Dep,
+    MemoryDep,
+    ReadWrites,
+    StarDep,
+    WeakDep,
+    extract_read_writes,
+    normalize_dep,
+)
+from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
+from .ir.layout import Layout
+from .ir.nodes import Buffer, ComputedBuffer, ReinterpretView, TemplateBuffer
+from .ir.sym import Expr, prod
+from .virtualized import V
+
+log = logging.getLogger("kiln.scheduler")
+
+# Fusion stops after this many rounds or when a round fuses nothing.
+MAX_FUSION_ROUNDS = 10
+# Only nodes this close in the original order are considered for fusion together.
+FUSION_WINDOW = 64
+# A kernel holds at most this many nodes.
+MAX_FUSION_SIZE = 64
+
+
+class BaseSchedulerNode:
+    """A unit of scheduling: one buffer's computation, or several fused ones."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.read_writes = ReadWrites(frozenset(), frozenset())
+        self.unmet_dependencies: set[Dep] = set()
+        self.ancestors: set[str] = set()
+        self.last_usage: set[str] = set()
+        self.min_order = self.max_order = 0
+
+    def get_name(self) -> str:
+        raise NotImplementedError
+
+    def get_names(self) -> set[str]:
+        return {self.get_name()}
+
+    def get_nodes(self) -> Sequence[BaseSchedulerNode]:
+        return [self]
+
+    def get_buffer_names(self) -> set[str]:
+        return self.get_names()
+
+    def is_reduction(self) -> bool:
+        return False
+
+    def is_extern(self) -> bool:
+        return False
+
+    def is_template(self) -> bool:
+        return False
+
+    def is_nop(self) -> bool:
+        return False
+
+    def get_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def group(self) -> tuple[Expr, Expr]:
+        """(numel, rnumel) of the iteration space: the backend's fusion key."""
+        return (sympy.Integer(1), sympy.Integer(1))
+
+    def used_buffer_names(self) -> set[str]:
+        names = {d.name for d in self.read_writes.reads if not isinstance(d, WeakDep)}
+        return names | self.read_writes.write_names()
+
+    def debug_str(self) -> str:
+        rw = self.read_writes
+        lines = [f"{self.get_name()}: {type(self).__name__}"]
+        lines.append(f"  reads:  {sorted(map(_dep_str, rw.reads))}")
+        lines.append(f"  writes: {sorted(map(_dep_str, rw.writes))}")
+        if self.last_usage:
+            lines.append(f"  last_usage: {sorted(self.last_usage)}")
+        return "\n".join(lines)
+
+
+def _dep_str(dep: Dep) -> str:
+    if isinstance(dep, MemoryDep):
+        return f"MemoryDep({dep.name}, {dep.index}, {list(dep.size)})"
+    return f"{type(dep).__name__}({dep.name})"
+
+
+class SchedulerNode(BaseSchedulerNode):
+    """A ComputedBuffer (or TemplateBuffer): a loop body the backend turns into a kernel."""
+
+    def __init__(self, scheduler: Scheduler, node: ComputedBuffer | TemplateBuffer) -> None:
+        super().__init__(scheduler)
+        self.node = node
+        self.read_writes = self._compute_read_writes()
+
+    def _compute_read_writes(self) -> ReadWrites:
+        node = self.node
+        if isinstance(node, TemplateBuffer):
+            # Templates declare their inputs; their bodies are not interpreted.
+            reads: set[Dep] = {StarDep(x.get_name()) for x in node.inputs
+                               if isinstance(x, (Buffer, ReinterpretView))}
+            return ReadWrites(frozenset(reads), frozenset({StarDep(node.get_name())}))
+        data = node.data
+        return extract_read_writes(node.store_body(), data.get_size(),
+                                   data.get_reduction_size())
+
+    def get_name(self) -> str:
+        return self.node.get_name()
+
+    def is_reduction(self) -> bool:
+        return isinstance(self.node, ComputedBuffer) and self.node.is_reduction()
+
+    def is_template(self) -> bool:
+        return isinstance(self.node, TemplateBuffer)
+
+    def get_device(self) -> torch.device:
+        return self.node.get_device()
+
+    def get_ranges(self) -> tuple[tuple[Expr, ...], tuple[Expr, ...]]:
+        if isinstance(self.node, ComputedBuffer):
+            return self.node.data.get_size(), self.node.data.get_reduction_size()
+        return self.node.get_size(), ()
+
+    @property
+    def group(self) -> tuple[Expr, Expr]:
+        ranges, rranges = self.get_ranges()
+        return prod(ranges), prod(rranges)
+
+
+class ExternKernelSchedulerNode(BaseSchedulerNode):
+    """An extern or fallback kernel: its own call in the wrapper, never fused."""
+
+    def __init__(self, scheduler: Scheduler, node: ExternKernel) -> None:
+        super().__init__(scheduler)
+        self.node = node
+        reads: set[Dep] = {StarDep(n) for n in node.input_names()}
+        writes: set[Dep] = {StarDep(node.get_name())}
+        self.read_writes = ReadWrites(frozenset(reads), frozenset(writes),
+                                      op_names=(node.kernel_name(),))
+
+    def get_name(self) -> str:
+        return self.node.get_name()
+
+    def is_extern(self) -> bool:
+        return True
+
+    def get_device(self) -> torch.device:
+        return self.node.get_device()
+
+
+class NopKernelSchedulerNode(BaseSchedulerNode):
+    """A buffer that needs no kernel (it has no elements)."""
+
+    def __init__(self, scheduler: Scheduler, node: Buffer) -> None:
+        super().__init__(scheduler)
+        self.node = node
+        self.read_writes = ReadWrites(frozenset(), frozenset({StarDep(node.get_name())}))
+
+    def get_name(self) -> str:
+        return self.node.get_name()
+
+    def is_nop(self) -> bool:
+        return True
+
+    def get_device(self) -> torch.device:
+        return self.node.get_device()
+
+
+class FusedSchedulerNode(BaseSchedulerNode):
+    """Several nodes that one kernel computes, in dependency order."""
+
+    def __init__(self, scheduler: Scheduler, snodes: list[BaseSchedulerNode]) -> None:
+        super().__init__(scheduler)
+        self.snodes = snodes
+        rw = snodes[0].read_writes
+        for n in snodes[1:]:
+            rw = rw.merge(n.read_writes)
+        self.read_writes = rw
+        names = self.get_names()
+        self.unmet_dependencies = {d for n in snodes for d in n.unmet_dependencies
+                                   if d.name not in names}
+        self.ancestors = set().union(*(n.ancestors for n in snodes)) - names
+        self.min_order = min(n.min_order for n in snodes)
+        self.max_order = max(n.max_order for n in snodes)
+
+    @classmethod
+    def fuse(cls, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> FusedSchedulerNode:
+        nodes = list(itertools.chain(node1.get_nodes(), node2.get_nodes()))
+        nodes.sort(key=lambda n: n.min_order)
+        return cls(node1.scheduler, nodes)
+
+    def get_name(self) -> str:
+        return "_".join(n.get_name() for n in self.snodes)
+
+    def get_names(self) -> set[str]:
+        return set().union(*(n.get_names() for n in self.snodes))
+
+    def get_nodes(self) -> Sequence[BaseSchedulerNode]:
+        return self.snodes
+
+    def used_buffer_names(self) -> set[str]:
+        return set().union(*(n.used_buffer_names() for n in self.snodes))
+
+    def is_reduction(self) -> bool:
+        return any(n.is_reduction() for n in self.snodes)
+
+    def get_device(self) -> torch.device:
+        return self.snodes[0].get_device()
+
+    @property
+    def group(self) -> tuple[Expr, Expr]:
+        for n in self.snodes:
+            if n.is_reduction():
+                return n.group
+        return self.snodes[0].group
+
+    def debug_str(self) -> str:
+        inner = "\n".join("  " + line for n in self.snodes for line in n.debug_str().split("\n"))
+        return f"{self.get_name()}: FusedSchedulerNode\n{inner}"
+
+
+def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
+    """True when ``read`` touches, at each iteration, the element ``write`` made there.
+
+    Equal after normalization; or a reduction's output read across its whole row: the
+    read iterates the write's loops and then more loops that the index does not use.
+    """
+    w, r = normalize_dep(write), normalize_dep(read)
+    if w.index == r.index and w.size == r.size:
+        return True
+    n = len(w.size)
+    if r.size[:n] != w.size:
+        return False
+    extra = set(r.var_names[n:])
+    return r.index.subs(dict(zip(r.var_names[:n], w.var_names[:n]))) == w.index and not (
+        r.index.free_symbols & extra)
+
+
+class Scheduler:
+    """Build scheduler nodes for ``V.graph.buffers``, fuse them, and order them."""
+
+    def __init__(self, buffers: list[Buffer], backend: Any) -> None:
+        self.backend = backend
+        self.nodes: list[BaseSchedulerNode] = [self.create_node(b) for b in buffers
+                                               if not isinstance(b, MultiOutput)
+                                               or b.parent is None]
+        self.name_to_node: dict[str, BaseSchedulerNode] = {}
+        for order, n in enumerate(self.nodes):
+            n.min_order = n.max_order = order
+            self.name_to_node[n.get_name()] = n
+        for b in buffers:  # outputs of a multi-output fallback come from the parent's node
+            if isinstance(b, MultiOutput) and b.parent is not None:
+                parent = self.name_to_node[b.parent.get_name()]
+                self.name_to_node[b.get_name()] = parent
+                self._add_multi_output(parent, b)
+        self.compute_dependencies()
+        self.dead_node_elimination()
+        self.compute_ancestors()
+        self.fusions: list[tuple[str, str]] = []
+        self.current: dict[str, BaseSchedulerNode] = {}  # buffer name -> node holding it now
+        self._index_current()
+
+    def create_node(self, buf: Buffer) -> BaseSchedulerNode:
+        if isinstance(buf, ExternKernel):
+            return ExternKernelSchedulerNode(self, buf)
+        if isinstance(buf, (ComputedBuffer, TemplateBuffer)):
+            if isinstance(buf.layout, Layout) and any(s == 0 for s in buf.get_size()):
+                return NopKernelSchedulerNode(self, buf)
+            return SchedulerNode(self, buf)
+        raise TypeError(f"cannot schedule {buf!r}")
+
+    def _add_multi_output(self, parent: BaseSchedulerNode, out: MultiOutput) -> None:
+        rw = parent.read_writes
+        parent.read_writes = ReadWrites(rw.reads, rw.writes | {StarDep(out.get_name())},
+                                        rw.index_exprs, rw.op_names)
+
+    def writer_of(self, name: str) -> BaseSchedulerNode | None:
+        return self.name_to_node.get(name)
+
+    def compute_dependencies(self) -> None:
+        """Unmet dependencies from reads; mutations wait for earlier readers (WeakDep)."""
+        readers: dict[str, list[BaseSchedulerNode]] = {}
+        for node in self.nodes:
+            deps: set[Dep] = set()
+            for dep in node.read_writes.reads:
+                if self.writer_of(dep.name) is not None:
+                    deps.add(dep)
+                readers.setdefault(dep.name, []).append(node)
+            for mutated in self._mutations(node):
+                for reader in readers.get(mutated, []):
+                    if reader is not node:
+                        deps.add(WeakDep(reader.get_name(), node.get_name()))
+            node.unmet_dependencies = deps
+
+    def _mutations(self, node: BaseSchedulerNode) -> list[str]:
+        buf = getattr(node, "node", None)
+        return buf.get_mutation_names() if isinstance(buf, Buffer) else []
+
+    def dependency_names(self, node: BaseSchedulerNode) -> set[str]:
+        """Names of the (original) nodes that ``node`` waits for, its own excluded."""
+        names = set()
+        for dep in node.unmet_dependencies:
+            writer = self.writer_of(dep.name)
+            if writer is not None and writer.get_name() not in node.get_names():
+                names.add(writer.get_name())
+        return names
+
+    def dead_node_elimination(self) -> None:
+        """Drop nodes whose buffers nobody reads, that are not outputs and mutate nothing."""
+        keep_names = set(V.graph.get_output_names())
+        changed = True
+        while changed:
+            used = set(keep_names)
+            for n in self.nodes:
+                used |= {d.name for d in n.unmet_dependencies}
+            alive = [n for n in self.nodes
+                     if n.get_names() & used or self._mutations(n) or self._has_effects(n)]
+            changed = len(alive) != len(self.nodes)
+            self.nodes = alive
+
+    def _has_effects(self, node: BaseSchedulerNode) -> bool:
+        buf = getattr(node, "node", None)
+        return isinstance(buf, FallbackKernel) and bool(buf.mutated_inputs)
+
+    def compute_ancestors(self) -> None:
+        for node in self.nodes:
+            anc: set[str] = set()
+            for dep_name in self.dependency_names(node):
+                anc.add(dep_name)
+                anc |= self.name_to_node[dep_name].ancestors
+            node.ancestors = anc
+
+    # -- fusion -------------------------------------------------------------------------
+
+    def fuse_nodes(self) -> None:
+        for _ in range(MAX_FUSION_ROUNDS):
+            before = len(self.nodes)
+            self.fuse_nodes_once()
+            if len(self.nodes) == before:
+                break
+        self.topological_sort()
+
+    def _index_current(self) -> None:
+        self.current = {name: n for n in self.nodes for name in n.get_names()}
+
+    def fuse_nodes_once(self) -> None:
+        self._index_current()
+        fused_into = self.current
+        for node1, node2 in self.get_possible_fusions():
+            node1 = fused_into[next(iter(node1.get_names()))]
+            node2 = fused_into[next(iter(node2.get_names()))]
+            if node1 is node2:
+                continue
+            if not self.can_fuse(node1, node2) or self.will_fusion_create_cycle(node1, node2):
+                continue
+            fused = FusedSchedulerNode.fuse(node1, node2)
+            self.fusions.append((node1.get_name(), node2.get_name()))
+            for name in fused.get_names():
+                fused_into[name] = fused
+            self.nodes = [fused if n is node1 else n for n in self.nodes if n is not node2]
+            self._refresh_ancestors(fused)
+
+    def _refresh_ancestors(self, fused: FusedSchedulerNode) -> None:
+        names = fused.get_names()
+        for n in self.nodes:
+            if n.ancestors & names:
+                n.ancestors = (n.ancestors | fused.ancestors | names) - n.get_names()
+
+    def get_possible_fusions(self) -> list[tuple[BaseSchedulerNode, BaseSchedulerNode]]:
+        """Pairs of nodes touching a common buffer, best score first."""
+        by_buffer: dict[str, list[BaseSchedulerNode]] = {}
+        for n in self.nodes:
+            for name in n.used_buffer_names():
+                by_buffer.setdefault(name, []).append(n)
+        pairs: dict[tuple[int, int], tuple[BaseSchedulerNode, BaseSchedulerNode]] = {}
+        for users in by_buffer.values():
+            users = sorted(users, key=lambda n: n.min_order)
+            for i, a in enumerate(users):
+                for b in users[i + 1:i + 1 + FUSION_WINDOW]:
+                    pairs[(id(a), id(b))] = (a, b)
+        ranked = sorted(pairs.values(), key=lambda p: (-self.score_fusion(*p),
+                                                       p[0].min_order, p[1].min_order))
+        return ranked
+
+    def score_fusion(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> tuple:
+        return (self.score_fusion_memory(node1, node2),
+                -abs(node2.min_order - node1.max_order))
+
+    def score_fusion_memory(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> int:
+        """Elements of memory traffic the fusion saves: accesses the two nodes share."""
+        deps1 = {normalize_dep(d) for d in node1.read_writes.reads | node1.read_writes.writes
+                 if isinstance(d, MemoryDep)}
+        deps2 = {normalize_dep(d) for d in node2.read_writes.reads | node2.read_writes.writes
+                 if isinstance(d, MemoryDep)}
+        common = {(d.name, d.index) for d in deps1} & {(d.name, d.index) for d in deps2}
+        total = 0
+        for d in deps1 | deps2:
+            if (d.name, d.index) in common:
+                total += int(d.numel()) if d.numel().is_Integer else 1
+                common.discard((d.name, d.index))
+        return total
+
+    def can_fuse(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+        if node1 is node2:
+            return False
+        for n in (node1, node2):
+            if n.is_extern() or n.is_nop() or n.is_template():
+                return False
+        if node1.get_device() != node2.get_device():
+            return False
+        if len(node1.get_nodes()) + len(node2.get_nodes()) > MAX_FUSION_SIZE:
+            return False
+        if node2.min_order < node1.min_order:
+            node1, node2 = node2, node1
+        if node1.get_names() & self.dependency_names(node2):
+            return self.can_fuse_vertical(node1, node2) and self.backend.can_fuse_vertical(
+                node1, node2)
+        if node2.get_names() & self.dependency_names(node1):
+            return False
+        return self.backend.can_fuse_horizontal(node1, node2)
+
+    def can_fuse_vertical(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+        """Every read in node2 of node1's buffers touches the element node1 wrote there."""
+        writes = {d.name: d for n in node1.get_nodes() for d in n.read_writes.writes}
+        for dep in node2.unmet_dependencies:
+            if dep.name not in writes:
+                continue
+            write = writes[dep.name]
+            if isinstance(dep, WeakDep):
+                continue
+            if not isinstance(dep, MemoryDep) or not isinstance(write, MemoryDep):
+                return False
+            if dep.is_indirect() or not compatible_access(write, dep):
+                return False
+        return True
+
+    def will_fusion_create_cycle(self, node1: BaseSchedulerNode,
+                                 node2: BaseSchedulerNode) -> bool:
+        """A path node1 -> X -> node2 (or back) through a node outside the pair."""
+        names = node1.get_names() | node2.get_names()
+        for a, b in ((node1, node2), (node2, node1)):
+            for anc in b.ancestors - names:
+                other = self.current.get(anc)
+                if other is not None and other.ancestors & a.get_names():
+                    return True
+        return False
+
+    def topological_sort(self) -> None:
+        """Order fused nodes so each comes after what it depends on (stable by order)."""
+        remaining = sorted(self.nodes, key=lambda n: n.min_order)
+        owner = {name: n for n in remaining for name in n.get_names()}
+        done: set[int] = set()
+        result: list[BaseSchedulerNode] = []
+        while remaining:
+            for n in remaining:
+                deps = {id(owner[d]) for d in self.dependency_names(n) if d in owner}
+                if all(d in done or d == id(n) for d in deps):
+                    result.append(n)
+                    done.add(id(n))
+                    remaining.remove(n)
+                    break
+            else:
+                raise RuntimeError("dependency cycle among scheduler nodes")
+        self.nodes = result
+
+    def kernel_count(self) -> int:
+        return sum(1 for n in self.nodes if not n.is_nop())
+
+    def debug_str(self, nodes: Iterable[BaseSchedulerNode] | None = None) -> str:
+        return "\n".join(n.debug_str() for n in (nodes or self.nodes))
