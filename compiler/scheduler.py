@@ -159,6 +159,11 @@ class ExternKernelSchedulerNode(BaseSchedulerNode):
     def get_name(self) -> str:
         return self.node.get_name()
 
+    def get_buffer_names(self) -> set[str]:
+        # A multi-output fallback allocates its outputs, which other nodes read by name.
+        outputs = getattr(self.node, "outputs", [])
+        return {self.get_name()} | {out.get_name() for out in outputs}
+
     def is_extern(self) -> bool:
         return True
 
@@ -232,9 +237,15 @@ class FusedSchedulerNode(BaseSchedulerNode):
                 return n.group
         return self.snodes[0].group
 
+    def get_buffer_names(self) -> set[str]:
+        return set().union(*(n.get_buffer_names() for n in self.snodes))
+
     def debug_str(self) -> str:
         inner = "\n".join("  " + line for n in self.snodes for line in n.debug_str().split("\n"))
-        return f"{self.get_name()}: FusedSchedulerNode\n{inner}"
+        head = f"{self.get_name()}: FusedSchedulerNode"
+        if self.last_usage:
+            head += f"\n  last_usage: {sorted(self.last_usage)}"
+        return f"{head}\n{inner}"
 
 
 def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
@@ -324,17 +335,24 @@ class Scheduler:
         return names
 
     def dead_node_elimination(self) -> None:
-        """Drop nodes whose buffers nobody reads, that are not outputs and mutate nothing."""
+        """Drop nodes whose buffers nobody reads, that are not outputs and mutate nothing.
+
+        A WeakDep only orders a mutation after a reader; it does not keep the reader alive.
+        """
         keep_names = set(V.graph.get_output_names())
         changed = True
         while changed:
             used = set(keep_names)
             for n in self.nodes:
-                used |= {d.name for d in n.unmet_dependencies}
-            alive = [n for n in self.nodes
-                     if n.get_names() & used or self._mutations(n) or self._has_effects(n)]
+                used |= {d.name for d in n.unmet_dependencies if not isinstance(d, WeakDep)}
+            alive = [n for n in self.nodes if n.get_buffer_names() & used
+                     or self._mutations(n) or self._has_effects(n)]
             changed = len(alive) != len(self.nodes)
             self.nodes = alive
+        alive_names = {name for n in self.nodes for name in n.get_names()}
+        for n in self.nodes:
+            n.unmet_dependencies = {d for d in n.unmet_dependencies
+                                    if not isinstance(d, WeakDep) or d.name in alive_names}
 
     def _has_effects(self, node: BaseSchedulerNode) -> bool:
         buf = getattr(node, "node", None)
@@ -396,11 +414,16 @@ class Scheduler:
             for i, a in enumerate(users):
                 for b in users[i + 1:i + 1 + FUSION_WINDOW]:
                     pairs[(id(a), id(b))] = (a, b)
-        ranked = sorted(pairs.values(), key=lambda p: (-self.score_fusion(*p),
-                                                       p[0].min_order, p[1].min_order))
+        def rank(pair: tuple[BaseSchedulerNode, BaseSchedulerNode]) -> tuple[int, ...]:
+            memory, proximity = self.score_fusion(*pair)
+            return (-memory, -proximity, pair[0].min_order, pair[1].min_order)
+
+        ranked = sorted(pairs.values(), key=rank)
         return ranked
 
-    def score_fusion(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> tuple:
+    def score_fusion(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                     ) -> tuple[int, int]:
+        """(bytes saved, closeness in the original order): higher is better."""
         return (self.score_fusion_memory(node1, node2),
                 -abs(node2.min_order - node1.max_order))
 
@@ -428,6 +451,11 @@ class Scheduler:
             return False
         if len(node1.get_nodes()) + len(node2.get_nodes()) > MAX_FUSION_SIZE:
             return False
+        # A fusion that shares no access (same buffer, same element per iteration) saves no
+        # memory traffic: it is not profitable, and the two loops may walk memory in
+        # different orders (a row-wise loop next to a column reduction or a transpose).
+        if self.score_fusion_memory(node1, node2) == 0:
+            return False
         if node2.min_order < node1.min_order:
             node1, node2 = node2, node1
         if node1.get_names() & self.dependency_names(node2):
@@ -445,11 +473,39 @@ class Scheduler:
                 continue
             write = writes[dep.name]
             if isinstance(dep, WeakDep):
+                if not self.fusable_weak_dep(dep, node1, node2):
+                    return False
                 continue
             if not isinstance(dep, MemoryDep) or not isinstance(write, MemoryDep):
                 return False
             if dep.is_indirect() or not compatible_access(write, dep):
                 return False
+        return True
+
+    def fusable_weak_dep(self, dep: WeakDep, node1: BaseSchedulerNode,
+                         node2: BaseSchedulerNode) -> bool:
+        """A mutation fuses with an earlier reader of its target only when it is in place:
+        at every iteration the reader reads the very element the mutation then writes.
+        Otherwise one iteration would overwrite what a later one still has to read."""
+        mutating = self.writer_of(dep.mutating_buf)
+        targets = self._mutations(mutating) if mutating is not None else []
+        mutation_writes = [d for n in node2.get_nodes() for d in n.read_writes.writes
+                           if d.name == dep.mutating_buf]
+        if len(targets) != 1 or len(mutation_writes) != 1:
+            return False
+        write = mutation_writes[0]
+        if not isinstance(write, MemoryDep) or write.is_indirect():
+            return False
+        w = normalize_dep(write)
+        for n in node1.get_nodes():
+            for read in n.read_writes.reads:
+                if read.name != targets[0]:
+                    continue
+                if not isinstance(read, MemoryDep) or read.is_indirect():
+                    return False
+                r = normalize_dep(read)
+                if (r.index, r.size) != (w.index, w.size):
+                    return False
         return True
 
     def will_fusion_create_cycle(self, node1: BaseSchedulerNode,
