@@ -132,8 +132,10 @@ class GraphLowering(torch.fx.Interpreter):
             return args[0][args[1]]
         if target not in lowerings:
             if not isinstance(target, torch._ops.OpOverload):
-                raise LoweringError(f"{target!r} is not an ATen op and has no lowering",
-                                    node=node_name, op=str(target), graph=self.name)
+                raise MalformedGraphError(
+                    f"call_function target {_target_name(target)} is not an ATen op: trace "
+                    "the function with AOTAutograd (or make_fx) so that only ATen ops remain",
+                    node=node_name, op=_target_name(target), graph=self.name)
             log.debug("no lowering for %s: falling back to eager ATen", target)
             return self._lower(lambda *a, **k: make_fallback_call(target, a, k), target,
                                args, kwargs, node_name)
@@ -150,11 +152,12 @@ class GraphLowering(torch.fx.Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         raise MalformedGraphError("call_module in an ATen graph: trace it with AOTAutograd",
-                                  node=str(target), op="call_module", graph=self.name)
+                                  node=self._node_name(), op=f"call_module {target}",
+                                  graph=self.name)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         raise MalformedGraphError("call_method in an ATen graph: trace it with AOTAutograd",
-                                  node=str(target), op=f"call_method {target}",
+                                  node=self._node_name(), op=f"call_method {target}",
                                   graph=self.name)
 
     def output(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -253,6 +256,17 @@ class GraphLowering(torch.fx.Interpreter):
         for buf in self.buffers:
             if isinstance(buf.layout, FlexibleLayout):
                 buf.freeze_layout(contiguous_strides(buf.layout.size))
+
+
+def _target_name(target: Any) -> str:
+    """A readable name for an FX target: ``aten.add.Tensor``, ``module.<lambda>``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if qualname is None:
+        return repr(target)
+    module = getattr(target, "__module__", None)
+    return f"{module}.{qualname}" if module else str(qualname)
 
 
 def _is_dense(t: torch.Tensor) -> bool:
