@@ -17,9 +17,15 @@ import torch
 from . import debug
 from .codegen.simd import SIMDScheduling
 from .graph import GraphLowering
+from .compiled_graph import CompiledGraph
+from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .scheduler import Scheduler
 from .virtualized import V
+
+
+DEFAULT_TARGETS = {"cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
+                   "cpu": {"kind": "cpu", "isa": "x86-64-v2"}}
 
 
 @dataclass
@@ -63,3 +69,64 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         debug.write_debug_file(folder, "schedule.txt",
                                scheduler.debug_str() + "\n\n" + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                  options: dict[str, Any] | None = None, name: str = "graph",
+                  target: dict[str, Any] | None = None,
+                  compile_kernels: bool = True) -> CompiledGraph:
+    """Stages 1 to 6: a graph to wrapper and kernel sources (and, in-process, binaries)."""
+    from .codegen.graph_codegen import generate_code
+
+    options = dict(options or {})
+    sg = lower_and_schedule(gm, example_inputs, name, options)
+    t = time.perf_counter()
+    with V.set_graph_handler(sg.graph):
+        # 6. Code generation: a kernel per fused node, then the wrapper.
+        source, kernels = generate_code(sg, options)
+    sg.timings["codegen"] = time.perf_counter() - t
+    debug.write_debug_file(sg.debug_dir, "output_code.py", _output_code(source, kernels))
+    device_type = sg.graph.default_device.type
+    compiled = CompiledGraph(
+        name=name, device_type=device_type, wrapper_source=source, kernels=kernels,
+        constant_names=list(sg.graph.constants), timings=sg.timings,
+        stats={"kernels": len(kernels), "buffers": len(sg.memory.allocations),
+               "peak_bytes": sg.memory.peak_bytes,
+               "fused_nodes": len(sg.scheduler.nodes)},
+        lifetimes=describe(sg.memory, sg.scheduler.nodes))
+    if compile_kernels:
+        # 7. Kernel compilation for the target, with each kernel's heuristic config.
+        compile_all(compiled, target or DEFAULT_TARGETS.get(device_type, {}))
+    _log_output_code(options, compiled)
+    return compiled
+
+
+def compile_all(compiled: CompiledGraph, target: dict[str, Any]) -> None:
+    """Compile every kernel in this process (the ``inprocess`` farm mode)."""
+    t = time.perf_counter()
+    for spec in compiled.kernels:
+        if target.get("kind") == "cuda" and spec.backend != "triton":
+            continue
+        if target.get("kind") == "cpu" and spec.backend != "cpp":
+            continue
+        config = compiled.config_for(spec)
+        compiled.binaries[spec.name] = compile_kernel(spec, config, target)
+        compiled.configs[spec.name] = config
+    compiled.timings["kernel_compile"] = time.perf_counter() - t
+
+
+def _output_code(source: str, kernels: list[Any]) -> str:
+    parts = [source]
+    for k in kernels:
+        parts.append(f"# ---- kernel {k.name} ({k.backend}, {k.kind}) ----\n{k.source}")
+    return "\n".join(parts)
+
+
+def _log_output_code(options: dict[str, Any], compiled: CompiledGraph) -> None:
+    import os
+    import sys
+
+    logs = str(options.get("logs", os.environ.get("KILN_LOGS", "")))
+    if "output_code" in logs.split(","):
+        print(f"# ==== kiln output code: graph {compiled.name} ====", file=sys.stderr)
+        print(_output_code(compiled.wrapper_source, compiled.kernels), file=sys.stderr)

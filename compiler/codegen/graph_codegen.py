@@ -1,0 +1,104 @@
+"""Code generation for a whole scheduled graph: one kernel per fused node (identical
+kernels share one definition), extern calls, and the wrapper that ties them together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import KilnCompileError
+from ..memory import buffer_bytes
+from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
+from ..virtualized import V
+from .kernel_spec import KernelSpec
+from .triton.scheduling import NAME_PLACEHOLDER, UnforwardedBuffers, codegen_triton
+from .wrapper import WrapperCodegen
+
+WRAPPER_HEADER = """# Kiln wrapper for graph {name}: {kernels} kernel(s), {buffers} buffer(s)
+import torch
+
+from compiler.runtime.wrapper_runtime import align_input, empty_strided, reinterpret_tensor
+"""
+
+
+def kernel_backend(device_type: str, options: dict[str, Any]) -> str:
+    if device_type == "cuda":
+        return "triton"
+    choice = str(options.get("cpu_backend", "cpp"))
+    if choice not in ("cpp", "triton-interpret"):
+        raise KilnCompileError(f"unknown cpu_backend {choice!r} (cpp or triton-interpret)",
+                               stage="codegen")
+    return "cpp" if choice == "cpp" else "triton"
+
+
+class KernelNamer:
+    """Gives kernels their names; an identical body reuses the earlier kernel."""
+
+    def __init__(self) -> None:
+        self.by_source: dict[str, KernelSpec] = {}
+
+    def name(self, base: str, spec: KernelSpec) -> KernelSpec:
+        if spec.source in self.by_source:
+            return self.by_source[spec.source]
+        name = f"{base}_{len(self.by_source)}"
+        named = KernelSpec(name, spec.backend, spec.kind,
+                           spec.source.replace(NAME_PLACEHOLDER, name), spec.arg_buffers,
+                           spec.signature, spec.xnumel, spec.rnumel, spec.configs)
+        self.by_source[spec.source] = named
+        return named
+
+
+def codegen_node(node: BaseSchedulerNode, removed: set[str], backend: str,
+                 plan: Any) -> tuple[str, KernelSpec]:
+    """The kernel for one node; buffers that cannot stay in registers get stored."""
+    gen = codegen_triton
+    if backend == "cpp":
+        from .cpp.scheduling import codegen_cpp
+
+        gen = codegen_cpp
+    for _ in range(8):
+        try:
+            return gen(node, removed)
+        except UnforwardedBuffers as e:
+            removed -= e.names
+            for name in e.names:
+                plan.removed_buffers.discard(name)
+                plan.allocations[name] = buffer_bytes(V.graph.name_to_buffer[name])
+    raise KilnCompileError("kernel needs buffers that cannot be kept in registers",
+                           stage="codegen", node=node.get_name())
+
+
+def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpec]]:
+    """The wrapper source and the kernels of a ScheduledGraph."""
+    graph, scheduler, plan = sg.graph, sg.scheduler, sg.memory
+    device_type = graph.default_device.type
+    backend = kernel_backend(device_type, options)
+    wrapper = WrapperCodegen(plan, graph.name)
+    namer = KernelNamer()
+    with V.set_graph_handler(graph):
+        for node in scheduler.nodes:
+            if isinstance(node, ExternKernelSchedulerNode):
+                wrapper.extern_call(node)
+            elif isinstance(node, NopKernelSchedulerNode):
+                wrapper.nop(node)
+            else:
+                base, spec = codegen_node(node, set(plan.removed_buffers), backend, plan)
+                wrapper.kernel_call(node, namer.name(base, spec))
+            wrapper.free(node)
+        inputs = list(graph.graph_input_names)
+        header = WRAPPER_HEADER.format(name=graph.name, kernels=len(namer.by_source),
+                                       buffers=len(plan.allocations))
+        source = wrapper.generate(inputs, graph.graph_outputs, header)
+    if device_type == "cuda":
+        source = _align_inputs(source, wrapper, inputs)
+    return source, list(namer.by_source.values())
+
+
+def _align_inputs(source: str, wrapper: WrapperCodegen, inputs: list[str]) -> str:
+    """Triton binaries assume 16-byte aligned pointers: copy misaligned inputs first."""
+    used = {b for spec in wrapper.kernels.values() for b in spec.arg_buffers}
+    lines = [f"    {n} = align_input({n})" for n in inputs
+             if n in used and n not in wrapper.mutated]
+    if not lines:
+        return source
+    marker = "    args.clear()\n"
+    return source.replace(marker, marker + "\n".join(lines) + "\n", 1)

@@ -1,0 +1,33 @@
+"""What code generation hands to kernel compilation and to the wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One generated kernel: its source and how to launch it."""
+
+    name: str
+    backend: str  # "triton" or "cpp"
+    kind: str  # "pointwise", "persistent_reduction", "reduction"
+    source: str
+    arg_buffers: tuple[str, ...]  # buffer names, in the kernel's argument order
+    signature: dict[str, str] = field(default_factory=dict)  # Triton argument types
+    xnumel: int = 1
+    rnumel: int = 1
+    configs: tuple[dict[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "backend": self.backend, "kind": self.kind,
+                "source": self.source, "arg_buffers": list(self.arg_buffers),
+                "signature": dict(self.signature), "xnumel": self.xnumel,
+                "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> KernelSpec:
+        return KernelSpec(d["name"], d["backend"], d["kind"], d["source"],
+                          tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
+                          int(d["rnumel"]), tuple(dict(c) for c in d["configs"]))

@@ -1,0 +1,1 @@
+"""Triton code generation: overrides of the ops protocol, kernels, heuristics."""

@@ -1,0 +1,344 @@
+"""One Triton kernel: the ops handler that renders loop bodies, plus the kernel's frame.
+
+A kernel iterates ``xnumel`` (and ``rnumel`` for reductions). Each scheduler node's
+loops are mapped onto ``xindex`` / ``rindex``; loads and stores become ``tl.load`` /
+``tl.store`` with masks; a value stored and read again in the same kernel is forwarded
+in registers. Looped reductions run in phases, one ``for roffset`` loop each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ...ir.sym import Expr, simplify_with_ranges
+from ...virtualized import V
+from ..common import CSE, CSEVariable, IndentedBuffer, IndexPrinter, KernelArgs, combine_div_mod
+from .overrides import (
+    BINARY_TEMPLATES,
+    BOOL_RESULT,
+    UNARY_TEMPLATES,
+    compute_dtype,
+    literal,
+    promote,
+    triton_type,
+)
+
+XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
+RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
+
+
+@dataclass
+class KernelPlan:
+    """What codegen decided about a kernel's iteration."""
+
+    name: str
+    kind: str  # "pointwise", "persistent_reduction" or "reduction"
+    xnumel: int
+    rnumel: int
+    index_dtype: str = "tl.int32"
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+class TritonKernel:
+    """Renders the bodies of a kernel's nodes through the ops protocol."""
+
+    def __init__(self, kind: str, xnumel: int, rnumel: int, removed: set[str],
+                 index_dtype: str = "tl.int32") -> None:
+        self.kind = kind
+        self.xnumel, self.rnumel = xnumel, rnumel
+        self.removed = removed
+        self.index_dtype = index_dtype
+        self.args = KernelArgs()
+        self.printer = IndexPrinter()
+        self.cse = CSE()
+        self.body = IndentedBuffer()       # straight-line code (outside any r loop)
+        self.loop_pre = IndentedBuffer()   # before the current r loop (accumulators)
+        self.loop_body = IndentedBuffer()  # inside the current r loop
+        self.loop_post = IndentedBuffer()  # after the current r loop
+        self.in_loop = False
+        self.loop_cse: CSE | None = None
+        self.index_map: dict[sympy.Symbol, Expr] = {}
+        self.var_ranges = {XINDEX: sympy.Integer(xnumel), RINDEX: sympy.Integer(rnumel)}
+        self.uses_r = False
+        self.mask_stack: list[str] = []
+        self.stored: dict[tuple[str, str], CSEVariable] = {}
+        self.reduction_cache: dict[tuple[str, str], Any] = {}
+        self.unforwarded: set[str] = set()
+        self.phase_reductions: set[str] = set()
+
+    # -- where code goes ----------------------------------------------------------------
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.kind != "pointwise"
+
+    @property
+    def looped(self) -> bool:
+        return self.kind == "reduction"
+
+    def compute(self) -> IndentedBuffer:
+        return self.loop_body if self.in_loop else self.body
+
+    def current_cse(self) -> CSE:
+        return self.loop_cse if self.in_loop and self.loop_cse is not None else self.cse
+
+    def emit(self, expr: str, dtype: torch.dtype) -> CSEVariable:
+        return self.current_cse().generate(self.compute(), expr, dtype)
+
+    def begin_loop(self) -> None:
+        """Start a ``for roffset`` phase (looped reductions only)."""
+        self.in_loop = True
+        self.loop_cse = self.cse.scoped()
+        self.loop_pre, self.loop_body, self.loop_post = (IndentedBuffer(), IndentedBuffer(),
+                                                         IndentedBuffer())
+        self.phase_reductions = set()
+
+    def end_loop(self) -> None:
+        if not self.in_loop:
+            return
+        assert self.loop_cse is not None
+        self.cse.counter = self.loop_cse.counter
+        self.body.splice(self.loop_pre)
+        self.body.writeline("for roffset in range(0, rnumel, RBLOCK):")
+        with self.body.indent():
+            self.body.writeline("rindex = roffset + rbase")
+            self.body.writeline("rmask = rindex < rnumel")
+            if not self.loop_body.lines:
+                self.body.writeline("pass")
+            self.body.splice(self.loop_body)
+        self.body.splice(self.loop_post)
+        self.in_loop = False
+        self.loop_cse = None
+
+    # -- indexing -----------------------------------------------------------------------
+
+    def set_index_map(self, mapping: dict[sympy.Symbol, Expr], uses_r: bool) -> None:
+        self.index_map = mapping
+        self.uses_r = uses_r
+
+    def index_str(self, index: Expr) -> str:
+        expr = sympy.expand(index.xreplace(self.index_map))
+        expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        return self.printer.print(expr)
+
+    def mask(self) -> str:
+        parts = ["xmask"]
+        if self.is_reduction and self.uses_r:
+            parts.append("rmask")
+        parts += self.mask_stack
+        return " & ".join(parts)
+
+    # -- the ops protocol ---------------------------------------------------------------
+
+    def load(self, name: str, index: Expr) -> CSEVariable:
+        idx = self.index_str(index)
+        key = (name, idx)
+        if key in self.stored:
+            return self.stored[key]
+        if name in self.removed:
+            self.unforwarded.add(name)
+        dtype = V.graph.get_dtype(name)
+        ptr = self.args.input(name)
+        other = ", other=0.0" if dtype.is_floating_point else ", other=0"
+        expr = f"tl.load({ptr} + ({idx}), {self.mask()}{other})"
+        if dtype in (torch.float16, torch.bfloat16):
+            expr += ".to(tl.float32)"
+        if dtype == torch.bool:
+            expr += ".to(tl.int1)"
+        return self.emit(expr, compute_dtype(dtype))
+
+    def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
+              ) -> None:
+        idx = self.index_str(index)
+        self.stored[(name, idx)] = value
+        if name in self.removed:
+            return
+        dtype = V.graph.get_dtype(name)
+        ptr = self.args.output(name)
+        cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
+        self.compute().writeline(f"tl.store({ptr} + ({idx}), {value}{cast}, {self.mask()})")
+
+    def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
+        was_r = self.uses_r
+        self.uses_r = False
+        saved = self.in_loop
+        try:
+            if self.looped:
+                self.in_loop = False  # the final value exists after the loop
+                buf = self.loop_post
+                self._store_to(buf, name, index, value)
+            else:
+                self._store_to(self.body, name, index, value)
+        finally:
+            self.in_loop = saved
+            self.uses_r = was_r
+
+    def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable) -> None:
+        idx = self.index_str(index)
+        self.stored[(name, idx)] = value
+        if name in self.removed:
+            return
+        dtype = V.graph.get_dtype(name)
+        ptr = self.args.output(name)
+        cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
+        buf.writeline(f"tl.store({ptr} + ({idx}), {value}{cast}, xmask)")
+
+    def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
+        dt = compute_dtype(dtype)
+        return self.emit(f"tl.full([1], {literal(value, dt)}, {triton_type(dt)})", dt)
+
+    def index_expr(self, expr: Expr, dtype: torch.dtype) -> CSEVariable:
+        text = self.index_str(expr)
+        var = self.emit(f"({text})", torch.int64 if self.index_dtype == "tl.int64"
+                        else torch.int32)
+        return self.to_dtype(var, dtype)
+
+    def to_dtype(self, x: CSEVariable, dtype: torch.dtype,
+                 src_dtype: torch.dtype | None = None) -> CSEVariable:
+        if x.dtype == dtype:
+            return x
+        if dtype == torch.bool:
+            return self.emit(f"({x} != 0)", torch.bool)
+        if dtype in (torch.float16, torch.bfloat16):
+            # Round as eager would, then keep computing in fp32.
+            return self.emit(f"{x}.to({triton_type(dtype)}).to(tl.float32)", torch.float32)
+        return self.emit(f"{x}.to({triton_type(dtype)})", dtype)
+
+    def to_dtype_bitcast(self, x: CSEVariable, dtype: torch.dtype, src_dtype: torch.dtype
+                         ) -> CSEVariable:
+        src = x
+        if x.dtype != src_dtype:
+            src = self.emit(f"{x}.to({triton_type(src_dtype)})", src_dtype)
+        return self.emit(f"{src}.to({triton_type(dtype)}, bitcast=True)", dtype)
+
+    def indirect_indexing(self, x: CSEVariable, size: Expr, check: bool = True
+                          ) -> sympy.Symbol:
+        n = self.printer.print(size)
+        var = self.emit(f"tl.where({x} < 0, {x} + {n}, {x})", x.dtype)
+        return sympy.Symbol(var.name, integer=True, nonnegative=True)
+
+    def masked(self, mask: CSEVariable, body: Callable[[], Any], other: Any) -> CSEVariable:
+        self.mask_stack.append(str(mask))
+        try:
+            result = body()
+        finally:
+            self.mask_stack.pop()
+        other_lit = literal(other, result.dtype)
+        return self.emit(f"tl.where({mask}, {result}, {other_lit})", result.dtype)
+
+    def where(self, cond: CSEVariable, a: Any, b: Any) -> CSEVariable:
+        return self.emit(f"tl.where({cond}, {a}, {b})", promote(a, b))
+
+    def getitem(self, x: Any, i: int) -> CSEVariable:
+        return x[i]
+
+    def reduction(self, dtype: torch.dtype, src_dtype: torch.dtype, reduction_type: str,
+                  value: CSEVariable) -> Any:
+        from .reductions import emit_reduction
+
+        key = (reduction_type, str(value))
+        if key not in self.reduction_cache:
+            self.reduction_cache[key] = emit_reduction(self, reduction_type, value, dtype)
+        return self.reduction_cache[key]
+
+    def __getattr__(self, name: str) -> Callable[..., CSEVariable]:
+        if name in UNARY_TEMPLATES or name in BINARY_TEMPLATES or name in _SPECIAL:
+            return lambda *args: self._op(name, *args)
+        raise AttributeError(name)
+
+    def _op(self, name: str, *args: Any) -> CSEVariable:
+        dtype = promote(*args)
+        if name in _SPECIAL:
+            return _SPECIAL[name](self, dtype, *args)
+        if name in UNARY_TEMPLATES:
+            expr = UNARY_TEMPLATES[name].format(x=args[0])
+        else:
+            expr = BINARY_TEMPLATES[name].format(a=args[0], b=args[1])
+        return self.emit(expr, torch.bool if name in BOOL_RESULT else dtype)
+
+
+def _minmax(kind: str) -> Callable[..., CSEVariable]:
+    def op(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+        fn = f"th.{kind}" if dtype.is_floating_point else f"tl.{kind}"
+        return k.emit(f"{fn}({a}, {b})", dtype)
+
+    return op
+
+
+def _floordiv(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+    if dtype.is_floating_point:
+        return k.emit(f"tl.floor({a} / {b})", dtype)
+    q = k.emit(f"{a} // {b}", dtype)
+    fix = k.emit(f"(({a} % {b}) != 0) & (({a} < 0) != ({b} < 0))", torch.bool)
+    return k.emit(f"tl.where({fix}, {q} - 1, {q})", dtype)
+
+
+def _remainder(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+    if dtype.is_floating_point:
+        return k.emit(f"{a} - {b} * tl.floor({a} / {b})", dtype)
+    r = k.emit(f"{a} % {b}", dtype)
+    fix = k.emit(f"({r} != 0) & (({r} < 0) != ({b} < 0))", torch.bool)
+    return k.emit(f"tl.where({fix}, {r} + {b}, {r})", dtype)
+
+
+def _truncdiv(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+    if dtype.is_floating_point:
+        return k.emit(f"libdevice.trunc({a} / {b})", dtype)
+    return k.emit(f"{a} // {b}", dtype)
+
+
+def _fmod(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+    if dtype.is_floating_point:
+        return k.emit(f"libdevice.fmod({a}, {b})", dtype)
+    return k.emit(f"{a} % {b}", dtype)
+
+
+def _pow(k: TritonKernel, dtype: torch.dtype, a: Any, b: Any) -> CSEVariable:
+    if dtype.is_floating_point:
+        return k.emit(f"libdevice.pow({a}, {b})", dtype)
+    fa = k.emit(f"{a}.to(tl.float64)", torch.float64)
+    fb = k.emit(f"{b}.to(tl.float64)", torch.float64)
+    return k.emit(f"libdevice.pow({fa}, {fb}).to({triton_type(dtype)})", dtype)
+
+
+def _relu(k: TritonKernel, dtype: torch.dtype, x: Any) -> CSEVariable:
+    return k.emit(f"tl.where({x} < 0, 0, {x})", dtype)
+
+
+def _sign(k: TritonKernel, dtype: torch.dtype, x: Any) -> CSEVariable:
+    t = triton_type(dtype)
+    return k.emit(f"(0 < {x}).to({t}) - ({x} < 0).to({t})", dtype)
+
+
+def _logical_not(k: TritonKernel, dtype: torch.dtype, x: Any) -> CSEVariable:
+    return k.emit(f"({x} == 0)", torch.bool)
+
+
+def _abs(k: TritonKernel, dtype: torch.dtype, x: Any) -> CSEVariable:
+    if dtype == torch.bool:
+        return x
+    return k.emit(f"tl.abs({x})", dtype)
+
+
+_SPECIAL: dict[str, Callable[..., CSEVariable]] = {
+    "maximum": _minmax("maximum"), "minimum": _minmax("minimum"), "floordiv": _floordiv,
+    "remainder": _remainder, "truncdiv": _truncdiv, "fmod": _fmod, "pow": _pow,
+    "relu": _relu, "sign": _sign, "logical_not": _logical_not, "abs": _abs,
+}
+
+
+def index_vars_for(sizes: Sequence[Expr], base: sympy.Symbol) -> list[Expr]:
+    """Expressions of ``base`` (xindex or rindex) for loops of ``sizes``, outermost first."""
+    from ...ir.sym import FloorDiv, ModularIndexing
+
+    out: list[Expr] = []
+    stride: Expr = sympy.Integer(1)
+    for i in reversed(range(len(sizes))):
+        out.append(FloorDiv(base, stride) if i == 0 else ModularIndexing(base, stride, sizes[i]))
+        stride = stride * sizes[i]
+    return list(reversed(out))

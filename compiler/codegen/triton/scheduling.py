@@ -1,0 +1,212 @@
+"""Turn one (fused) scheduler node into a Triton kernel source."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ...dependencies import MemoryDep
+from ...errors import KilnCompileError
+from ...ir.nodes import ComputedBuffer
+from ...ir.sym import Expr, prod
+from ...scheduler import BaseSchedulerNode, SchedulerNode
+from ...virtualized import V
+from ..common import IndentedBuffer, linear_substitution, merge_loops
+from ..kernel_spec import KernelSpec
+from .heuristics import PERSISTENT_RNUMEL, configs_for
+from .kernel import RINDEX, XINDEX, TritonKernel, index_vars_for
+from .overrides import SIGNATURE_DTYPES
+
+HEADER = """import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from compiler.runtime import triton_helpers as th
+"""
+
+KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red"}
+NAME_PLACEHOLDER = "KERNEL_NAME"
+
+
+class UnforwardedBuffers(Exception):
+    def __init__(self, names: set[str]) -> None:
+        super().__init__(f"buffers read back in the same kernel: {sorted(names)}")
+        self.names = names
+
+
+def kernel_kind(rnumel: int) -> str:
+    if rnumel == 1:
+        return "pointwise"
+    return "persistent_reduction" if rnumel <= PERSISTENT_RNUMEL else "reduction"
+
+
+def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, KernelSpec]:
+    """Source (named ``KERNEL_NAME``) and spec of the kernel for ``node``.
+
+    Buffers in ``removed`` are kept in registers; if one cannot be (it is read in a later
+    loop phase), ``UnforwardedBuffers`` names it and the caller retries with it stored.
+    """
+    xnumel, rnumel = (int(v) for v in node.group)
+    kind = kernel_kind(rnumel)
+    index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
+    kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
+    with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
+        for sub in node.get_nodes():
+            assert isinstance(sub, SchedulerNode) and isinstance(sub.node, ComputedBuffer)
+            _codegen_subnode(kernel, sub)
+        kernel.end_loop()
+    lost = kernel.unforwarded & removed
+    if lost:
+        raise UnforwardedBuffers(lost)
+    ops = [op for sub in node.get_nodes() for op in sub.read_writes.op_names]
+    source = render(kernel)
+    spec = KernelSpec(
+        name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
+        arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
+        signature=_signature(kernel), xnumel=xnumel, rnumel=rnumel,
+        configs=tuple(configs_for(kind, xnumel, rnumel)))
+    return _base_name(kind, ops), spec
+
+
+def _base_name(kind: str, ops: Sequence[str]) -> str:
+    unique = sorted(dict.fromkeys(o for o in ops if o.isidentifier()))
+    return f"triton_{KIND_PREFIX[kind]}_fused_{'_'.join(unique[:6]) or 'copy'}"
+
+
+def _needs_int64(node: BaseSchedulerNode) -> bool:
+    limit = 2**31 - 1
+    for sub in node.get_nodes():
+        for name in sub.used_buffer_names():
+            try:
+                buf = V.graph.get_buffer(name)
+                if int(buf.get_layout().storage_size()) > limit:
+                    return True
+            except (KeyError, AssertionError):
+                continue
+    xnumel, rnumel = node.group
+    return int(xnumel) * int(rnumel) > limit
+
+
+def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode) -> None:
+    buf = sub.node
+    assert isinstance(buf, ComputedBuffer)
+    ranges = [sympy.Integer(int(s)) for s in buf.data.get_size()]
+    rranges = [sympy.Integer(int(s)) for s in buf.data.get_reduction_size()]
+    is_red = bool(rranges)
+    x_only = not is_red and int(prod(ranges)) == kernel.xnumel and kernel.rnumel != 1
+    _place_in_phase(kernel, sub, is_red, x_only)
+    variables = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True)
+                 for i in range(len(ranges) + len(rranges))]
+    exprs = _access_exprs(sub)
+    if is_red:
+        mapping = _map_loops(ranges, variables[: len(ranges)], exprs, XINDEX)
+        mapping.update(_map_loops(rranges, variables[len(ranges):], exprs, RINDEX))
+    elif x_only or kernel.rnumel == 1:
+        mapping = _map_loops(ranges, variables, exprs, XINDEX)
+    else:
+        mapping = _map_split(ranges, variables, exprs, kernel.xnumel, kernel.rnumel)
+    kernel.set_index_map(mapping, uses_r=not x_only and kernel.rnumel != 1)
+    body = buf.store_body()
+    if is_red:
+        body(variables[: len(ranges)], variables[len(ranges):])
+        if kernel.looped:
+            kernel.phase_reductions.add(buf.get_name())
+    else:
+        body(variables)
+
+
+def _place_in_phase(kernel: TritonKernel, sub: SchedulerNode, is_red: bool,
+                    x_only: bool) -> None:
+    """Looped reductions: x-only work runs between loops; loop work that needs a
+    reduction finished in the current loop starts the next loop."""
+    if not kernel.looped:
+        return
+    if x_only:
+        kernel.end_loop()
+        return
+    reads = sub.read_writes.read_names()
+    if kernel.in_loop and reads & kernel.phase_reductions:
+        kernel.end_loop()
+    if not kernel.in_loop:
+        kernel.begin_loop()
+
+
+def _access_exprs(sub: SchedulerNode) -> list[Expr]:
+    rw = sub.read_writes
+    exprs = [d.index for d in rw.reads | rw.writes if isinstance(d, MemoryDep)]
+    return exprs + list(rw.index_exprs)
+
+
+def _map_loops(sizes: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: list[Expr],
+               base: sympy.Symbol) -> dict[sympy.Symbol, Expr]:
+    """Map a node's loops onto ``base`` (xindex or rindex), merging contiguous loops."""
+    if not sizes:
+        return {}
+    new_sizes, subs, new_vars = merge_loops(sizes, exprs, variables)
+    linear = linear_substitution(subs)
+    kernel_exprs = dict(zip(new_vars, index_vars_for(new_sizes, base)))
+    return {v: sympy.expand(linear[v]).xreplace(kernel_exprs) for v in variables}
+
+
+def _map_split(ranges: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: list[Expr],
+               xnumel: int, rnumel: int) -> dict[sympy.Symbol, Expr]:
+    """A pointwise node inside a reduction kernel: its loops split into x and r parts."""
+    for k in range(len(ranges) + 1):
+        if int(prod(ranges[:k])) == xnumel and int(prod(ranges[k:])) == rnumel:
+            mapping = _map_loops(ranges[:k], variables[:k], exprs, XINDEX)
+            mapping.update(_map_loops(ranges[k:], variables[k:], exprs, RINDEX))
+            return mapping
+    flat = XINDEX * rnumel + RINDEX
+    return dict(zip(variables, index_vars_for(ranges, flat)))  # type: ignore[arg-type]
+
+
+def _signature(kernel: TritonKernel) -> dict[str, str]:
+    sig = {}
+    for arg, buf in kernel.args.call_args():
+        dtype = V.graph.get_dtype(buf)
+        sig[arg] = "*" + SIGNATURE_DTYPES[dtype]
+    sig["XBLOCK"] = "constexpr"
+    if kernel.is_reduction:
+        sig["RBLOCK"] = "constexpr"
+    return sig
+
+
+def render(kernel: TritonKernel) -> str:
+    """The kernel's module source: imports, then the ``@triton.jit`` function."""
+    args = [arg for arg, _ in kernel.args.call_args()] + ["XBLOCK: tl.constexpr"]
+    if kernel.is_reduction:
+        args.append("RBLOCK: tl.constexpr")
+    code = IndentedBuffer()
+    code.writeline("@triton.jit")
+    code.writeline(f"def {NAME_PLACEHOLDER}({', '.join(args)}):")
+    with code.indent():
+        code.writeline(f"xnumel = {kernel.xnumel}")
+        pid = "tl.program_id(0)"
+        if kernel.index_dtype == "tl.int64":
+            pid += ".to(tl.int64)"
+        code.writeline(f"xoffset = {pid} * XBLOCK")
+        if kernel.is_reduction:
+            code.writeline(f"rnumel = {kernel.rnumel}")
+            code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
+            code.writeline("xmask = xindex < xnumel")
+            if kernel.looped:
+                code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")
+            else:
+                code.writeline("rindex = tl.arange(0, RBLOCK)[None, :]")
+                code.writeline("rmask = rindex < rnumel")
+        else:
+            code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)[:]")
+            code.writeline("xmask = xindex < xnumel")
+        code.splice(kernel.body)
+    return HEADER + "\n\n" + code.getvalue()
+
+
+def check_kernel_name(name: str) -> str:
+    if not name.isidentifier():
+        raise KilnCompileError(f"bad kernel name {name!r}", stage="codegen")
+    return name
+
+

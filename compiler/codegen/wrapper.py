@@ -1,0 +1,197 @@
+"""The Python wrapper: ``call(args)`` allocates, launches kernels, calls extern kernels,
+frees each buffer at its last use, reuses storage, and returns the outputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ir.extern import ExternKernel, FallbackKernel, MultiOutput, _TensorSlot, fill_template
+from ..ir.layout import Layout, MutationLayout
+from ..ir.nodes import Buffer, ComputedBuffer, InputBuffer, IRNode, ReinterpretView
+from ..memory import MemoryPlan
+from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
+from ..virtualized import V
+from .common import IndentedBuffer
+from .kernel_spec import KernelSpec
+
+
+@dataclass
+class WrapperCode:
+    """The wrapper's source and the kernels it launches, by name."""
+
+    source: str
+    kernels: dict[str, KernelSpec] = field(default_factory=dict)
+
+
+def size_str(values: Any) -> str:
+    items = [str(int(v)) for v in values]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def value_str(value: Any) -> str:
+    """A Python literal for an extern kernel's constant argument."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return "DEVICE"
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return 'float("nan")'
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(value_str(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, str):
+        return repr(value)
+    return repr(value)
+
+
+class WrapperCodegen:
+    """Emit the wrapper for a scheduled graph, one scheduler node at a time."""
+
+    def __init__(self, plan: MemoryPlan, graph_name: str) -> None:
+        self.plan = plan
+        self.graph_name = graph_name
+        self.lines = IndentedBuffer(1)
+        self.kernels: dict[str, KernelSpec] = {}
+        self.donors = set(plan.reuse.values())
+        self.freed: set[str] = set()
+        self.outputs = set(V.graph.get_output_names())
+        self.mutated = set(V.graph.mutated_inputs)
+
+    def tensor_ref(self, node: IRNode) -> str:
+        if isinstance(node, ReinterpretView):
+            lay = node.layout
+            return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
+                    f"{size_str(lay.stride)}, {int(lay.offset)})")
+        assert isinstance(node, Buffer)
+        return node.get_name()
+
+    def allocate(self, buf: Buffer) -> None:
+        name = buf.get_name()
+        layout = buf.layout
+        assert isinstance(layout, Layout)
+        if isinstance(layout, MutationLayout):
+            self.lines.writeline(f"{name} = {layout.target}  # written in place")
+            return
+        if name in self.plan.reuse:
+            donor = self.plan.reuse[name]
+            d_layout = V.graph.name_to_buffer[donor].get_layout()
+            if (d_layout.size, d_layout.stride) == (layout.size, layout.stride):
+                self.lines.writeline(f"{name} = {donor}; del {donor}  # reuse")
+            else:
+                self.lines.writeline(
+                    f"{name} = reinterpret_tensor({donor}, {size_str(layout.size)}, "
+                    f"{size_str(layout.stride)}, 0); del {donor}  # reuse")
+            return
+        self.lines.writeline(
+            f"{name} = empty_strided({size_str(layout.size)}, {size_str(layout.stride)}, "
+            f"device=DEVICE, dtype={layout.dtype})")
+
+    def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec) -> None:
+        for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
+            buf = V.graph.name_to_buffer.get(name)
+            if isinstance(buf, ComputedBuffer):
+                self.allocate(buf)
+        self.kernels.setdefault(spec.name, spec)
+        args = ", ".join(spec.arg_buffers)
+        self.lines.writeline(f"{spec.name}.run({args})")
+
+    def extern_call(self, node: ExternKernelSchedulerNode) -> None:
+        buf = node.node
+        name = buf.get_name()
+        refs = [self.tensor_ref(x) for x in buf.inputs]
+        op = _op_ref(buf.op_overload)
+        if isinstance(buf, FallbackKernel):
+            args = fill_template(buf.args_template, lambda i: _Raw(refs[i]))
+            kwargs = fill_template(buf.kwargs_template, lambda i: _Raw(refs[i]))
+            rendered = [_render(a) for a in args] + [f"{k}={_render(v)}"
+                                                     for k, v in kwargs.items()]
+            self.lines.writeline(f"{name} = {op}({', '.join(rendered)})")
+            for out in buf.outputs:
+                index = "".join(f"[{i}]" for i in out.indices) if isinstance(out, MultiOutput) \
+                    else ""
+                self.lines.writeline(f"{out.get_name()} = {name}{index}")
+            return
+        rendered = refs + [value_str(a) for a in buf.constant_args]
+        rendered += [f"{k}={value_str(v)}" for k, v in buf.kwargs.items()]
+        self.lines.writeline(f"{name} = {op}({', '.join(rendered)})")
+
+    def nop(self, node: NopKernelSchedulerNode) -> None:
+        buf = node.node
+        if isinstance(buf, ComputedBuffer):
+            self.allocate(buf)
+
+    def free(self, node: BaseSchedulerNode) -> None:
+        for name in sorted(node.last_usage):
+            if name in self.outputs or name in self.freed or name in self.plan.removed_buffers:
+                continue
+            if name in self.donors or name in self.mutated:
+                continue
+            buf = _lookup(name)
+            if buf is None:
+                continue
+            if isinstance(buf, InputBuffer) or name in self.plan.allocations or isinstance(
+                    buf, ExternKernel):
+                self.lines.writeline(f"del {name}")
+                self.freed.add(name)
+
+    def generate(self, input_names: list[str], outputs: list[Any], header: str) -> str:
+        code = IndentedBuffer()
+        code.writelines(header.splitlines())
+        code.writeline("")
+        code.writeline("")
+        code.writeline("def call(args):")
+        with code.indent():
+            if input_names:
+                code.writeline(f"{', '.join(input_names)}, = args")
+            code.writeline("args.clear()")
+        code.splice(self.lines)
+        with code.indent():
+            code.writeline(f"return ({''.join(self._output_ref(o) + ', ' for o in outputs)})")
+        return code.getvalue()
+
+    def _output_ref(self, out: Any) -> str:
+        if isinstance(out, (Buffer, ReinterpretView)):
+            return self.tensor_ref(out)
+        return value_str(out)
+
+
+class _Raw:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, _Raw):
+        return value.text
+    if isinstance(value, (list, tuple)) and any(isinstance(v, _Raw) for v in value):
+        inner = ", ".join(_render(v) for v in value)
+        return f"[{inner}]"
+    if isinstance(value, _TensorSlot):
+        raise AssertionError("unfilled tensor slot")
+    return value_str(value)
+
+
+def _op_ref(op: Any) -> str:
+    """``aten.mm.default`` style reference to an ATen overload."""
+    name = op.name()  # e.g. "aten::mm" or "aten::add.Tensor"
+    ns, rest = name.split("::")
+    overload = op._overloadname
+    base = rest.split(".")[0]
+    return f"torch.ops.{ns}.{base}.{overload}"
+
+
+def _lookup(name: str) -> Buffer | None:
+    try:
+        return V.graph.get_buffer(name)
+    except KeyError:
+        return None

@@ -1,0 +1,105 @@
+"""A compiled graph: wrapper source, kernels and their binaries; and loading it into a
+callable. Everything here is plain data, so it can be stored and shipped."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .codegen.kernel_spec import KernelSpec
+from .kernel_compile import KernelBinary
+
+log = logging.getLogger("kiln.compiled")
+
+
+@dataclass
+class CompiledGraph:
+    """Output of ``compile_graph``: sources, binaries, and what the wrapper needs."""
+
+    name: str
+    device_type: str
+    wrapper_source: str
+    kernels: list[KernelSpec]
+    constant_names: list[str] = field(default_factory=list)
+    binaries: dict[str, KernelBinary] = field(default_factory=dict)
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    autotuned: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    lifetimes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "device_type": self.device_type,
+            "wrapper_source": self.wrapper_source,
+            "kernels": [k.to_dict() for k in self.kernels],
+            "constant_names": list(self.constant_names),
+            "binaries": {k: b.to_dict() for k, b in self.binaries.items()},
+            "configs": self.configs, "autotuned": self.autotuned, "timings": self.timings,
+            "stats": self.stats, "lifetimes": self.lifetimes,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> CompiledGraph:
+        return CompiledGraph(
+            d["name"], d["device_type"], d["wrapper_source"],
+            [KernelSpec.from_dict(k) for k in d["kernels"]], list(d["constant_names"]),
+            {k: KernelBinary.from_dict(b) for k, b in d["binaries"].items()},
+            {k: dict(v) for k, v in d["configs"].items()}, bool(d["autotuned"]),
+            dict(d["timings"]), dict(d["stats"]), d.get("lifetimes", ""))
+
+    def config_for(self, spec: KernelSpec) -> dict[str, Any]:
+        return self.configs.get(spec.name) or dict(spec.configs[0])
+
+
+def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = None,
+         device: torch.device | None = None) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """Bind kernels, constants and the device into the wrapper; return its ``call``."""
+    device = device or _default_device(compiled.device_type)
+    namespace: dict[str, Any] = {"DEVICE": device}
+    for spec in compiled.kernels:
+        namespace[spec.name] = _launcher(compiled, spec, device)
+    for name in compiled.constant_names:
+        if constants is None or name not in constants:
+            raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
+        namespace[name] = constants[name].to(device)
+    code = compile(compiled.wrapper_source, f"<kiln wrapper {compiled.name}>", "exec")
+    exec(code, namespace)
+    call = namespace["call"]
+    call._boxed_call = True
+    return call  # type: ignore[no-any-return]
+
+
+def _default_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -> Any:
+    config = compiled.config_for(spec)
+    if spec.backend == "cpp":
+        from .codegen.cpp.build import CppLauncher
+
+        return CppLauncher(spec, compiled.binaries.get(spec.name))
+    from .runtime.triton_launcher import TritonLauncher
+
+    if device.type != "cuda":
+        return TritonLauncher(spec, config, "interpret")
+    binary = compiled.binaries.get(spec.name)
+    if binary is not None and binary.binary and _arch_matches(binary, device):
+        try:
+            return TritonLauncher(spec, binary.config, "binary", binary)
+        except Exception as e:  # a binary that will not load: JIT the source instead
+            log.warning("kiln: kernel %s binary did not load (%s); using Triton's JIT",
+                        spec.name, e)
+    return TritonLauncher(spec, config, "jit")
+
+
+def _arch_matches(binary: KernelBinary, device: torch.device) -> bool:
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(binary.target.get("arch", -1)) == major * 10 + minor

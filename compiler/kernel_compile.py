@@ -1,0 +1,102 @@
+"""Kernel compilation: (kernel source, config, target) -> binary plus launch metadata.
+
+This is the unit the farm fans out. A GPU target is given explicitly (backend, arch,
+warp size), so a machine with no GPU produces cubins for sm_90.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codegen.kernel_spec import KernelSpec
+from .errors import KilnCompileError
+
+CONSTEXPR_KEYS = ("XBLOCK", "YBLOCK", "RBLOCK")
+
+
+@dataclass(frozen=True)
+class KernelBinary:
+    """A compiled kernel for one config and target."""
+
+    name: str
+    target: dict[str, Any]
+    config: dict[str, Any]
+    binary: bytes = b""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "target": self.target, "config": self.config,
+                "binary": self.binary, "metadata": self.metadata,
+                "compile_seconds": self.compile_seconds}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> KernelBinary:
+        return KernelBinary(d["name"], dict(d["target"]), dict(d["config"]), bytes(d["binary"]),
+                            dict(d["metadata"]), float(d.get("compile_seconds", 0.0)))
+
+
+def triton_target(target: dict[str, Any]) -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(target.get("backend", "cuda"), int(target["arch"]),
+                     int(target.get("warp_size", 32)))
+
+
+def compile_kernel(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                   ) -> KernelBinary:
+    """Compile one kernel for one config; ``target`` like {"kind": "cuda", "arch": 90}."""
+    start = time.perf_counter()
+    kind = target.get("kind")
+    if kind == "cuda":
+        binary, meta = _compile_triton(spec, config, target)
+    elif kind == "cpu" and spec.backend == "cpp":
+        from .codegen.cpp.build import compile_cpp
+
+        binary, meta = compile_cpp(spec, target)
+    else:  # Triton's interpreter runs the source itself: nothing to compile
+        binary, meta = b"", {"interpret": True}
+    return KernelBinary(spec.name, dict(target), dict(config), binary, meta,
+                        time.perf_counter() - start)
+
+
+def _compile_triton(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                    ) -> tuple[bytes, dict[str, Any]]:
+    import triton
+    from triton.compiler import ASTSource
+
+    from .runtime.kernel_files import import_source
+
+    module = import_source(spec.source)
+    fn = getattr(module, spec.name)
+    constexprs = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
+    pointer_args = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_args}
+    src = ASTSource(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"])}
+    try:
+        compiled = triton.compile(src, target=triton_target(target), options=options)
+    except Exception as e:
+        raise KilnCompileError(f"Triton failed to compile: {type(e).__name__}: {e}",
+                               stage="kernel compile", kernel=spec.name) from e
+    binary_ext = "cubin" if "cubin" in compiled.asm else "hsaco"
+    meta = json.loads(json.dumps(compiled.metadata._asdict(), default=_jsonable))
+    meta["binary_ext"] = binary_ext
+    return bytes(compiled.asm[binary_ext]), meta
+
+
+def _jsonable(value: Any) -> Any:
+    import dataclasses
+
+    if hasattr(value, "_asdict"):
+        return value._asdict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "__dict__"):
+        return vars(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

@@ -1,0 +1,87 @@
+"""Generated kernel sources live in real files (Triton reads source through ``inspect``)
+under a cache folder keyed by content; importing one gives its module."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+
+def cache_root() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kiln"
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def write_source(source: str, suffix: str = ".py") -> Path:
+    """Write ``source`` once, atomically, to a path named by its hash."""
+    digest = source_hash(source)
+    folder = cache_root() / "kernels" / digest[:2]
+    path = folder / f"k{digest[:40]}{suffix}"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
+def import_source(source: str, interpret: bool = False) -> ModuleType:
+    """Import a kernel module from its source; ``interpret`` loads it for Triton's
+    interpreter (a separate module object, so both kinds can coexist in a process)."""
+    path = write_source(source)
+    mod_name = f"kiln_kernels.{path.stem}{'_interp' if interpret else ''}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if interpret:
+        ensure_interpreter()
+    spec.loader.exec_module(module)
+    if interpret:
+        _bind_interpreted_helpers(module)
+    sys.modules[mod_name] = module
+    return module
+
+
+def interpreter_active() -> bool:
+    """True when Triton was imported for its interpreter (its own helpers interpreted)."""
+    if "triton" not in sys.modules:
+        return os.environ.get("TRITON_INTERPRET", "") == "1"
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def ensure_interpreter() -> None:
+    """Triton's interpreter must be chosen before Triton is first imported."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return
+    if not interpreter_active():
+        raise RuntimeError(
+            "the triton-interpret CPU backend needs Triton's interpreter, which is chosen when "
+            "triton is first imported: set TRITON_INTERPRET=1 before starting Python (or use "
+            "KILN_CPU_BACKEND=cpp)")
+
+
+def _bind_interpreted_helpers(module: ModuleType) -> None:
+    """Under the interpreter, kernels call NumPy's libdevice (extern calls cannot run)."""
+    from . import interpret_libdevice
+
+    if hasattr(module, "libdevice"):
+        module.libdevice = interpret_libdevice  # type: ignore[attr-defined]

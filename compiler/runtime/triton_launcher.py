@@ -1,0 +1,76 @@
+"""Launch a generated Triton kernel: from its compiled binary on a GPU (no JIT on the
+hit path), through Triton's JIT where no binary fits, or under Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from ..codegen.kernel_spec import KernelSpec
+from ..kernel_compile import CONSTEXPR_KEYS, KernelBinary
+from .kernel_files import import_source
+
+log = logging.getLogger("kiln.runtime")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TritonLauncher:
+    """``run(*tensors)`` launches the kernel over its grid with its chosen config."""
+
+    def __init__(self, spec: KernelSpec, config: dict[str, Any], mode: str,
+                 binary: KernelBinary | None = None) -> None:
+        self.spec = spec
+        self.config = dict(config)
+        self.mode = mode  # "interpret", "binary" or "jit"
+        self.grid = (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
+        self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
+        self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
+        self._compiled: Any = None
+        self._fn: Any = None
+        if mode == "binary":
+            assert binary is not None
+            self._compiled = load_binary(spec, binary)
+        else:
+            module = import_source(spec.source, interpret=(mode == "interpret"))
+            self._fn = getattr(module, spec.name)
+
+    def run(self, *args: Any) -> None:
+        if self._compiled is not None:
+            self._compiled[self.grid](*args, *self.constexprs)
+            return
+        self._fn[self.grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
+                            num_stages=int(self.config["num_stages"]))
+
+
+def load_binary(spec: KernelSpec, binary: KernelBinary) -> Any:
+    """A Triton ``CompiledKernel`` from a stored cubin, without importing the source."""
+    from triton.compiler.compiler import CompiledKernel
+
+    meta = dict(binary.metadata)
+    ext = meta.get("binary_ext", "cubin")
+    folder = Path(tempfile.mkdtemp(prefix="kiln_bin_"))
+    name = meta.get("name", spec.name)
+    (folder / f"{name}.{ext}").write_bytes(binary.binary)
+    (folder / f"{name}.json").write_text(json.dumps(meta))
+    group = {f"{name}.{ext}": str(folder / f"{name}.{ext}"),
+             f"{name}.json": str(folder / f"{name}.json")}
+    names = list(spec.signature)
+    constants = {(names.index(k),): binary.config[k] for k in CONSTEXPR_KEYS
+                 if k in spec.signature}
+    src = SimpleNamespace(constants=constants, signature=dict(spec.signature), fn=None,
+                          attrs={})
+    kernel = CompiledKernel(src, group, meta.get("hash", name))
+    kernel._init_handles()
+    return kernel
+
+
+def interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"

@@ -1,0 +1,24 @@
+"""Names generated wrappers use: allocation, strided reinterpretation, input alignment."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+empty_strided = torch.empty_strided
+
+
+def reinterpret_tensor(x: torch.Tensor, size: Sequence[int], stride: Sequence[int],
+                       offset: int) -> torch.Tensor:
+    """A view of ``x``'s storage; ``offset`` counts from where ``x`` starts."""
+    return x.as_strided(size, stride, x.storage_offset() + offset)
+
+
+def align_input(x: torch.Tensor, alignment: int = 16) -> torch.Tensor:
+    """``x`` itself when its data pointer is aligned, else a copy of its whole extent."""
+    if x.data_ptr() % alignment == 0:
+        return x
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) if x.numel() else 0
+    base = x.as_strided((extent,), (1,), x.storage_offset()).clone()
+    return base.as_strided(x.shape, x.stride(), 0)
