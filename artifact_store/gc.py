@@ -1,0 +1,167 @@
+"""Garbage collection of a tier: by age, by size, and of what nothing needs any more.
+
+One pass, the same for `Store.gc` on the store and for the local tier's LRU bound:
+
+1. temporary files of interrupted writes and quarantined objects older than `grace_s`;
+2. manifests that do not decode (they are misses for every reader);
+3. blobs no manifest names, older than `grace_s` (younger ones may belong to a publish
+   in flight, whose manifest comes last);
+4. manifests older than `max_age_s` (by modification time: publication on object
+   stores, last hit on the local tier), with the blobs only they named;
+5. while the total is above `max_bytes`, the oldest manifests, with the blobs only
+   they named.
+
+Manifests go before blobs, so a reader never finds a manifest whose blobs were collected
+by design. If a manifest from a newer Kiln is present, its blob references are unknown:
+no blob is collected, and the report says so. A read error aborts the pass: collecting
+on partial knowledge could delete blobs that a live manifest names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from .cas import AC_DIR, CAS_DIR, QUARANTINE_DIR, Entry
+from .errors import IntegrityError, UnsupportedFormat
+from .manifest import decode_manifest
+
+if TYPE_CHECKING:
+    from .tiers import Tier
+
+DEFAULT_GRACE_S = 3600.0
+
+
+class _Plan:
+    """What one pass deletes, and the size of what remains."""
+
+    def __init__(self, total: int, now: float, grace_s: float) -> None:
+        self.total = total
+        self.now = now
+        self.old = now - grace_s
+        self.manifests: list[Entry] = []
+        self.blobs: dict[str, Entry] = {}
+        self.temps: list[Entry] = []
+        self.quarantine: list[Entry] = []
+        self.broken: list[Entry] = []
+
+    def drop(self, bucket: list[Entry], entry: Entry) -> None:
+        bucket.append(entry)
+        self.total -= entry.size
+
+    def drop_blob(self, digest: str, entry: Entry) -> None:
+        if digest not in self.blobs:
+            self.blobs[digest] = entry
+            self.total -= entry.size
+
+
+def collect(
+    tier: Tier,
+    *,
+    max_age_s: float | None = None,
+    max_bytes: int | None = None,
+    trigger_bytes: int | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """Run one pass (module docstring) over `tier`; a report of counts and bytes.
+
+    With `trigger_bytes`, nothing happens unless the tier holds more than that."""
+    io = tier.io
+    ac = list(io.listing(AC_DIR))
+    cas = list(io.listing(CAS_DIR))
+    quarantine = list(io.listing(QUARANTINE_DIR))
+    total = sum(e.size for e in ac + cas + quarantine)
+    plan = _Plan(total, time.time() if now is None else now, grace_s)
+    if trigger_bytes is not None and total <= trigger_bytes:
+        return _report(plan, total, kept=len(ac), blobs_kept=len(cas), dry_run=dry_run)
+    for entry in ac + cas:
+        if entry.is_temp and entry.mtime < plan.old:
+            plan.drop(plan.temps, entry)
+    for entry in quarantine:
+        if entry.mtime < plan.old:
+            plan.drop(plan.quarantine, entry)
+    manifests = [e for e in ac if not e.is_temp]
+    blobs = {e.name: e for e in cas if not e.is_temp}
+    refs, newer = _read_refs(tier, manifests, plan)
+    sweep = not newer
+    # Oldest first; equal times (object stores keep seconds) fall back to the path.
+    live = sorted((m for m in manifests if m.path in refs), key=lambda e: (e.mtime, e.path))
+    refcount = Counter(d for m in live for d in refs[m.path])
+
+    def drop_manifest(entry: Entry) -> None:
+        plan.drop(plan.manifests, entry)
+        for digest in refs[entry.path]:
+            refcount[digest] -= 1
+            if sweep and refcount[digest] <= 0 and digest in blobs:
+                plan.drop_blob(digest, blobs[digest])
+
+    if sweep:
+        for digest, entry in blobs.items():
+            if refcount[digest] <= 0 and entry.mtime < plan.old:
+                plan.drop_blob(digest, entry)
+    kept = []
+    for entry in live:
+        if max_age_s is not None and entry.mtime < plan.now - max_age_s:
+            drop_manifest(entry)
+        else:
+            kept.append(entry)
+    if max_bytes is not None:
+        for entry in list(kept):
+            if plan.total <= max_bytes:
+                break
+            drop_manifest(entry)
+            kept.remove(entry)
+    if not dry_run:
+        _execute(tier, plan)
+    report = _report(plan, total, kept=len(kept), blobs_kept=len(blobs) - len(plan.blobs),
+                     dry_run=dry_run)
+    if newer:
+        report["blob_sweep"] = "skipped: manifests from a newer Kiln are present"
+    return report
+
+
+def _read_refs(
+    tier: Tier, manifests: list[Entry], plan: _Plan
+) -> tuple[dict[str, set[str]], bool]:
+    """Blob digests named by each readable manifest; undecodable ones go to the plan."""
+    contents = tier.read_many([m.path for m in manifests])
+    refs: dict[str, set[str]] = {}
+    newer = False
+    for entry, raw in zip(manifests, contents):
+        if raw is None:  # removed since the listing
+            continue
+        try:
+            refs[entry.path] = decode_manifest(raw).digests()
+        except UnsupportedFormat:
+            newer = True
+        except IntegrityError:
+            plan.drop(plan.broken, entry)
+    return refs, newer
+
+
+def _execute(tier: Tier, plan: _Plan) -> None:
+    # Manifests first: once they are gone no reader looks for these blobs.
+    paths = [e.path for e in plan.broken + plan.manifests]
+    paths += [e.path for e in plan.temps + plan.quarantine]
+    paths += [e.path for e in plan.blobs.values()]
+    tier.remove_many(paths)
+
+
+def _report(plan: _Plan, before: int, *, kept: int, blobs_kept: int,
+            dry_run: bool) -> dict[str, Any]:
+    return {
+        "manifests_deleted": len(plan.manifests),
+        "broken_manifests_deleted": len(plan.broken),
+        "blobs_deleted": len(plan.blobs),
+        "temp_files_deleted": len(plan.temps),
+        "quarantine_deleted": len(plan.quarantine),
+        "manifests_kept": kept,
+        "blobs_kept": blobs_kept,
+        "bytes_before": before,
+        "bytes_after": plan.total,
+        "bytes_freed": before - plan.total,
+        "dry_run": dry_run,
+    }

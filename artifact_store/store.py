@@ -1,0 +1,392 @@
+"""The store the rest of Kiln calls: `open_store(...)` and `Store`.
+
+A lookup tries the local tier, then the store at KILN_STORE; a verified remote hit fills
+the local tier. Nothing raises out of a public method: a fault is a miss (`get` returns
+None) or a refusal (`publish` returns False), with one warning per outage or per damaged
+artifact, and the caller compiles as if the store were not there.
+
+What a read accepts (in this order):
+1. a manifest that decodes, names the requested key and whose signature the keyring
+   accepts (see `_signature_ok`);
+2. blobs whose size and sha256 match the manifest.
+Anything else is a miss. Damaged objects (undecodable manifest, missing or corrupt blob)
+are removed from a tier this client may write (deleted from the local tier, moved to
+quarantine/ in the store), so the next publish writes them afresh. Signature failures
+remove nothing: another client with another key may read them rightly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from .artifact import Artifact, check_blob_name, check_key
+from .cas import sha256_hex
+from .config import StoreConfig, redact_url
+from .errors import ConfigError, IntegrityError, UnsupportedFormat, describe_exception
+from .faults import READ, WRITE, Reporter
+from .gc import DEFAULT_GRACE_S, collect
+from .manifest import BlobRef, ManifestRecord, decode_manifest, encode_manifest
+from .signing import Keyring, Verdict, parse_keyring
+from .stats import StoreStats
+from .tiers import CACHE, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class _Prepared:
+    """An artifact ready to write: blobs by digest and the encoded, signed manifest."""
+
+    def __init__(self, key: str, blobs: dict[str, bytes], record: ManifestRecord) -> None:
+        self.key = key
+        self.blobs = blobs
+        self.record = record
+
+
+class Store:
+    """Content-addressed artifact store with a local tier in front of a remote one.
+
+    Build it with `open_store`. Thread-safe; one per process is plenty."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        primary: Tier | None,
+        cache: Tier | None,
+        keyring: Keyring,
+        stats: StoreStats,
+        disabled_reason: str | None = None,
+    ) -> None:
+        self.config = config
+        self.primary = primary
+        self.cache = cache
+        self.keyring = keyring
+        self.require_signed = config.require_signed
+        self.read_only = config.read_only
+        self.disabled_reason = disabled_reason
+        self._tiers = [t for t in (cache, primary) if t is not None]
+        self._stats = stats
+        self._reporter = Reporter(logger)
+        self._finalizer = weakref.finalize(self, stats.flush)
+
+    @property
+    def url(self) -> str:
+        return redact_url(self.config.url)
+
+    def __repr__(self) -> str:
+        tiers = ", ".join(f"{t.name}={t.label}" for t in self._tiers) or "disabled"
+        return f"Store({tiers}, read_only={self.read_only}, keys={self.keyring.describe()})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush this process's counters to the stats file."""
+        self._stats.flush()
+
+    # Reads
+
+    def get(self, key: str) -> Artifact | None:
+        """The verified artifact for `key`, or None (a miss, whatever the reason)."""
+        found = self._lookup("get", key, with_blobs=True)
+        self._stats.count("hits" if found else "misses")
+        if found is None:
+            return None
+        record, blobs = found
+        return Artifact(key=key, manifest=record.meta, blobs=blobs or {})
+
+    def get_manifest(self, key: str) -> dict[str, Any] | None:
+        """The caller's metadata of `key`'s artifact (the `manifest` it was published
+        with), after verifying the signature; no blob is fetched or checked."""
+        found = self._lookup("manifest", key, with_blobs=False)
+        return None if found is None else found[0].meta
+
+    def describe(self, key: str) -> dict[str, Any] | None:
+        """The whole verified manifest as a plain dict: metadata, blobs by digest and
+        size, creation time, signer; None on a miss (for `kiln inspect`)."""
+        found = self._lookup("manifest", key, with_blobs=False)
+        return None if found is None else found[0].describe()
+
+    def contains(self, key: str) -> bool:
+        """Whether a verified manifest exists for `key` (its blobs are checked by `get`)."""
+        return self.get_manifest(key) is not None
+
+    def _lookup(
+        self, op: str, key: str, *, with_blobs: bool
+    ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
+        try:
+            check_key(key)
+        except ValueError as exc:
+            self._reporter.warn_once(f"key:{key!r}", "Kiln artifact store: %s", exc)
+            return None
+        try:
+            return self._lookup_tiers(op, key, with_blobs)
+        except Exception as exc:  # a bug here must still not reach the user's program
+            self._reporter.once(
+                logging.ERROR, f"internal:{op}", "Kiln artifact store: %s(%s) failed "
+                "unexpectedly (%s); treating it as a miss", op, key, describe_exception(exc),
+                exc_info=True,
+            )
+            return None
+
+    def _lookup_tiers(
+        self, op: str, key: str, with_blobs: bool
+    ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
+        missed: list[Tier] = []
+        for tier in self._tiers:
+            if not tier.health.available(READ):
+                continue
+            start = time.perf_counter()
+            found = self._read_from(tier, key, with_blobs)
+            nbytes = found[0].nbytes if found and with_blobs else 0
+            self._stats.lookup(tier.name, op, found is not None,
+                               time.perf_counter() - start, nbytes)
+            if found is not None:
+                if with_blobs and missed:
+                    self._fill(missed, key, found[0], found[1] or {})
+                return found
+            missed.append(tier)
+        return None
+
+    def _read_from(
+        self, tier: Tier, key: str, with_blobs: bool
+    ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
+        try:
+            raw = tier.read_manifest(key)
+        except Exception as exc:
+            self._fault(tier, READ, exc)
+            return None
+        tier.health.succeeded(READ)
+        if raw is None:
+            return None
+        record = self._verify(tier, key, raw)
+        if record is None or not with_blobs:
+            return None if record is None else (record, None)
+        try:
+            blobs = tier.read_blobs(record.blobs)
+        except IntegrityError as exc:
+            self._damaged(tier, key, raw, exc)
+            return None
+        except Exception as exc:
+            self._fault(tier, READ, exc)
+            return None
+        tier.touch(key)
+        return record, blobs
+
+    def _verify(self, tier: Tier, key: str, raw: bytes) -> ManifestRecord | None:
+        try:
+            record = decode_manifest(raw)
+        except UnsupportedFormat as exc:
+            self._reporter.warn_once(
+                f"format:{tier.name}:{key}", "Kiln artifact store %s: artifact %s: %s; "
+                "treating it as a miss (upgrade Kiln to use it)", tier.label, key, exc,
+            )
+            return None
+        except IntegrityError as exc:
+            self._damaged(tier, key, raw, exc)
+            return None
+        if record.key != key:
+            self._damaged(tier, key, raw, IntegrityError(
+                f"the manifest stored under {key} is for key {record.key}"))
+            return None
+        problem = self._signature_problem(record)
+        if problem is not None:
+            self._stats.count("signature_failures")
+            self._reporter.warn_once(
+                f"signature:{tier.name}:{key}", "Kiln artifact store %s: refusing artifact "
+                "%s: %s. It is treated as a miss and compiled locally; check that "
+                "KILN_SIGNING_KEY matches the farm's key", tier.label, key, problem,
+            )
+            return None
+        return record
+
+    def _signature_problem(self, record: ManifestRecord) -> str | None:
+        """Why the keyring refuses this manifest; None if it is accepted.
+
+        Valid signatures pass. Unsigned manifests pass only when signatures are not
+        required. A signature by a key this client does not hold passes only when the
+        client holds no key and requires none (it can check nothing). A signature that
+        fails its key never passes."""
+        verdict = self.keyring.verify(record.body, record.signature)
+        if verdict is Verdict.VALID:
+            return None
+        if verdict is Verdict.UNSIGNED:
+            return "it is unsigned and signatures are required" if self.require_signed else None
+        if verdict is Verdict.UNKNOWN_KEY:
+            if not self.keyring and not self.require_signed:
+                return None
+            assert record.signature is not None
+            return (f"it is signed by {record.signature.kid}, which is not among this "
+                    f"client's keys ({self.keyring.describe()})")
+        return "its signature is invalid (forged, or altered after signing)"
+
+    def _damaged(self, tier: Tier, key: str, raw: bytes, exc: IntegrityError) -> None:
+        if tier.role == CACHE and exc.missing and not exc.corrupt:
+            # Evicted under us by another process: refetch from the store, quietly.
+            logger.debug("%s: %s is incomplete (%s); refetching", tier.label, key, exc)
+            tier.discard(key, raw)
+            return
+        self._stats.count("integrity_failures")
+        action = "removed" if tier.writable else "left in place (read-only client)"
+        self._reporter.warn_once(
+            f"integrity:{tier.name}:{key}", "Kiln artifact store %s: artifact %s is damaged "
+            "(%s); it is treated as a miss and %s, and the next publish replaces it",
+            tier.label, key, exc, action,
+        )
+        tier.discard(key, raw, exc.missing + exc.corrupt)
+
+    def _fault(self, tier: Tier, op: str, exc: BaseException) -> None:
+        kind = tier.health.failed(op, exc)
+        self._stats.error(tier.name, kind)
+
+    def _fill(self, tiers: list[Tier], key: str, record: ManifestRecord,
+              blobs: Mapping[str, bytes]) -> None:
+        by_digest = {record.blobs[name].digest: data for name, data in blobs.items()}
+        for tier in tiers:
+            if tier.role == CACHE:
+                self._write(tier, key, by_digest, record.raw)
+
+    # Writes
+
+    def publish(self, artifact: Artifact) -> bool:
+        """Write blobs, then the signed manifest. True once the store (KILN_STORE) holds
+        the whole artifact; False otherwise (read-only client, fault, invalid artifact),
+        never an exception. The local tier is written too, when there is one."""
+        if self.read_only:
+            logger.debug("read-only store: not publishing %s", getattr(artifact, "key", "?"))
+            return False
+        try:
+            prepared = self._prepare(artifact)
+        except Exception as exc:
+            self._stats.count("publish_failures")
+            self._reporter.warn_once(
+                f"invalid:{getattr(artifact, 'key', '?')}", "Kiln artifact store: cannot "
+                "publish artifact %s: %s", getattr(artifact, "key", "?"), exc,
+            )
+            return False
+        if prepared is None:
+            self._stats.count("publish_failures")
+            return False
+        stored = False
+        try:
+            if self.primary is not None:
+                stored = self._write(self.primary, prepared.key, prepared.blobs,
+                                     prepared.record.raw)
+            if self.cache is not None:
+                self._write(self.cache, prepared.key, prepared.blobs, prepared.record.raw)
+        except Exception as exc:
+            self._reporter.once(
+                logging.ERROR, "internal:publish", "Kiln artifact store: publish(%s) failed "
+                "unexpectedly (%s)", prepared.key, describe_exception(exc), exc_info=True,
+            )
+        self._stats.count("publishes" if stored else "publish_failures")
+        return stored
+
+    def _prepare(self, artifact: Artifact) -> _Prepared | None:
+        key = check_key(artifact.key)
+        if not isinstance(artifact.blobs, Mapping) or not isinstance(artifact.manifest, Mapping):
+            raise ValueError("blobs and manifest must be dicts")
+        by_digest: dict[str, bytes] = {}
+        refs: dict[str, BlobRef] = {}
+        for name, data in artifact.blobs.items():
+            check_blob_name(name)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise ValueError(f"blob {name!r} is {type(data).__name__}, not bytes")
+            content = bytes(data)
+            digest = sha256_hex(content)
+            by_digest[digest] = content
+            refs[name] = BlobRef(digest, len(content))
+        if self.require_signed and self.keyring.signer is None:
+            self._reporter.warn_once(
+                "cannot-sign", "Kiln artifact store: not publishing: signatures are required "
+                "but KILN_SIGNING_KEY holds no key that can sign (%s); set the farm's "
+                "private or HMAC key, or KILN_STORE_READ_ONLY=1 on clients",
+                self.keyring.describe(),
+            )
+            return None
+        record = encode_manifest(key, artifact.manifest, refs, self.keyring)
+        return _Prepared(key, by_digest, record)
+
+    def _write(self, tier: Tier, key: str, blobs: Mapping[str, bytes], manifest: bytes) -> bool:
+        if not tier.writable or not tier.health.available(WRITE):
+            return False
+        start = time.perf_counter()
+        try:
+            written = tier.write_artifact(blobs, key, manifest)
+        except Exception as exc:
+            self._fault(tier, WRITE, exc)
+            return False
+        tier.health.succeeded(WRITE)
+        self._stats.write(tier.name, time.perf_counter() - start, written)
+        return True
+
+    # Maintenance
+
+    def gc(
+        self,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        """Collect the store by age and size (see gc.py), and trim the local tier to its
+        bound. A report per tier name; {"error": ...} entries instead of exceptions."""
+        report: dict[str, Any] = {}
+        if self.primary is not None:
+            if self.read_only:
+                report[self.primary.name] = {"skipped": "read-only client"}
+            else:
+                report[self.primary.name] = self._guarded_gc(
+                    self.primary, max_age_s=max_age_s, max_bytes=max_bytes,
+                    grace_s=grace_s, dry_run=dry_run,
+                )
+        if self.cache is not None and self.cache.bound is not None and not dry_run:
+            try:
+                report[self.cache.name] = self.cache.bound.evict()
+            except Exception as exc:
+                report[self.cache.name] = {"error": describe_exception(exc)}
+        return report
+
+    def _guarded_gc(self, tier: Tier, **options: Any) -> dict[str, Any]:
+        if not tier.health.available(READ):
+            return {"error": f"{tier.label} is unavailable (see the warning above); retry later"}
+        try:
+            result = collect(tier, **options)
+        except Exception as exc:
+            logger.warning("Kiln artifact store %s: gc failed: %s", tier.label,
+                           describe_exception(exc))
+            return {"error": describe_exception(exc)}
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        """This process's counters since the store opened (layout in stats.py)."""
+        snapshot = self._stats.snapshot()
+        snapshot["url"] = self.url
+        snapshot["tier_labels"] = {t.name: t.label for t in self._tiers}
+        snapshot["stats_file"] = self._stats.path
+        return snapshot
+
+    def flush_stats(self) -> bool:
+        return self._stats.flush()
+
+
+def keyring_for(config: StoreConfig) -> Keyring:
+    """The keyring of a configuration; ConfigError if the key cannot be used."""
+    keyring = parse_keyring(config.signing_key)
+    if config.require_signed and not keyring:
+        logger.warning(
+            "Kiln artifact store: KILN_REQUIRE_SIGNED=1 but no KILN_SIGNING_KEY is set: every "
+            "manifest will be refused and every graph compiled locally"
+        )
+    return keyring
+
+
+__all__ = ["ConfigError", "Store", "keyring_for"]
