@@ -21,6 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .config import StoreConfig, redact_url, url_protocol
 from .errors import ConfigError, describe_exception
 from .faults import TierHealth, shared_pool
+from .signing import Keyring
 from .stats import StoreStats
 from .store import Store, keyring_for
 from .tiers import CACHE, PRIMARY, LruBound, Tier
@@ -65,7 +66,7 @@ def open_store(
             raise
         logger.error("Kiln artifact store disabled: %s; every graph compiles locally", exc)
         config = StoreConfig(url="", local_cache=None, require_signed=True, read_only=True)
-        return Store(config, primary=None, cache=None, keyring=keyring_for(config),
+        return Store(config, primary=None, cache=None, keyring=Keyring(),
                      stats=StoreStats(None), disabled_reason=str(exc))
     stats = StoreStats(config.stats_file)
     cache = _open_tier(config, CACHE, strict) if config.local_cache else None

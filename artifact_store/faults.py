@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -43,6 +44,13 @@ class DaemonPool:
         self._name = name
         self._lock = threading.Lock()
         self._reset()
+        # A child forked while a parent thread held the lock must not inherit it held.
+        after_fork = weakref.WeakMethod(self._after_fork)
+        os.register_at_fork(after_in_child=lambda: (after_fork() or (lambda: None))())
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
@@ -55,8 +63,6 @@ class DaemonPool:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
         with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's threads are not here
-                self._reset()
             self._pending += 1
             if self._pending > self._idle and self._threads < self._max_workers:
                 self._threads += 1

@@ -45,15 +45,28 @@ class _Plan:
         self.temps: list[Entry] = []
         self.quarantine: list[Entry] = []
         self.broken: list[Entry] = []
+        self.refs: dict[str, set[str]] = {}  # manifest path -> digests it names
+        self.refcount: Counter[str] = Counter()
+        self.blob_entries: dict[str, Entry] = {}
+        self.sweep = True  # False when some manifest's references are unknown
 
     def drop(self, bucket: list[Entry], entry: Entry) -> None:
         bucket.append(entry)
         self.total -= entry.size
 
-    def drop_blob(self, digest: str, entry: Entry) -> None:
-        if digest not in self.blobs:
+    def drop_blob(self, digest: str) -> None:
+        entry = self.blob_entries.get(digest)
+        if self.sweep and entry is not None and digest not in self.blobs:
             self.blobs[digest] = entry
             self.total -= entry.size
+
+    def drop_manifest(self, entry: Entry) -> None:
+        """The manifest, and the blobs that nothing kept names any more."""
+        self.drop(self.manifests, entry)
+        for digest in self.refs[entry.path]:
+            self.refcount[digest] -= 1
+            if self.refcount[digest] <= 0:
+                self.drop_blob(digest)
 
 
 def collect(
@@ -83,63 +96,52 @@ def collect(
     for entry in quarantine:
         if entry.mtime < plan.old:
             plan.drop(plan.quarantine, entry)
+    plan.blob_entries = {e.name: e for e in cas if not e.is_temp}
     manifests = [e for e in ac if not e.is_temp]
-    blobs = {e.name: e for e in cas if not e.is_temp}
-    refs, newer = _read_refs(tier, manifests, plan)
-    sweep = not newer
-    # Oldest first; equal times (object stores keep seconds) fall back to the path.
-    live = sorted((m for m in manifests if m.path in refs), key=lambda e: (e.mtime, e.path))
-    refcount = Counter(d for m in live for d in refs[m.path])
-
-    def drop_manifest(entry: Entry) -> None:
-        plan.drop(plan.manifests, entry)
-        for digest in refs[entry.path]:
-            refcount[digest] -= 1
-            if sweep and refcount[digest] <= 0 and digest in blobs:
-                plan.drop_blob(digest, blobs[digest])
-
-    if sweep:
-        for digest, entry in blobs.items():
-            if refcount[digest] <= 0 and entry.mtime < plan.old:
-                plan.drop_blob(digest, entry)
-    kept = []
-    for entry in live:
-        if max_age_s is not None and entry.mtime < plan.now - max_age_s:
-            drop_manifest(entry)
-        else:
-            kept.append(entry)
-    if max_bytes is not None:
-        for entry in list(kept):
-            if plan.total <= max_bytes:
-                break
-            drop_manifest(entry)
-            kept.remove(entry)
+    _read_refs(tier, manifests, plan)
+    kept = _plan_drops(plan, manifests, max_age_s, max_bytes)
     if not dry_run:
         _execute(tier, plan)
-    report = _report(plan, total, kept=len(kept), blobs_kept=len(blobs) - len(plan.blobs),
-                     dry_run=dry_run)
-    if newer:
+    report = _report(plan, total, kept=kept, dry_run=dry_run,
+                     blobs_kept=len(plan.blob_entries) - len(plan.blobs))
+    if not plan.sweep:
         report["blob_sweep"] = "skipped: manifests from a newer Kiln are present"
     return report
 
 
-def _read_refs(
-    tier: Tier, manifests: list[Entry], plan: _Plan
-) -> tuple[dict[str, set[str]], bool]:
-    """Blob digests named by each readable manifest; undecodable ones go to the plan."""
+def _plan_drops(
+    plan: _Plan, manifests: list[Entry], max_age_s: float | None, max_bytes: int | None
+) -> int:
+    """Steps 3 to 5 of the module docstring; how many manifests are kept."""
+    # Oldest first; equal times (object stores keep seconds) fall back to the path.
+    live = sorted((m for m in manifests if m.path in plan.refs), key=lambda e: (e.mtime, e.path))
+    plan.refcount = Counter(d for m in live for d in plan.refs[m.path])
+    for digest, entry in plan.blob_entries.items():
+        if plan.refcount[digest] <= 0 and entry.mtime < plan.old:
+            plan.drop_blob(digest)
+    kept = []
+    for entry in live:
+        if max_age_s is not None and entry.mtime < plan.now - max_age_s:
+            plan.drop_manifest(entry)
+        else:
+            kept.append(entry)
+    while max_bytes is not None and kept and plan.total > max_bytes:
+        plan.drop_manifest(kept.pop(0))
+    return len(kept)
+
+
+def _read_refs(tier: Tier, manifests: list[Entry], plan: _Plan) -> None:
+    """Blob digests named by each readable manifest; undecodable ones are dropped."""
     contents = tier.read_many([m.path for m in manifests])
-    refs: dict[str, set[str]] = {}
-    newer = False
     for entry, raw in zip(manifests, contents):
         if raw is None:  # removed since the listing
             continue
         try:
-            refs[entry.path] = decode_manifest(raw).digests()
+            plan.refs[entry.path] = decode_manifest(raw).digests()
         except UnsupportedFormat:
-            newer = True
+            plan.sweep = False
         except IntegrityError:
             plan.drop(plan.broken, entry)
-    return refs, newer
 
 
 def _execute(tier: Tier, plan: _Plan) -> None:

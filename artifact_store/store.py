@@ -234,7 +234,10 @@ class Store:
             tier.discard(key, raw)
             return
         self._stats.count("integrity_failures")
-        action = "removed" if tier.writable else "left in place (read-only client)"
+        if not tier.writable:
+            action = "left in place (read-only client)"
+        else:
+            action = "deleted" if tier.role == CACHE else "moved to quarantine/"
         self._reporter.warn_once(
             f"integrity:{tier.name}:{key}", "Kiln artifact store %s: artifact %s is damaged "
             "(%s); it is treated as a miss and %s, and the next publish replaces it",

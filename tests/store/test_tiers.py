@@ -150,3 +150,21 @@ def test_gc_removes_undecodable_manifests(tmp_path: Path, caplog: pytest.LogCapt
     assert report["broken_manifests_deleted"] == 1 and report["blobs_deleted"] == 4
     assert not [p for p in (root / "cas").rglob("*") if p.is_file()]
     assert store_warnings(caplog) == []
+
+
+def test_gc_keeps_every_blob_while_a_newer_manifest_is_present(tmp_path: Path) -> None:
+    import msgpack
+
+    root = tmp_path / "store"
+    store = open_store(root)
+    assert store.publish(make_artifact())
+    assert store.publish(make_artifact(key="b" * 64, seed="b"))
+    path = root / "ac" / "bb" / ("b" * 64)
+    envelope = msgpack.unpackb(path.read_bytes())
+    envelope["kiln_manifest"] = 2  # written by a newer Kiln: its references are unknown
+    path.write_bytes(msgpack.packb(envelope))
+    report = store.gc(max_age_s=0, grace_s=0)["local"]
+    assert report["manifests_deleted"] == 1  # the old-format one, by age
+    assert report["blobs_deleted"] == 0
+    assert "newer" in report["blob_sweep"]
+    assert path.exists()
