@@ -434,12 +434,15 @@ class Scheduler:
         deps2 = {normalize_dep(d) for d in node2.read_writes.reads | node2.read_writes.writes
                  if isinstance(d, MemoryDep)}
         common = {(d.name, d.index) for d in deps1} & {(d.name, d.index) for d in deps2}
-        total = 0
+        # Per shared access, the larger of its sizes (a reduction's output is written once per
+        # row and read once per element by an epilogue): a max, so set order never matters.
+        saved: dict[tuple[str, Expr], int] = {}
         for d in deps1 | deps2:
-            if (d.name, d.index) in common:
-                total += int(d.numel()) if d.numel().is_Integer else 1
-                common.discard((d.name, d.index))
-        return total
+            key = (d.name, d.index)
+            if key in common:
+                numel = int(d.numel()) if d.numel().is_Integer else 1
+                saved[key] = max(saved.get(key, 0), numel)
+        return sum(saved.values())
 
     def can_fuse(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         if node1 is node2:
@@ -456,13 +459,16 @@ class Scheduler:
         # different orders (a row-wise loop next to a column reduction or a transpose).
         if self.score_fusion_memory(node1, node2) == 0:
             return False
-        if node2.min_order < node1.min_order:
+        # Vertical when one reads what the other writes; which one is the producer is a matter
+        # of dependencies, not of min_order (a fused consumer may start before its producer).
+        if node2.get_names() & self.dependency_names(node1):
+            node1, node2 = node2, node1
+        elif node2.min_order < node1.min_order and not (
+                node1.get_names() & self.dependency_names(node2)):
             node1, node2 = node2, node1
         if node1.get_names() & self.dependency_names(node2):
             return self.can_fuse_vertical(node1, node2) and self.backend.can_fuse_vertical(
                 node1, node2)
-        if node2.get_names() & self.dependency_names(node1):
-            return False
         return self.backend.can_fuse_horizontal(node1, node2)
 
     def can_fuse_vertical(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
