@@ -29,12 +29,23 @@ def buffer_bytes(buf: Buffer) -> int:
 
 
 def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
-    """Walk back from the outputs: a node's last_usage is what no later node uses."""
+    """Walk back from the outputs: a node's last_usage is what no later node uses.
+
+    Inside a fused node a second pass, starting empty, gives each inner node the buffers
+    whose last use within the kernel is there (so the kernel can drop them early).
+    """
     future_used = set(outputs)
     for node in reversed(nodes):
         used = node.used_buffer_names()
         node.last_usage = used - future_used
         future_used |= used
+        inner = node.get_nodes()
+        if len(inner) > 1 or inner[0] is not node:
+            future_inner: set[str] = set()
+            for sub in reversed(inner):
+                sub_used = sub.used_buffer_names()
+                sub.last_usage = sub_used - future_inner
+                future_inner |= sub_used
 
 
 def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
