@@ -215,14 +215,15 @@ def extract_read_writes(
     """
     from .ir.nodes import Loops, Reduction
 
+    body: Callable[..., Any] = fn
     if isinstance(fn, Loops):
         node = fn
         ranges, reduction_ranges = node.ranges, node.get_reduction_size()
-        fn = node.inner_fn
+        body = node.inner_fn
         if isinstance(node, Reduction):
-            inner = fn
+            inner = node.inner_fn
 
-            def fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+            def body(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
                 return V.ops.reduction(node.dtype, node.src_dtype, node.reduction_type,
                                        inner(index, rindex))
     assert ranges is not None
@@ -231,8 +232,8 @@ def extract_read_writes(
     handler = RecordLoadStore(all_vars, tuple(ranges) + tuple(reduction_ranges), len(ranges))
     with V.set_ops_handler(handler):
         if reduction_ranges:
-            fn(index, rindex)
+            body(index, rindex)
         else:
-            fn(index)
+            body(index)
     return ReadWrites(frozenset(handler.reads), frozenset(handler.writes),
                       frozenset(handler.index_exprs), tuple(handler.op_names))

@@ -171,7 +171,9 @@ class GraphLowering(torch.fx.Interpreter):
         return outs
 
     def _output_metas(self) -> list[Any]:
-        out_node = next(n for n in self.module.graph.nodes if n.op == "output")
+        fx_graph = self.module.graph
+        assert isinstance(fx_graph, torch.fx.Graph)
+        out_node = next(n for n in fx_graph.nodes if n.op == "output")
         arg = out_node.args[0]
         arg = arg if isinstance(arg, (list, tuple)) else [arg]
         return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in arg]
