@@ -70,13 +70,18 @@ def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
     return removed
 
 
-def plan_memory(scheduler: Scheduler) -> MemoryPlan:
-    """Last uses, in-kernel buffers, storage reuse and the peak-memory estimate."""
+def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryPlan:
+    """Last uses, in-kernel buffers, storage reuse and the peak-memory estimate.
+
+    ``stored`` names buffers that must be allocated even where they could stay in a
+    kernel's registers (a code generator that cannot forward them re-plans with them).
+    """
     graph = V.graph
     outputs = set(graph.get_output_names())
     nodes = scheduler.nodes
     compute_last_usage(nodes, outputs)
-    plan = MemoryPlan(removed_buffers=find_removed_buffers(scheduler, outputs))
+    removed = find_removed_buffers(scheduler, outputs) - (stored or set())
+    plan = MemoryPlan(removed_buffers=removed)
     free_pool: list[str] = []
     live = peak = 0
     for step, node in enumerate(nodes):

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from compiler.decompositions import trace_aten
 from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.memory import MemoryPlan
+from compiler.memory import MemoryPlan, plan_memory
+from compiler.virtualized import V
 
 F32 = 4  # bytes
 
@@ -198,3 +199,13 @@ def test_no_debug_folder_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     sg = compile_fn(lambda x: x * 2, rand(8))
     assert sg.debug_dir is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_replanning_with_a_stored_buffer_allocates_and_counts_it() -> None:
+    sg = compile_fn(lambda x: x.softmax(-1), rand(64, 128))
+    with V.set_graph_handler(sg.graph):
+        plan = plan_memory(sg.scheduler, stored={"buf1"})
+    assert plan.removed_buffers == {"buf0"}
+    assert plan.allocations == {"buf1": 64 * F32, "buf2": 64 * 128 * F32}
+    assert plan.peak_bytes == 64 * F32 + 64 * 128 * F32
+    assert plan.lifetimes["buf1"] == (0, 0)
