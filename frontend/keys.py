@@ -8,20 +8,20 @@ bytes directly.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import logging
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
-import torch
 
+from compiler.versions import (
+    SOURCE_SUFFIXES,
+    hash_source_tree,
+    kiln_version,
+    versions,
+)
 from frontend.serialize import (
     GRAPH_FORMAT_VERSION,
     REQUEST_FORMAT_VERSION,
@@ -47,10 +47,11 @@ PART_DESCRIPTIONS = {
     "target": "compile target: GPU backend, arch or warp size; CPU ISA level",
 }
 
-# Suffixes of files under compiler/ whose contents can change what it generates.
-SOURCE_SUFFIXES = frozenset(
-    {".py", ".pyi", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh", ".j2", ".jinja", ".tmpl"}
-)
+# Versions live beside the compiler (workers check them); re-exported for callers here.
+__all__ = [
+    "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo", "compute_key", "diff_requests",
+    "explain_miss", "hash_source_tree", "key_parts", "kiln_version", "schema", "versions",
+]
 
 
 @dataclass(frozen=True)
@@ -96,70 +97,6 @@ def compute_key(request: CompileRequest) -> KeyInfo:
             log.debug("key %s part %s: %s", key[:16], name, digest_hex)
         log.debug("key %s", key)
     return KeyInfo(key=key, parts=parts)
-
-
-# ---------------------------------------------------------------------------------------
-# Versions.
-
-
-def kiln_version() -> str:
-    """The installed distribution's version, else the source tree's pyproject version."""
-    try:
-        return importlib.metadata.version("kiln")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    pyproject = _compiler_dir().parent / "pyproject.toml"
-    try:
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "unknown"
-
-
-def _compiler_dir() -> Path:
-    import compiler
-
-    return Path(compiler.__file__).parent
-
-
-def hash_source_tree(root: Path) -> str:
-    """sha256 over the sorted relative paths and contents of the source files under root."""
-    files = sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file() and p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts
-    )
-    h = hashlib.sha256()
-    for path in files:
-        rel = path.relative_to(root).as_posix().encode()
-        content = path.read_bytes()
-        # Length prefixes keep (path, content) boundaries unambiguous.
-        h.update(len(rel).to_bytes(8, "little") + rel)
-        h.update(len(content).to_bytes(8, "little") + content)
-    return h.hexdigest()
-
-
-def _triton_version() -> str | None:
-    for dist in ("triton", "pytorch-triton"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    if importlib.util.find_spec("triton") is None:
-        return None
-    import triton
-
-    return str(triton.__version__)
-
-
-@functools.cache
-def versions() -> dict[str, str | None]:
-    """Versions that change compiled output; computed once per process."""
-    return {
-        "kiln": kiln_version(),
-        "compiler": hash_source_tree(_compiler_dir()),
-        "torch": str(torch.__version__),
-        "triton": _triton_version(),
-    }
 
 
 # ---------------------------------------------------------------------------------------

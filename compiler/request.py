@@ -1,0 +1,561 @@
+"""Canonical serialization of ATen FX graphs and compile requests.
+
+This module is the wire format between a client and a compile worker; it lives in
+``compiler`` so that workers decode requests without importing the frontend
+(``frontend.serialize`` re-exports it and adds ``make_request``).
+
+A graph is encoded as msgpack bytes that depend only on what the graph computes:
+
+- nodes in graph order, each ``[opcode, target, args, kwargs, meta]``;
+- ops by qualified name (``["op", "aten.add.Tensor"]``, ``["py", "operator.getitem"]``);
+- node references by position index, placeholders by position;
+- constants (``get_attr`` tensors) by value: their bytes plus shape, stride and dtype;
+- every node's output metadata (shape, stride, dtype, device type, storage offset) taken
+  from ``node.meta["val"]``, so a worker can rebuild fake tensors without re-tracing.
+
+Node names, stack traces, file paths, device ordinals and object ids are never encoded.
+Every value that is not a msgpack scalar is a tagged list (``["dtype", "float32"]``,
+``["node", 3]``, ``["tuple", [...]]``), so decoding is unambiguous.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+# Bump when the graph or request encoding changes: it is the key's "schema" part.
+GRAPH_FORMAT_VERSION = 1
+REQUEST_FORMAT_VERSION = 1
+
+# Option names that never change a compiled artifact (where it is stored, how it is
+# logged, who signs it); everything else is assumed to change the output.
+NON_OUTPUT_OPTIONS = frozenset(
+    {
+        "store",
+        "local_cache",
+        "farm",
+        "farm_timeout",
+        "signing_key",
+        "require_signed",
+        "logs",
+        "debug",
+    }
+)
+
+# msgpack integers: int64 and uint64.
+_INT_MIN = -(2**63)
+
+# Plain Python callables allowed as call_function targets. An explicit list, not whole
+# modules: operator.attrgetter / methodcaller / call would let a request that a worker
+# decodes reach arbitrary Python objects.
+_PY_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    f"{module.__name__}.{name}": getattr(module, name)
+    for module, names in (
+        (
+            operator,
+            "getitem add sub mul truediv floordiv mod pow neg pos abs eq ne lt le gt ge "
+            "and_ or_ xor not_ invert lshift rshift",
+        ),
+        (math, "floor ceil trunc sqrt"),
+    )
+    for name in names.split()
+}
+_PY_NAMES = {id(f): name for name, f in _PY_FUNCTIONS.items()}
+
+
+class SerializationError(Exception):
+    """A graph or request cannot be encoded or decoded canonically."""
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise SerializationError(f"not valid msgpack: {exc}") from exc
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_attr(name: str, kind: type, what: str) -> Any:
+    value = getattr(torch, name, None)
+    if not isinstance(value, kind):
+        raise SerializationError(f"unknown {what} {name!r}")
+    return value
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``."""
+    return _torch_attr(name, torch.dtype, "dtype")
+
+
+def _storage_numel(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
+    """Elements a storage needs to hold a view of this shape, stride and offset."""
+    if any(size == 0 for size in shape):
+        return offset
+    return offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a compiled graph may depend on about one tensor: never its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device_type: str
+    storage_offset: int
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> TensorMeta:
+        """Metadata of a real, fake or meta tensor; the device ordinal is dropped."""
+        sizes = (*t.shape, *t.stride(), t.storage_offset())
+        if not all(isinstance(s, int) for s in sizes):
+            raise SerializationError(
+                f"tensor with symbolic sizes {tuple(t.shape)}: Kiln compiles static shapes "
+                "only; this graph should run eagerly"
+            )
+        return cls(
+            shape=tuple(int(s) for s in t.shape),
+            stride=tuple(int(s) for s in t.stride()),
+            dtype=_dtype_name(t.dtype),
+            device_type=t.device.type,
+            storage_offset=int(t.storage_offset()),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def storage_numel(self) -> int:
+        return _storage_numel(self.shape, self.stride, self.storage_offset)
+
+    def to_wire(self) -> list[Any]:
+        return [
+            list(self.shape),
+            list(self.stride),
+            self.dtype,
+            self.device_type,
+            self.storage_offset,
+        ]
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> TensorMeta:
+        try:
+            shape, stride, dtype, device_type, offset = wire
+            return cls(tuple(shape), tuple(stride), str(dtype), str(device_type), int(offset))
+        except (TypeError, ValueError) as exc:
+            raise SerializationError(f"bad tensor metadata {wire!r}") from exc
+
+
+def _strided_from_flat(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    return flat.as_strided(meta.shape, meta.stride, meta.storage_offset)
+
+
+def fake_tensor_from_meta(meta: TensorMeta, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """A FakeTensor (under ``fake_mode``) with exactly this shape, stride and offset."""
+    with fake_mode:
+        flat = torch.empty(meta.storage_numel, dtype=meta.torch_dtype, device=meta.device_type)
+        return _strided_from_flat(flat, meta)
+
+
+def example_inputs_from_metas(
+    metas: Iterable[TensorMeta],
+    device: str | torch.device | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    int_high: int = 2,
+) -> list[torch.Tensor]:
+    """Random real tensors with the metas' shapes, strides, offsets and dtypes.
+
+    ``device`` overrides each meta's device type. Integers are drawn from
+    ``[0, int_high)`` so that index inputs (targets, gather indices) stay in range.
+    """
+    tensors = []
+    for meta in metas:
+        dev = torch.device(device if device is not None else meta.device_type)
+        dtype = meta.torch_dtype
+        n = meta.storage_numel
+        if dtype == torch.bool:
+            flat = torch.rand(n, generator=generator) < 0.5
+        elif dtype.is_floating_point or dtype.is_complex:
+            flat = torch.randn(n, generator=generator, dtype=dtype)
+        else:
+            flat = torch.randint(0, int_high, (n,), generator=generator, dtype=dtype)
+        tensors.append(_strided_from_flat(flat.to(dev), meta))
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------
+# Constants: tensors by value.
+
+
+def _encode_constant(t: torch.Tensor, where: str) -> list[Any]:
+    if isinstance(t, FakeTensor) or t.device.type == "meta":
+        raise SerializationError(f"{where}: constant is a fake/meta tensor and has no value")
+    if t.layout != torch.strided or t.is_quantized:
+        raise SerializationError(f"{where}: constant with layout {t.layout} is not supported")
+    meta = TensorMeta.from_tensor(t)
+    # Canonical bytes: logical (row-major) order, independent of the memory layout.
+    values = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    nbytes = values.numel() * values.element_size()
+    data = ctypes.string_at(values.data_ptr(), nbytes) if nbytes else b""
+    return ["tensor", meta.to_wire(), data]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+    meta = TensorMeta.from_wire(wire[1])
+    data, dtype = wire[2], meta.torch_dtype
+    values = torch.empty(0, dtype=dtype)
+    if data:
+        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+    if values.numel() != math.prod(meta.shape):
+        raise SerializationError(f"constant has {values.numel()} values for shape {meta.shape}")
+    if meta.stride == _contiguous_stride(meta.shape) and meta.storage_offset == 0:
+        return values.reshape(meta.shape).to(device or "cpu")
+    # Scatter the values into a storage laid out like the original: each element's
+    # storage index is read off an arange viewed with the same strides.
+    numel = meta.storage_numel
+    positions = _strided_from_flat(torch.arange(numel), meta).reshape(-1)
+    storage = torch.zeros(numel, dtype=dtype)
+    storage[positions] = values.reshape(-1)
+    return _strided_from_flat(storage.to(device or "cpu"), meta)
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments.
+
+
+def _encode_arg(value: Any, index: Mapping[torch.fx.Node, int]) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value < 2**64:
+        raise SerializationError(f"integer {value} does not fit in 64 bits")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.fx.Node):
+        return ["node", index[value]]
+    if isinstance(value, (list, tuple)):
+        tag = "list" if isinstance(value, list) else "tuple"
+        return [tag, [_encode_arg(v, index) for v in value]]
+    if isinstance(value, torch.dtype):
+        return ["dtype", _dtype_name(value)]
+    if isinstance(value, torch.device):
+        return ["device", value.type]
+    if isinstance(value, torch.layout):
+        return ["layout", str(value).removeprefix("torch.")]
+    if isinstance(value, torch.memory_format):
+        return ["memory_format", str(value).removeprefix("torch.")]
+    if isinstance(value, slice):
+        return ["slice", [_encode_arg(v, index) for v in (value.start, value.stop, value.step)]]
+    if isinstance(value, complex):
+        return ["complex", [value.real, value.imag]]
+    raise SerializationError(f"unsupported argument {value!r} of type {type(value).__name__}")
+
+
+_ARG_DECODERS: dict[str, Callable[[Any, Sequence[torch.fx.Node]], Any]] = {}
+
+
+def _decode_arg(wire: Any, nodes: Sequence[torch.fx.Node]) -> Any:
+    if not isinstance(wire, list):
+        return wire
+    if len(wire) != 2 or wire[0] not in _ARG_DECODERS:
+        raise SerializationError(f"bad argument encoding {wire!r}")
+    return _ARG_DECODERS[wire[0]](wire[1], nodes)
+
+
+def _decode_items(items: list[Any], nodes: Sequence[torch.fx.Node]) -> list[Any]:
+    return [_decode_arg(v, nodes) for v in items]
+
+
+_ARG_DECODERS.update(
+    {
+        "node": lambda i, nodes: nodes[i],
+        "list": _decode_items,
+        "tuple": lambda items, nodes: tuple(_decode_items(items, nodes)),
+        "dtype": lambda name, _: dtype_from_name(name),
+        "device": lambda name, _: torch.device(name),
+        "layout": lambda name, _: _torch_attr(name, torch.layout, "layout"),
+        "memory_format": lambda name, _: _torch_attr(name, torch.memory_format, "memory format"),
+        "slice": lambda items, nodes: slice(*_decode_items(items, nodes)),
+        "complex": lambda parts, _: complex(parts[0], parts[1]),
+    }
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Node metadata: node.meta["val"] as shapes, strides and dtypes.
+
+
+def _encode_val(val: Any) -> Any:
+    if val is None or isinstance(val, (bool, int, float)):
+        return val
+    if isinstance(val, torch.Tensor):
+        return ["tensor", TensorMeta.from_tensor(val).to_wire()]
+    if isinstance(val, (list, tuple)):
+        tag = "list" if isinstance(val, list) else "tuple"
+        return [tag, [_encode_val(v) for v in val]]
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise SerializationError(f"symbolic value {val}: Kiln compiles static shapes only")
+    raise SerializationError(f"unsupported meta['val'] of type {type(val).__name__}")
+
+
+def _decode_val(wire: Any, fake_mode: FakeTensorMode) -> Any:
+    if not isinstance(wire, list):
+        return wire
+    tag, body = wire
+    if tag == "tensor":
+        return fake_tensor_from_meta(TensorMeta.from_wire(body), fake_mode)
+    if tag not in ("list", "tuple"):
+        raise SerializationError(f"bad meta encoding {wire!r}")
+    items = [_decode_val(v, fake_mode) for v in body]
+    return items if tag == "list" else tuple(items)
+
+
+# ---------------------------------------------------------------------------------------
+# Targets.
+
+
+def _encode_target(target: Any) -> list[str]:
+    if isinstance(target, torch._ops.OpOverload):
+        return ["op", f"{target.namespace}.{target._opname}.{target._overloadname}"]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, name = target._qualified_op_name.split("::")
+        return ["packet", f"{namespace}.{name}"]
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        raise SerializationError(f"higher-order operator {target.name()} is not supported")
+    if id(target) in _PY_NAMES:
+        return ["py", _PY_NAMES[id(target)]]
+    raise SerializationError(f"unsupported call target {target!r}")
+
+
+def _resolve_target(wire: Any) -> Any:
+    try:
+        kind, qualname = wire
+        parts = qualname.split(".")
+        if kind == "py" and qualname in _PY_FUNCTIONS:
+            return _PY_FUNCTIONS[qualname]
+        if kind in ("op", "packet") and len(parts) == (3 if kind == "op" else 2):
+            target: Any = torch.ops
+            for part in parts:
+                target = getattr(target, part)
+            return target
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        raise SerializationError(
+            f"cannot resolve op {wire!r} (is the library that defines it imported?)"
+        ) from exc
+    raise SerializationError(f"bad call target {wire!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Graphs.
+
+
+def _node_error(node: torch.fx.Node, exc: Exception) -> SerializationError:
+    return SerializationError(
+        f"cannot serialize node {node.name!r} ({node.op} {node.target}): {exc}"
+    )
+
+
+def _encode_node(
+    node: torch.fx.Node, gm: torch.fx.GraphModule, index: Mapping[torch.fx.Node, int]
+) -> list[Any]:
+    meta = [_encode_val(node.meta["val"])] if "val" in node.meta else []
+    if node.op == "placeholder":
+        return ["placeholder", None, [], [], meta]
+    if node.op == "get_attr":
+        value: Any = gm
+        for atom in str(node.target).split("."):
+            value = getattr(value, atom, None)
+        if not isinstance(value, torch.Tensor):
+            raise SerializationError(f"get_attr of a {type(value).__name__}, not a tensor")
+        return ["get_attr", _encode_constant(value, node.name), [], [], meta]
+    if node.op in ("call_function", "output"):
+        target = _encode_target(node.target) if node.op == "call_function" else None
+        args = [_encode_arg(a, index) for a in node.args]
+        kwargs = [[k, _encode_arg(node.kwargs[k], index)] for k in sorted(node.kwargs)]
+        return [node.op, target, args, kwargs, meta if node.op == "call_function" else []]
+    raise SerializationError(f"opcode {node.op!r} is not allowed in an ATen graph")
+
+
+def serialize_graph(gm: torch.fx.GraphModule) -> bytes:
+    """Canonical msgpack bytes of an ATen graph; see the module docstring."""
+    index: dict[torch.fx.Node, int] = {}
+    encoded = []
+    for i, node in enumerate(gm.graph.nodes):
+        try:
+            encoded.append(_encode_node(node, gm, index))
+        except SerializationError as exc:
+            raise _node_error(node, exc) from exc
+        index[node] = i
+    return _pack(["kiln-graph", GRAPH_FORMAT_VERSION, encoded])
+
+
+def _decode_nodes(data: bytes) -> list[Any]:
+    wire = _unpack(data)
+    if not (isinstance(wire, list) and len(wire) == 3 and wire[0] == "kiln-graph"):
+        raise SerializationError("not a serialized Kiln graph")
+    if wire[1] != GRAPH_FORMAT_VERSION:
+        raise SerializationError(
+            f"graph format {wire[1]} is not the supported format {GRAPH_FORMAT_VERSION}"
+        )
+    return wire[2]
+
+
+class _GraphBuilder:
+    """Appends decoded nodes to a fresh graph, naming placeholders and constants."""
+
+    def __init__(self, constants_device: str | None) -> None:
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+        self.nodes: list[torch.fx.Node] = []
+        self.num_placeholders = 0
+        self.num_constants = 0
+        self.constants_device = constants_device
+
+    def add(self, wire: list[Any]) -> torch.fx.Node:
+        op, target, args_wire, kwargs_wire, _ = wire
+        if op == "placeholder":
+            self.num_placeholders += 1
+            return self.graph.placeholder(f"arg{self.num_placeholders - 1}_1")
+        if op == "get_attr":
+            name = f"_tensor_constant{self.num_constants}"
+            self.num_constants += 1
+            setattr(self.root, name, _decode_constant(target, self.constants_device))
+            return self.graph.get_attr(name)
+        args = tuple(_decode_arg(a, self.nodes) for a in args_wire)
+        kwargs = {k: _decode_arg(v, self.nodes) for k, v in kwargs_wire}
+        if op == "output":
+            return self.graph.output(args[0])
+        if op == "call_function":
+            return self.graph.call_function(_resolve_target(target), args, kwargs)
+        raise SerializationError(f"bad opcode {op!r}")
+
+
+def deserialize_graph(
+    data: bytes,
+    *,
+    with_fake_meta: bool = False,
+    fake_mode: FakeTensorMode | None = None,
+    constants_device: str | None = None,
+) -> torch.fx.GraphModule:
+    """Rebuild a GraphModule from :func:`serialize_graph` bytes.
+
+    Placeholders are named ``arg0_1, arg1_1, ...``; constants ``_tensor_constant0, ...``
+    and live on ``constants_device`` (CPU by default). With ``with_fake_meta``, every
+    node's ``meta["val"]`` is rebuilt as FakeTensors under ``fake_mode`` (a new
+    FakeTensorMode unless given).
+    """
+    wires = _decode_nodes(data)
+    mode = (fake_mode or FakeTensorMode()) if with_fake_meta else None
+    builder = _GraphBuilder(constants_device)
+    for wire in wires:
+        try:
+            node = builder.add(wire)
+            if mode is not None and wire[4]:
+                node.meta["val"] = _decode_val(wire[4][0], mode)
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            position = len(builder.nodes)
+            raise SerializationError(f"bad node #{position} {wire!r:.200}: {exc}") from exc
+        builder.nodes.append(node)
+    return torch.fx.GraphModule(builder.root, builder.graph)
+
+
+def placeholder_metas(gm: torch.fx.GraphModule) -> tuple[TensorMeta, ...]:
+    """Input metadata from the placeholders' ``meta["val"]``."""
+    metas = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise SerializationError(
+                f"placeholder {node.name!r} has meta['val'] {type(val).__name__}, not a tensor"
+            )
+        metas.append(TensorMeta.from_tensor(val))
+    return tuple(metas)
+
+
+# ---------------------------------------------------------------------------------------
+# Requests.
+
+
+def canonical(value: Any, where: str = "value") -> Any:
+    """A msgpack-ready copy: dicts with sorted string keys, tuples as lists."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise SerializationError(f"{where} has non-string keys")
+        return {k: canonical(value[k], f"{where}.{k}") for k in sorted(value)}
+    raise SerializationError(f"{where} has unsupported type {type(value).__name__}")
+
+
+def output_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options that may change a compiled artifact, sorted by name."""
+    kept = {k: v for k, v in options.items() if k.lower() not in NON_OUTPUT_OPTIONS}
+    return canonical(kept, "options")
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """Everything a worker needs to compile one graph, and all that the key covers.
+
+    Dict fields are stored in canonical form (sorted keys, tuples as lists).
+    """
+
+    graph: bytes
+    inputs: tuple[TensorMeta, ...]
+    options: dict[str, Any]
+    target: dict[str, Any]
+    versions: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        for name in ("options", "target", "versions"):
+            object.__setattr__(self, name, canonical(getattr(self, name), name))
+
+    def to_bytes(self) -> bytes:
+        return _pack(
+            [
+                "kiln-request",
+                REQUEST_FORMAT_VERSION,
+                self.graph,
+                [m.to_wire() for m in self.inputs],
+                self.options,
+                self.target,
+                self.versions,
+            ]
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CompileRequest:
+        wire = _unpack(data)
+        if not (isinstance(wire, list) and len(wire) == 7 and wire[0] == "kiln-request"):
+            raise SerializationError("not a serialized Kiln compile request")
+        if wire[1] != REQUEST_FORMAT_VERSION:
+            raise SerializationError(f"request format {wire[1]} is not {REQUEST_FORMAT_VERSION}")
+        _, _, graph, inputs, options, target, versions = wire
+        metas = tuple(TensorMeta.from_wire(m) for m in inputs)
+        return cls(graph=graph, inputs=metas, options=options, target=target, versions=versions)
