@@ -3,6 +3,7 @@ kernels share one definition), extern calls, and the wrapper that ties them toge
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import KilnCompileError
@@ -40,9 +41,9 @@ class KernelNamer:
         if spec.source in self.by_source:
             return self.by_source[spec.source]
         name = f"{base}_{len(self.by_source)}"
-        named = KernelSpec(name, spec.backend, spec.kind,
-                           spec.source.replace(NAME_PLACEHOLDER, name), spec.arg_buffers,
-                           spec.signature, spec.xnumel, spec.rnumel, spec.configs)
+        arg_bytes = tuple(buffer_bytes(V.graph.get_buffer(b)) for b in spec.arg_buffers)
+        named = dataclasses.replace(spec, name=name, arg_bytes=arg_bytes,
+                                    source=spec.source.replace(NAME_PLACEHOLDER, name))
         self.by_source[spec.source] = named
         return named
 

@@ -19,15 +19,20 @@ class KernelSpec:
     xnumel: int = 1
     rnumel: int = 1
     configs: tuple[dict[str, Any], ...] = ()
+    # Storage bytes of each argument buffer, in argument order: what an autotuner must
+    # allocate to launch the kernel alone. Empty in specs from before it was recorded.
+    arg_bytes: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "backend": self.backend, "kind": self.kind,
                 "source": self.source, "arg_buffers": list(self.arg_buffers),
                 "signature": dict(self.signature), "xnumel": self.xnumel,
-                "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs]}
+                "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
+                "arg_bytes": list(self.arg_bytes)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
         return KernelSpec(d["name"], d["backend"], d["kind"], d["source"],
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
-                          int(d["rnumel"]), tuple(dict(c) for c in d["configs"]))
+                          int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
+                          tuple(int(n) for n in d.get("arg_bytes", ())))
