@@ -6,6 +6,7 @@ Core ATen's table, plus the composites that core ATen keeps (softmax, layer norm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +40,13 @@ _KEEP = {
 
 
 def kiln_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decomposition table AOTAutograd and ``trace_aten`` use for Kiln."""
+    """The decomposition table AOTAutograd and ``trace_aten`` use for Kiln (a fresh copy)."""
+    return dict(_decomposition_table())
+
+
+@functools.cache
+def _decomposition_table() -> dict[Any, Callable[..., Any]]:
+    # Built once per process: materializing core ATen's table takes about 0.1 s.
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
     for op in _KEEP:
@@ -47,13 +54,49 @@ def kiln_decompositions() -> dict[Any, Callable[..., Any]]:
     return table
 
 
-def trace_aten(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
-    """Trace ``fn`` to an ATen graph with Kiln's decompositions (for tests and tools)."""
+def trace_aten(fn: Callable[..., Any], args: Sequence[torch.Tensor], *,
+               functionalize: bool = False) -> torch.fx.GraphModule:
+    """Trace ``fn`` to an ATen graph with Kiln's decompositions (for tests and tools).
+
+    With ``functionalize`` the graph is functional, as AOTAutograd's are: in-place ops on
+    intermediates become their out-of-place forms, and a mutation of an input becomes one
+    ``copy_`` into it at the end. Without it, decompositions that write in place
+    (``masked_fill_`` in cross entropy with label smoothing, the ``empty`` + ``copy_`` of
+    ``silu_backward``) leave mutations of intermediates, which AOTAutograd never hands
+    Kiln and Kiln does not lower.
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(fn, decomposition_table=kiln_decompositions(), tracing_mode="fake")(*args)
+    traced = _functionalized(fn) if functionalize else fn
+    gm = make_fx(traced, decomposition_table=kiln_decompositions(), tracing_mode="fake")(*args)
     # Name inputs as AOTAutograd does (arg0_1, arg1_1, ...), so dumps read the same.
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         node.name = node.target = f"arg{i}_1"
     gm.recompile()
     return gm
+
+
+def _functionalized(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under Python functionalization, copying mutated inputs back at the end."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.utils import _pytree as pytree
+
+    def unwrap(t: FunctionalTensor) -> torch.Tensor:
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+
+    def inner(*args: Any) -> Any:
+        functionalize_key = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        with torch._C._ExcludeDispatchKeyGuard(functionalize_key):
+            with FunctionalTensorMode():
+                wrapped = pytree.tree_map_only(torch.Tensor, FunctionalTensor.to_functional,
+                                               args)
+                out = fn(*wrapped)
+            out = pytree.tree_map_only(FunctionalTensor, unwrap, out)
+            for arg, w in zip(args, wrapped):
+                if isinstance(w, FunctionalTensor) and torch._functionalize_has_data_mutation(
+                        w.elem):
+                    arg.copy_(unwrap(w))
+        return out
+
+    return inner
