@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..ir.nodes import IRNode, Pointwise, TensorBox
+from ..ir.sym import Expr
 from ..virtualized import ops
 from .registry import (
     ALWAYS_BOOL,
@@ -14,10 +16,13 @@ from .registry import (
     COMPLEX_TO_FLOAT,
     DEFAULT,
     INT_TO_FLOAT,
+    broadcast_all,
     is_tensor,
     make_pointwise,
+    promote_dtypes,
     register_lowering,
     register_pointwise,
+    value_loader,
 )
 
 aten = torch.ops.aten
@@ -128,23 +133,20 @@ def round_(x: IRNode, *, decimals: int = 0) -> TensorBox:
     return _round_decimals(x, 10.0**decimals)
 
 
-_where = make_pointwise(lambda c, a, b: ops.where(c, a, b))
-
-
 @register_lowering(aten.where)
 def where(cond: Any, a: Any, b: Any) -> TensorBox:
-    from .registry import promote_dtypes
-
+    # The condition is read as bool and the branches in their promoted dtype; make_pointwise
+    # cannot express this, since it casts every input to one computation dtype.
     _, dtype = promote_dtypes([a, b], DEFAULT)
-    fn = make_pointwise(lambda c, x, y: ops.where(c, ops.to_dtype(x, dtype),
-                                                  ops.to_dtype(y, dtype)),
-                        override_return_dtype=dtype, promotion=None)
-    return fn(to_dtype(cond, torch.bool) if is_tensor(cond) else cond,
-              _as_tensor_like(a, dtype, cond), _as_tensor_like(b, dtype, cond))
+    args = broadcast_all([to_dtype(cond, torch.bool) if is_tensor(cond) else cond, a, b])
+    loaders = [value_loader(arg, dt) for arg, dt in zip(args, (torch.bool, dtype, dtype))]
+    ref = next(arg for arg in args if is_tensor(arg))
 
+    def inner_fn(index: Sequence[Expr]) -> Any:
+        c, x, y = (load(index) for load in loaders)
+        return ops.where(c, x, y)
 
-def _as_tensor_like(x: Any, dtype: torch.dtype, ref: Any) -> Any:
-    return to_dtype(x, dtype) if is_tensor(x) else x
+    return Pointwise.create(ref.get_device(), dtype, inner_fn, ref.get_size())
 
 
 def to_dtype(x: IRNode, dtype: torch.dtype, copy: bool = False) -> IRNode:
@@ -210,7 +212,8 @@ def clamp_max(x: IRNode, max: Any) -> TensorBox:
 
 @register_lowering(aten.masked_fill)
 def masked_fill(x: IRNode, mask: IRNode, value: Any) -> TensorBox:
-    return where(mask, value if not is_tensor(value) else to_dtype(value, x.get_dtype()), x)
+    value = to_dtype(value, x.get_dtype()) if is_tensor(value) else value
+    return to_dtype(where(mask, value, x), x.get_dtype())  # never promotes x
 
 
 @register_lowering(aten.fill)

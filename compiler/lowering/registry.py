@@ -118,18 +118,20 @@ def make_pointwise(
     """Build a pointwise lowering from ``fn(*values) -> value`` over the ops protocol."""
 
     def inner(*args: Any) -> TensorBox:
-        args_list = broadcast_all(list(args))
-        tensors = [a for a in args_list if is_tensor(a)]
+        tensors = [a for a in args if is_tensor(a)]
         assert tensors, "a pointwise op needs at least one tensor"
         if promotion is None:
             compute = result = tensors[0].get_dtype()
         else:
-            compute, result = promote_dtypes(args_list, promotion)
+            # Before broadcasting: a 0-d tensor promotes less than a dimensioned one.
+            compute, result = promote_dtypes(list(args), promotion)
             if compute in (torch.float16, torch.bfloat16):
                 compute = torch.float32  # fp32 math for reduced-precision data
         if override_return_dtype is not None:
             result = override_return_dtype
-        loaders = [_value_loader(a, compute) for a in args_list]
+        args_list = broadcast_all(list(args))
+        tensors = [a for a in args_list if is_tensor(a)]
+        loaders = [value_loader(a, compute) for a in args_list]
         device = tensors[0].get_device()
 
         def inner_fn(index: Sequence[Expr]) -> Any:
@@ -141,7 +143,8 @@ def make_pointwise(
     return inner
 
 
-def _value_loader(a: Any, dtype: torch.dtype) -> Callable[[Sequence[Expr]], Any]:
+def value_loader(a: Any, dtype: torch.dtype) -> Callable[[Sequence[Expr]], Any]:
+    """A loader of ``a`` (a tensor or a Python scalar) as values of ``dtype``."""
     if is_tensor(a):
         load = a.make_loader()
         src = a.get_dtype()
