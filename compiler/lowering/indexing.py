@@ -12,7 +12,7 @@ import torch
 from ..ir.nodes import IRNode, Pointwise, TensorBox
 from ..ir.sym import Expr, FloorDiv, sympify_tuple
 from ..virtualized import ops
-from .registry import broadcast_shapes, expand, register_lowering
+from .registry import DEFAULT, broadcast_shapes, expand, promote_dtypes, register_lowering
 
 aten = torch.ops.aten
 
@@ -115,8 +115,6 @@ def cat(tensors: Sequence[IRNode], dim: int = 0) -> IRNode:
     for t in tensors:
         starts.append(total)
         total = total + t.get_size()[dim]
-    from .registry import promote_dtypes, DEFAULT
-
     _, dtype = promote_dtypes(list(tensors), DEFAULT)
     loaders = [t.make_loader() for t in tensors]
 
@@ -159,7 +157,7 @@ def constant_pad_nd(x: IRNode, pad: Sequence[int], value: float = 0.0) -> Tensor
     def inner_fn(idx: Sequence[Expr]) -> Any:
         src = [i - lows.get(d, 0) for d, i in enumerate(idx)]
         mask = None
-        for d, lo in lows.items():
+        for d in lows:
             m = _in_range(src[d], 0, size[d])
             mask = m if mask is None else ops.logical_and(mask, m)
         if mask is None:

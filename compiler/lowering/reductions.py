@@ -25,6 +25,8 @@ _IDENTITY_DTYPE = {"any": torch.bool, "all": torch.bool, "argmax": torch.int64,
 
 def _dims(x: IRNode, dim: int | Sequence[int] | None) -> list[int]:
     ndim = len(x.get_size())
+    if ndim == 0:  # a 0-d tensor accepts dim 0 or -1 and has nothing to reduce over
+        return []
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return list(range(ndim))
     dims = [dim] if isinstance(dim, int) else list(dim)
@@ -62,10 +64,12 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         value = loader(full)
         return ops.to_dtype(value, src, x.get_dtype()) if src != x.get_dtype() else value
 
-    if prod(rranges) == 1 and reduction_type not in ("argmax", "argmin", "welford_reduce"):
-        # Nothing to reduce: a cast of the input.
+    if prod(rranges) == 1:
+        # Nothing to reduce (a 0-d input, or size-1 dims): the reduction of one element.
+        zeros = [sympy.Integer(0)] * len(dims)
+        single = _reduce_one(reduction_type, output_index)
         result: TensorBox = Pointwise.create(
-            x.get_device(), dtype, lambda idx: ops.to_dtype(inner_fn(idx, [0] * len(dims)),
+            x.get_device(), dtype, lambda idx: ops.to_dtype(single(inner_fn(idx, zeros), dtype),
                                                             dtype), ranges)
     else:
         node = Reduction(x.get_device(), dtype, inner_fn, ranges, rranges, reduction_type,
@@ -76,6 +80,15 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         shape = [1 if d in dims else int(s) for d, s in enumerate(size)]
         return view(result, shape)  # type: ignore[return-value]
     return result
+
+
+def _reduce_one(reduction_type: str, output_index: int | None) -> Any:
+    """The value of a reduction over a single element ``v``."""
+    if reduction_type in ("argmax", "argmin"):
+        return lambda v, dtype: ops.constant(0, dtype)
+    if reduction_type == "welford_reduce" and output_index:  # m2 is 0, the weight is 1
+        return lambda v, dtype: ops.constant(0.0 if output_index == 1 else 1.0, dtype)
+    return lambda v, dtype: v
 
 
 def make_reduction(reduction_type: str) -> Any:

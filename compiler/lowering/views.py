@@ -12,6 +12,7 @@ from ..ir.extern import realize_input
 from ..ir.layout import FixedLayout
 from ..ir.nodes import Buffer, IRNode, ReinterpretView, TensorBox, View
 from ..ir.sym import Expr, FloorDiv, ModularIndexing, prod, sympify_tuple
+from ..virtualized import V
 from .registry import expand, register_lowering
 
 aten = torch.ops.aten
@@ -222,14 +223,49 @@ def unbind(x: IRNode, dim: int = 0) -> list[IRNode]:
 def as_strided(x: IRNode, size: Sequence[int], stride: Sequence[int],
                storage_offset: int | None = None) -> IRNode:
     """A view of the base's storage: realize the base, then reinterpret its strides."""
+    _realize_with_eager_strides(x)
     base = realize_input(x)
     buf = base.data if isinstance(base, ReinterpretView) else base
     assert isinstance(buf, Buffer)
     buf.freeze_layout()
-    offset = buf.get_layout().offset if storage_offset is None else sympy.Integer(storage_offset)
+    if storage_offset is not None:
+        offset: Expr = sympy.Integer(storage_offset)
+    elif isinstance(base, ReinterpretView):  # eager keeps the view's own offset
+        offset = base.layout.offset
+    else:
+        offset = buf.get_layout().offset
     layout = FixedLayout(buf.get_device(), buf.get_dtype(), sympify_tuple(size),
                          sympify_tuple(stride), offset)
     return TensorBox(ReinterpretView(buf, layout))
+
+
+def _realize_with_eager_strides(x: IRNode) -> None:
+    """Realize a lazy ``x`` in the memory layout eager gives it.
+
+    ``as_strided`` reads raw storage, so the buffer under it must be laid out as in eager
+    (a pointwise op on a transposed input is transposed in memory too).
+    """
+    node = V.graph.current_node
+    meta = node.args[0].meta.get("val") if node is not None and node.args and isinstance(
+        node.args[0], torch.fx.Node) else None
+    storage = x.storage() if isinstance(x, TensorBox) else None
+    if storage is None or storage.is_realized() or x.data is not storage:
+        return
+    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(x.get_size()):
+        return
+    storage.realize()
+    buf = storage.data
+    if isinstance(buf, Buffer) and buf.is_flexible() and _dense(meta):
+        buf.freeze_layout(sympify_tuple(meta.stride()))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @register_lowering(aten.alias)
