@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from . import debug
+from .codegen.cpp.build import DEFAULT_ISA
 from .codegen.simd import SIMDScheduling
 from .graph import GraphLowering
 from .compiled_graph import CompiledGraph
+from .errors import KilnCompileError
+from .runtime.kernel_files import write_source
 from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .scheduler import Scheduler
@@ -25,7 +28,7 @@ from .virtualized import V
 
 
 DEFAULT_TARGETS = {"cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
-                   "cpu": {"kind": "cpu", "isa": "x86-64-v2"}}
+                   "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
 
 
 @dataclass
@@ -86,6 +89,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         source, kernels = generate_code(sg, options)
     sg.timings["codegen"] = time.perf_counter() - t
     debug.write_debug_file(sg.debug_dir, "output_code.py", _output_code(source, kernels))
+    debug.write_debug_file(sg.debug_dir, "timings.txt",
+                           "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in sg.timings.items()))
     device_type = sg.graph.default_device.type
     compiled = CompiledGraph(
         name=name, device_type=device_type, wrapper_source=source, kernels=kernels,
@@ -94,6 +99,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                "peak_bytes": sg.memory.peak_bytes,
                "fused_nodes": len(sg.scheduler.nodes)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
+    compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:
         # 7. Kernel compilation for the target, with each kernel's heuristic config.
         compile_all(compiled, target or DEFAULT_TARGETS.get(device_type, {}))
@@ -110,7 +116,13 @@ def compile_all(compiled: CompiledGraph, target: dict[str, Any]) -> None:
         if target.get("kind") == "cpu" and spec.backend != "cpp":
             continue
         config = compiled.config_for(spec)
-        compiled.binaries[spec.name] = compile_kernel(spec, config, target)
+        try:
+            compiled.binaries[spec.name] = compile_kernel(spec, config, target)
+        except KilnCompileError as e:
+            raise KilnCompileError(
+                f"{e}; kernel source: {write_source(spec.source)} (and in the output code "
+                f"of graph {compiled.name}: KILN_LOGS=output_code)", stage="kernel compile",
+                graph=compiled.name, kernel=spec.name) from e
         compiled.configs[spec.name] = config
     compiled.timings["kernel_compile"] = time.perf_counter() - t
 

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import KilnCompileError
-from ..memory import buffer_bytes
+from ..memory import buffer_bytes, plan_memory
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
 from .kernel_spec import KernelSpec
@@ -48,46 +48,60 @@ class KernelNamer:
         return named
 
 
-def codegen_node(node: BaseSchedulerNode, removed: set[str], backend: str,
-                 plan: Any) -> tuple[str, KernelSpec]:
-    """The kernel for one node; buffers that cannot stay in registers get stored."""
+def codegen_kernels(sg: Any, backend: str) -> dict[int, tuple[str, KernelSpec]]:
+    """A kernel for every fused node. A buffer a kernel cannot keep in registers (read
+    in a later loop than the one that made it) is stored after all: the memory plan is
+    redone with it allocated, and every kernel generated again against that plan."""
     gen = codegen_triton
     if backend == "cpp":
         from .cpp.scheduling import codegen_cpp
 
         gen = codegen_cpp
+    stored: set[str] = set()
     for _ in range(8):
-        try:
-            return gen(node, removed)
-        except UnforwardedBuffers as e:
-            removed -= e.names
-            for name in e.names:
-                plan.removed_buffers.discard(name)
-                plan.allocations[name] = buffer_bytes(V.graph.name_to_buffer[name])
-    raise KilnCompileError("kernel needs buffers that cannot be kept in registers",
-                           stage="codegen", node=node.get_name())
+        kernels: dict[int, tuple[str, KernelSpec]] = {}
+        lost: set[str] = set()
+        for i, node in enumerate(sg.scheduler.nodes):
+            if isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
+                continue
+            removed = set(sg.memory.removed_buffers)
+            while True:
+                try:
+                    kernels[i] = gen(node, removed)
+                    break
+                except UnforwardedBuffers as e:
+                    lost |= e.names
+                    removed -= e.names
+        if not lost:
+            return kernels
+        stored |= lost
+        sg.memory = plan_memory(sg.scheduler, stored=stored)
+    raise KilnCompileError("kernels need buffers that cannot be kept in registers",
+                           stage="codegen", graph=sg.graph.name)
 
 
 def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpec]]:
     """The wrapper source and the kernels of a ScheduledGraph."""
-    graph, scheduler, plan = sg.graph, sg.scheduler, sg.memory
+    graph, scheduler = sg.graph, sg.scheduler
     device_type = graph.default_device.type
     backend = kernel_backend(device_type, options)
-    wrapper = WrapperCodegen(plan, graph.name)
     namer = KernelNamer()
     with V.set_graph_handler(graph):
-        for node in scheduler.nodes:
+        kernels = codegen_kernels(sg, backend)
+        wrapper = WrapperCodegen(sg.memory, graph.name)
+        for i, node in enumerate(scheduler.nodes):
             if isinstance(node, ExternKernelSchedulerNode):
                 wrapper.extern_call(node)
             elif isinstance(node, NopKernelSchedulerNode):
                 wrapper.nop(node)
             else:
-                base, spec = codegen_node(node, set(plan.removed_buffers), backend, plan)
-                wrapper.kernel_call(node, namer.name(base, spec))
+                base, spec = kernels[i]
+                # Identical kernels share one definition; each call passes its own buffers.
+                wrapper.kernel_call(node, namer.name(base, spec), spec.arg_buffers)
             wrapper.free(node)
         inputs = list(graph.graph_input_names)
         header = WRAPPER_HEADER.format(name=graph.name, kernels=len(namer.by_source),
-                                       buffers=len(plan.allocations))
+                                       buffers=len(sg.memory.allocations))
         source = wrapper.generate(inputs, graph.graph_outputs, header)
     if device_type == "cuda":
         source = _align_inputs(source, wrapper, inputs)

@@ -96,13 +96,14 @@ class WrapperCodegen:
             f"{name} = empty_strided({size_str(layout.size)}, {size_str(layout.stride)}, "
             f"device=DEVICE, dtype={layout.dtype})")
 
-    def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec) -> None:
+    def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec,
+                    arg_buffers: tuple[str, ...]) -> None:
         for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
             buf = V.graph.name_to_buffer.get(name)
             if isinstance(buf, ComputedBuffer):
                 self.allocate(buf)
         self.kernels.setdefault(spec.name, spec)
-        args = ", ".join(spec.arg_buffers)
+        args = ", ".join(arg_buffers)
         self.lines.writeline(f"{spec.name}.run({args})")
 
     def extern_call(self, node: ExternKernelSchedulerNode) -> None:

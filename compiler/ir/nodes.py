@@ -423,6 +423,10 @@ def as_storage_and_layout(node: IRNode) -> tuple[Buffer, FixedLayout] | None:
         return None
     coeffs, offset = lin
     buf.freeze_layout()
-    strides = [c if s != 1 else sympy.Integer(c) for c, s in zip(coeffs, size)]
+    # A size-1 dim's stride is arbitrary: give it eager's (the next dim's extent).
+    strides = list(coeffs)
+    for d in reversed(range(len(size))):
+        if size[d] == 1:
+            strides[d] = strides[d + 1] * size[d + 1] if d + 1 < len(size) else sympy.Integer(1)
     return buf, FixedLayout(buf.get_device(), buf.get_dtype(), sympify_tuple(size),
                             sympify_tuple(strides), offset)

@@ -124,7 +124,12 @@ class TritonKernel:
     def index_str(self, index: Expr) -> str:
         expr = sympy.expand(index.xreplace(self.index_map))
         expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
-        return self.printer.print(expr)
+        text = self.printer.print(expr)
+        if not expr.free_symbols:
+            # A pointer must be a block like its mask: broadcast a constant offset.
+            text += " + 0*rindex + 0*xindex" if self.is_reduction and self.uses_r \
+                else " + 0*xindex"
+        return text
 
     def mask(self) -> str:
         parts = ["xmask"]
@@ -205,8 +210,10 @@ class TritonKernel:
         if dtype == torch.bool:
             return self.emit(f"({x} != 0)", torch.bool)
         if dtype in (torch.float16, torch.bfloat16):
-            # Round as eager would, then keep computing in fp32.
-            return self.emit(f"{x}.to({triton_type(dtype)}).to(tl.float32)", torch.float32)
+            # Round as eager would, then keep computing in fp32 (integers go through fp32).
+            src = x if x.dtype.is_floating_point else self.emit(f"{x}.to(tl.float32)",
+                                                                torch.float32)
+            return self.emit(f"{src}.to({triton_type(dtype)}).to(tl.float32)", torch.float32)
         return self.emit(f"{x}.to({triton_type(dtype)})", dtype)
 
     def to_dtype_bitcast(self, x: CSEVariable, dtype: torch.dtype, src_dtype: torch.dtype

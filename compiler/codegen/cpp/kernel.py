@@ -1,0 +1,318 @@
+"""One C++ kernel: the ops handler that renders loop bodies, plus the kernel's frame.
+
+A kernel iterates an x loop nest (``x0, x1, ...``, outer loops parallel, the innermost
+vectorized for pointwise kernels) and, for reductions, a flat reduction index ``r0``.
+Each scheduler node's loops are mapped onto those. Reduction work runs in *phases*: one
+``r0`` loop each, with per-lane accumulators that the loop updates and that are
+combined after it; a node that needs a reduction finished in the current phase starts
+the next one. Code outside phases ("x-level") runs once per x iteration. A value
+stored and read again in the same kernel is forwarded in a variable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ...ir.layout import Layout
+from ...ir.sym import Expr, simplify_with_ranges
+from ...virtualized import V
+from ..common import CSE, CSEVariable, IndentedBuffer, KernelArgs, combine_div_mod
+from .overrides import (
+    CppIndexPrinter,
+    compute_dtype,
+    convert,
+    ctype,
+    literal,
+    narrow,
+    promote,
+    render_op,
+    widen,
+)
+
+RINDEX = sympy.Symbol("r0", integer=True, nonnegative=True)
+LANE = "rl"  # the lane index inside a phase's vector block
+# Row buffers that keep expensive values for later phases: at most this much stack.
+ROW_SCRATCH_BYTES = 64 * 1024
+_VARIABLE = re.compile(r"\btmp\d+\b")
+_EXPENSIVE = re.compile(r"\b(?:exp|expm1|exp2|log|log1p|log2|log10|erf|erfc|tanh|sinh|cosh|"
+                        r"sin|cos|tan|asin|acos|atan|asinh|acosh|atanh|pow|atan2|hypot|"
+                        r"lgamma|kiln_erfinv_)f?\(")
+
+
+def xvar(i: int) -> sympy.Symbol:
+    return sympy.Symbol(f"x{i}", integer=True, nonnegative=True)
+
+
+@dataclass
+class Phase:
+    """One ``r0`` loop: code before it, its body, code after it, its accumulators."""
+
+    cse: CSE
+    pre: IndentedBuffer = field(default_factory=IndentedBuffer)
+    block_pre: IndentedBuffer = field(default_factory=IndentedBuffer)
+    body: IndentedBuffer = field(default_factory=IndentedBuffer)
+    post: IndentedBuffer = field(default_factory=IndentedBuffer)
+    accumulators: list[Any] = field(default_factory=list)
+    stored_keys: list[tuple[str, str]] = field(default_factory=list)
+    reductions: set[str] = field(default_factory=set)
+    rows: dict[str, str] = field(default_factory=dict)  # variable -> row buffer keeping it
+
+
+class CppKernel:
+    """Renders the bodies of a kernel's nodes through the ops protocol."""
+
+    def __init__(self, xsizes: list[int], rnumel: int, removed: set[str], mode: str) -> None:
+        self.xsizes, self.rnumel = xsizes, rnumel
+        self.removed = removed
+        self.mode = mode  # "serial", "x" (parallel x loops) or "r" (parallel r loops)
+        self.args = KernelArgs()
+        self.printer = CppIndexPrinter()
+        self.cse = CSE()
+        self.segments: list[IndentedBuffer | Phase] = [IndentedBuffer()]  # x-level and phases
+        self.phase: Phase | None = None
+        self.phase_count = 0
+        self.index_map: dict[sympy.Symbol, Expr] = {}
+        self.var_ranges: dict[sympy.Symbol, Expr] = {
+            xvar(i): sympy.Integer(s) for i, s in enumerate(xsizes)}
+        self.var_ranges[RINDEX] = sympy.Integer(rnumel)
+        self.mask_stack: list[str] = []
+        self.stored: dict[tuple[str, str], CSEVariable] = {}
+        self.reduction_cache: dict[tuple[str, str], Any] = {}
+        self.unforwarded: set[str] = set()
+        self.value_ids: dict[str, str] = {}  # variable -> id of the value it holds
+        self.interned: dict[str, str] = {}  # expression over value ids -> value id
+        self.phase_values: dict[str, tuple[Phase, CSEVariable]] = {}
+        self.scratch_bytes = 0
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.rnumel > 1
+
+    # -- where code goes ----------------------------------------------------------------
+
+    def xlevel(self) -> IndentedBuffer:
+        last = self.segments[-1]
+        assert isinstance(last, IndentedBuffer)
+        return last
+
+    def compute(self) -> IndentedBuffer:
+        return self.phase.body if self.phase is not None else self.xlevel()
+
+    def after(self) -> IndentedBuffer:
+        """Where x-level code goes now: after the current phase's loop, if there is one."""
+        return self.phase.post if self.phase is not None else self.xlevel()
+
+    def current_cse(self) -> CSE:
+        return self.phase.cse if self.phase is not None else self.cse
+
+    def emit(self, expr: str, dtype: torch.dtype) -> CSEVariable:
+        cse = self.current_cse()
+        if expr in cse.cache:
+            return cse.cache[expr]
+        value_id = self._value_id(expr)
+        text = self._reuse_from_earlier_phase(value_id, expr, dtype) or expr
+        var = cse.newvar(dtype)
+        self.compute().writeline(f"const {ctype(dtype)} {var} = {text};")
+        cse.cache[expr] = var
+        self.value_ids[var.name] = value_id
+        if self.phase is not None:
+            self.phase_values.setdefault(value_id, (self.phase, var))
+        return var
+
+    def _value_id(self, expr: str) -> str:
+        """Hash-consing: equal ids mean the same value, whatever the variables' names."""
+        key = _VARIABLE.sub(lambda m: self.value_ids.get(m.group(0), m.group(0)), expr)
+        return self.interned.setdefault(key, f"#{len(self.interned)}")
+
+    def _reuse_from_earlier_phase(self, value_id: str, expr: str, dtype: torch.dtype
+                                  ) -> str | None:
+        """An expensive value an earlier phase of this row computed: keep it in a row
+        buffer there and read it back here (softmax's exp), instead of computing again."""
+        found = self.phase_values.get(value_id)
+        if found is None or found[0] is self.phase or not _EXPENSIVE.search(expr):
+            return None
+        origin, var = found
+        row = origin.rows.get(var.name)
+        if row is None:
+            nbytes = self.rnumel * dtype.itemsize
+            if self.mode == "r" or self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
+                return None
+            self.scratch_bytes += nbytes
+            row = f"row_{var.name}"
+            origin.rows[var.name] = row
+            origin.pre.writeline(f"{ctype(dtype)} {row}[{self.rnumel}];")
+            origin.body.writeline(f"{row}[r0] = {var};")
+        return f"{row}[r0]"
+
+    def emit_after(self, expr: str, dtype: torch.dtype) -> CSEVariable:
+        """A value computed after the current phase (x-level, visible to later phases)."""
+        var = self.newvar(dtype)
+        self.after().writeline(f"const {ctype(dtype)} {var} = {expr};")
+        return var
+
+    def newvar(self, dtype: torch.dtype) -> CSEVariable:
+        var = self.current_cse().newvar(dtype)
+        self.cse.counter = max(self.cse.counter, self.current_cse().counter)
+        return var
+
+    def begin_phase(self) -> None:
+        self.phase = Phase(self.cse.scoped())
+        self.phase_count += 1
+
+    def end_phase(self) -> None:
+        """Close the current ``r0`` loop; x-level code continues after it."""
+        phase = self.phase
+        if phase is None:
+            return
+        self.phase = None
+        self.cse.counter = phase.cse.counter
+        for key in phase.stored_keys:  # values stored in the loop do not outlive it
+            self.stored.pop(key, None)
+        self.segments += [phase, IndentedBuffer()]
+
+    def render_body(self) -> IndentedBuffer:
+        """The code of one x iteration: x-level code and the phases' loops, in order."""
+        from .reductions import render_phase
+
+        self.end_phase()
+        code = IndentedBuffer()
+        for segment in self.segments:
+            if isinstance(segment, Phase):
+                render_phase(self, segment, code)
+            else:
+                code.splice(segment)
+        return code
+
+    # -- indexing -----------------------------------------------------------------------
+
+    def set_index_map(self, mapping: dict[sympy.Symbol, Expr]) -> None:
+        self.index_map = mapping
+
+    def index_str(self, index: Expr, name: str | None = None) -> str:
+        expr = sympy.expand(index.xreplace(self.index_map))
+        if name is not None:
+            expr = expr - _storage_offset(name)
+        expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        return self.printer.print(expr)
+
+    def mask(self) -> str:
+        return " && ".join(f"({m})" for m in self.mask_stack)
+
+    # -- the ops protocol ---------------------------------------------------------------
+
+    def load(self, name: str, index: Expr) -> CSEVariable:
+        idx = self.index_str(index, name)
+        key = (name, idx)
+        if key in self.stored:
+            return self.stored[key]
+        if name in self.removed:
+            self.unforwarded.add(name)
+        dtype = V.graph.get_dtype(name)
+        value = widen(f"{self.args.input(name)}[{idx}]", dtype)
+        if self.mask_stack:  # masked-off lanes must not touch memory
+            value = f"({self.mask()} ? {value} : {literal(0, dtype)})"
+        return self.emit(value, compute_dtype(dtype))
+
+    def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
+              ) -> None:
+        self._store_to(self.compute(), name, index, value, in_phase=self.phase is not None)
+
+    def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
+        self._store_to(self.after(), name, index, value, in_phase=False)
+
+    def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable,
+                  in_phase: bool) -> None:
+        idx = self.index_str(index, name)
+        self.stored[(name, idx)] = value
+        if in_phase and self.phase is not None:
+            self.phase.stored_keys.append((name, idx))
+        if name in self.removed:
+            return
+        dtype = V.graph.get_dtype(name)
+        buf.writeline(f"{self.args.output(name)}[{idx}] = {narrow(str(value), value.dtype, dtype)};")
+
+    def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
+        dt = compute_dtype(dtype)
+        return self.emit(literal(value, dt), dt)
+
+    def index_expr(self, expr: Expr, dtype: torch.dtype) -> CSEVariable:
+        text = self.index_str(expr)
+        var = self.emit(f"static_cast<int64_t>({text})", torch.int64)
+        return self.to_dtype(var, dtype)
+
+    def to_dtype(self, x: CSEVariable, dtype: torch.dtype,
+                 src_dtype: torch.dtype | None = None) -> CSEVariable:
+        if x.dtype == dtype:
+            return x
+        return self.emit(convert(str(x), x.dtype, dtype), compute_dtype(dtype))
+
+    def to_dtype_bitcast(self, x: CSEVariable, dtype: torch.dtype, src_dtype: torch.dtype
+                         ) -> CSEVariable:
+        from .overrides import storage_type
+
+        bits = narrow(str(x), x.dtype, src_dtype)
+        src_t, dst_t = storage_type(src_dtype), storage_type(dtype)
+        if src_dtype.itemsize != dtype.itemsize:
+            raise NotImplementedError(f"bitcast {src_dtype} -> {dtype}")
+        raw = f"__builtin_bit_cast({dst_t}, static_cast<{src_t}>({bits}))"
+        return self.emit(widen(raw, dtype), compute_dtype(dtype))
+
+    def indirect_indexing(self, x: CSEVariable, size: Expr, check: bool = True
+                          ) -> sympy.Symbol:
+        n = self.printer.print(size)
+        var = self.emit(f"static_cast<int64_t>({x} < 0 ? {x} + {n} : {x})", torch.int64)
+        return sympy.Symbol(var.name, integer=True, nonnegative=True)
+
+    def masked(self, mask: CSEVariable, body: Callable[[], Any], other: Any) -> CSEVariable:
+        self.mask_stack.append(str(mask))
+        try:
+            result = body()
+        finally:
+            self.mask_stack.pop()
+        other_lit = literal(other, result.dtype)
+        return self.emit(f"({mask} ? {result} : {other_lit})", result.dtype)
+
+    def where(self, cond: CSEVariable, a: Any, b: Any) -> CSEVariable:
+        dtype = compute_dtype(promote(a, b))
+        a_text, b_text = (convert(str(v), v.dtype, dtype) if isinstance(v, CSEVariable)
+                          else str(v) for v in (a, b))
+        return self.emit(f"({cond} ? {a_text} : {b_text})", dtype)
+
+    def getitem(self, x: Any, i: int) -> CSEVariable:
+        return x[i]  # type: ignore[no-any-return]
+
+    def reduction(self, dtype: torch.dtype, src_dtype: torch.dtype, reduction_type: str,
+                  value: CSEVariable) -> Any:
+        from .reductions import emit_reduction
+
+        key = (reduction_type, str(value))
+        if key not in self.reduction_cache:
+            assert self.phase is not None, "a reduction outside a phase"
+            self.reduction_cache[key] = emit_reduction(self, self.phase, reduction_type, value)
+        return self.reduction_cache[key]
+
+    def __getattr__(self, name: str) -> Callable[..., CSEVariable]:
+        from ...ops_handler import BINARY_OPS, UNARY_OPS
+
+        if name in UNARY_OPS or name in BINARY_OPS:
+            return lambda *args: self._op(name, *args)
+        raise AttributeError(name)
+
+    def _op(self, name: str, *args: CSEVariable) -> CSEVariable:
+        expr, dtype = render_op(name, args)
+        return self.emit(expr, dtype)
+
+
+def _storage_offset(name: str) -> Expr:
+    """Kernels index from the tensor's data pointer, which already includes its offset."""
+    try:
+        layout = V.graph.get_buffer(name).layout
+    except (KeyError, AttributeError):
+        return sympy.Integer(0)
+    return layout.offset if isinstance(layout, Layout) else sympy.Integer(0)

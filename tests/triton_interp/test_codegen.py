@@ -1,0 +1,151 @@
+"""Triton output code and the backend, run under Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiler.compiled_graph import load
+from compiler.runtime import triton_launcher
+from tests.numerics_cases import rand
+from tests.triton_interp.helpers import assert_matches_eager, compile_fn
+
+OPTIONS = {"cpu_backend": "triton-interpret"}
+
+
+def seed_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return ((a + b) * c.relu()).sum(dim=-1)
+
+
+def test_seed_golden_output_code() -> None:
+    args = [rand(64, 128) for _ in range(3)]
+    compiled = assert_matches_eager(seed_fn, args, {"atol": 1e-4, "rtol": 1e-4})
+    assert [k.name for k in compiled.kernels] == ["triton_per_fused_add_mul_relu_sum_0"]
+    kernel = compiled.kernels[0].source
+    assert len(re.findall(r"tl\.load\(in_ptr\d", kernel)) == 3
+    assert "tl.sum(" in kernel and kernel.count("tl.store(") == 1
+    lines = [ln.strip() for ln in compiled.wrapper_source.splitlines()]
+    body = lines[lines.index("args.clear()") + 1:]
+    assert body == [
+        "buf0 = empty_strided((64,), (1,), device=DEVICE, dtype=torch.float32)",
+        "triton_per_fused_add_mul_relu_sum_0.run(arg0_1, arg1_1, arg2_1, buf0)",
+        "del arg0_1", "del arg1_1", "del arg2_1", "return (buf0, )",
+    ]
+
+
+def test_looped_reduction_and_persistent_names() -> None:
+    small = compile_fn(lambda x: torch.softmax(x, -1), [rand(8, 100)])
+    big = compile_fn(lambda x: torch.softmax(x, -1), [rand(2, 6000)])
+    assert small.kernels[0].name.startswith("triton_per_fused_")
+    assert big.kernels[0].name.startswith("triton_red_fused_")
+    assert big.kernels[0].source.count("for roffset in range(0, rnumel, RBLOCK):") == 3
+    assert "RBLOCK" in big.kernels[0].source and "rmask" in big.kernels[0].source
+
+
+def test_welford_in_looped_layer_norm() -> None:
+    x, w, b = rand(3, 5000), rand(5000), rand(5000)
+    compiled = assert_matches_eager(lambda x, w, b: F.layer_norm(x, (5000,), w, b), [x, w, b],
+                                    {"atol": 1e-4, "rtol": 1e-4})
+    assert "th.welford_step(" in compiled.kernels[0].source
+    assert "th.welford(" in compiled.kernels[0].source
+
+
+def test_pointwise_chain_one_kernel_with_masks_and_configs() -> None:
+    compiled = compile_fn(lambda a, b: (a.exp() + b).tanh() * 2, [rand(33, 65), rand(65)])
+    (spec,) = compiled.kernels
+    assert spec.name.startswith("triton_poi_fused_") and "xmask" in spec.source
+    assert len(spec.configs) >= 3
+    assert all({"XBLOCK", "num_warps", "num_stages"} <= set(c) for c in spec.configs)
+
+
+def test_second_call_compiles_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = [rand(64, 128) for _ in range(3)]
+    call = load(compile_fn(seed_fn, args))
+    first = call([a.clone() for a in args])[0]
+
+    def fail(*a: object, **k: object) -> None:
+        raise AssertionError("compiled again on a second call")
+
+    monkeypatch.setattr(triton_launcher, "import_source", fail)
+    monkeypatch.setattr("compiler.kernel_compile.compile_kernel", fail)
+    second = call([a.clone() for a in args])[0]
+    torch.testing.assert_close(first, second)
+
+
+def test_fallback_op_runs_correctly() -> None:
+    fn = lambda a: torch.cumsum(a.exp(), 1) * 2  # noqa: E731
+    compiled = assert_matches_eager(fn, [rand(9, 13)], {"atol": 1e-5, "rtol": 1e-5})
+    assert "torch.ops.aten.cumsum.default(" in compiled.wrapper_source
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+@pytest.mark.parametrize("make, shape", [(mlp, (8, 32)), (Block, (2, 8, 32))],
+                         ids=["mlp", "block"])
+def test_training_step_matches_eager(make: type, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, x = make(), torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no graph may fall back to eager
+        compiled = torch.compile(model, backend="kiln", options=OPTIONS)
+        loss = compiled(x).square().mean()
+        loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = model(x).square().mean()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-4)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_kernel_compile_failure_falls_back_to_eager_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from compiler import driver
+    from compiler.errors import KilnCompileError
+
+    def broken(spec: object, config: object, target: object) -> None:
+        raise KilnCompileError("injected failure", stage="kernel compile",
+                               kernel="triton_poi_fused_x_0")
+
+    monkeypatch.setattr(driver, "compile_kernel", broken)
+    torch._dynamo.reset()
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="kiln", dynamic=False,
+                            options={"cpu_backend": "cpp"})(x)
+    kiln = [w for w in caught if "kiln" in str(w.message)]
+    assert len(kiln) == 1, [str(w.message) for w in kiln]
+    message = str(kiln[0].message)
+    assert "kernel triton_poi_fused_x_0" in message and "graph forward" in message
+    assert "kernel source: " in message
+    torch.testing.assert_close(out, model(x))
