@@ -101,10 +101,26 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:
-        # 7. Kernel compilation for the target, with each kernel's heuristic config.
-        compile_all(compiled, target or DEFAULT_TARGETS.get(device_type, {}))
+        target = target or DEFAULT_TARGETS.get(device_type, {})
+        if _can_autotune(options, target):
+            from .autotune import autotune_graph
+
+            # 7. Kernel compilation and autotuning: every config, measured on this GPU.
+            autotune_graph(compiled, target)
+        else:
+            # 7. Kernel compilation for the target, with each kernel's heuristic config.
+            compile_all(compiled, target)
     _log_output_code(options, compiled)
     return compiled
+
+
+def _can_autotune(options: dict[str, Any], target: dict[str, Any]) -> bool:
+    """Autotune where asked and where this process has a GPU of the target's arch."""
+    if str(options.get("autotune", "0")).lower() not in ("1", "true") or \
+            target.get("kind") != "cuda" or not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return int(target.get("arch", -1)) == major * 10 + minor
 
 
 def compile_all(compiled: CompiledGraph, target: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tests.triton_interp.test_codegen import Block, mlp
+from tests.models import Block, mlp
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from compiler.compiled_graph import load
 from compiler.runtime import triton_launcher
+from tests.models import Block, mlp
 from tests.numerics_cases import rand
 from tests.triton_interp.helpers import assert_matches_eager, compile_fn
 
@@ -81,29 +82,6 @@ def test_fallback_op_runs_correctly() -> None:
     fn = lambda a: torch.cumsum(a.exp(), 1) * 2  # noqa: E731
     compiled = assert_matches_eager(fn, [rand(9, 13)], {"atol": 1e-5, "rtol": 1e-5})
     assert "torch.ops.aten.cumsum.default(" in compiled.wrapper_source
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)
-                   for t in (q, k, v))
-        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
 
 
 @pytest.mark.parametrize("make, shape", [(mlp, (8, 32)), (Block, (2, 8, 32))],

@@ -15,7 +15,6 @@ from tests.numerics_cases import (
     is_reduction,
     tolerance,
 )
-
 from tests.triton_interp.helpers import assert_matches_eager
 
 CASES = expand_cases(ALL_CASES)
