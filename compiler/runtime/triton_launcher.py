@@ -33,19 +33,31 @@ class TritonLauncher:
         self.grid = (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
         self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
         self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
-        self._compiled: Any = None
         self._fn: Any = None
         if mode == "binary":
             assert binary is not None
-            self._compiled = load_binary(spec, binary)
+            self.run = self._binary_runner(load_binary(spec, binary))  # type: ignore[method-assign]
         else:
             module = import_source(spec.source, interpret=(mode == "interpret"))
             self._fn = getattr(module, spec.name)
 
+    def _binary_runner(self, compiled: Any) -> Any:
+        """A launch closure with everything but the arguments looked up once."""
+        import torch
+
+        launch, function = compiled.run, compiled.function
+        packed, constexprs = compiled.packed_metadata, tuple(self.constexprs)
+        gx, gy, gz = self.grid
+        raw_stream = torch._C._cuda_getCurrentRawStream
+        current_device = torch.cuda.current_device
+
+        def run(*args: Any) -> None:
+            launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None, None,
+                   *args, *constexprs)
+
+        return run
+
     def run(self, *args: Any) -> None:
-        if self._compiled is not None:
-            self._compiled[self.grid](*args, *self.constexprs)
-            return
         self._fn[self.grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
                             num_stages=int(self.config["num_stages"]))
 
