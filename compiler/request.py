@@ -211,8 +211,12 @@ def _encode_constant(t: torch.Tensor, where: str) -> list[Any]:
     if t.layout != torch.strided or t.is_quantized:
         raise SerializationError(f"{where}: constant with layout {t.layout} is not supported")
     meta = TensorMeta.from_tensor(t)
-    # Canonical bytes: logical (row-major) order, independent of the memory layout.
-    values = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    # Canonical bytes: logical (row-major) order, independent of the memory layout. The
+    # backend runs inside Dynamo's fake mode: read the real constant outside of it.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        values = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
     nbytes = values.numel() * values.element_size()
     data = ctypes.string_at(values.data_ptr(), nbytes) if nbytes else b""
     return ["tensor", meta.to_wire(), data]
