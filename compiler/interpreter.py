@@ -292,9 +292,26 @@ def _evaluate_buffer(buf: Buffer, storages: dict[str, Tensor], tensors: dict[str
                                     **fill_template(buf.kwargs_template, args.__getitem__))
         else:
             value = buf.op_overload(*args, *buf.constant_args, **buf.kwargs)
+        if isinstance(value, Tensor) and isinstance(buf.layout, Layout):
+            value = _as_declared(value, buf.layout)
         tensors[name] = value
         if isinstance(value, Tensor):
             storages[name] = flat_storage(value)
+
+
+def _as_declared(value: Tensor, layout: Layout) -> Tensor:
+    """``value`` in the layout the IR declared for it (from the op's meta function).
+
+    Consumers load the buffer through the declared strides; where eager's result is laid
+    out otherwise (a meta function that disagrees with the kernel), copy it over.
+    """
+    size = [int(s) for s in layout.size]
+    stride = [int(s) for s in layout.stride]
+    if list(value.shape) != size or all(
+            a == b or n == 1 for a, b, n in zip(value.stride(), stride, size)):
+        return value
+    out = torch.empty_strided(size, stride, dtype=value.dtype, device=value.device)
+    return out.copy_(value)
 
 
 def _input_tensor(x: IRNode, storages: dict[str, Tensor], tensors: dict[str, Any]) -> Tensor:

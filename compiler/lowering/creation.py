@@ -8,10 +8,10 @@ from typing import Any
 import sympy
 import torch
 
-from ..ir.nodes import IRNode, Pointwise, TensorBox
+from ..ir.nodes import Buffer, IRNode, Pointwise, TensorBox
 from ..ir.sym import Expr, sympify_tuple
 from ..virtualized import V, ops
-from .registry import register_lowering
+from .registry import eager_strides, register_lowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -77,8 +77,36 @@ def _like(value: Any) -> Any:
 register_lowering(aten.zeros_like)(_like(0))
 register_lowering(aten.ones_like)(_like(1))
 register_lowering(aten.full_like)(_like(None))
-# Uninitialized memory may hold anything: zeros are a valid value, and fuse.
-register_lowering(aten.empty_like)(_like(0))
+
+
+def _empty(size: Sequence[Any], dtype: torch.dtype, device: Any) -> TensorBox:
+    """Uninitialized memory: zeros are a valid value, and fuse. The layout is not free,
+    though: an eager op that fills it in memory order (``bernoulli`` in dropout draws its
+    random numbers that way) must see eager's strides, so a non-contiguous empty is a
+    buffer with the strides of the node's meta."""
+    box = full(size, 0, dtype=dtype, device=device)
+    stride = eager_strides()
+    if stride is not None and len(stride) == len(size) and not _is_contiguous(size, stride):
+        box.realize()
+        buf = box.storage().data  # type: ignore[union-attr]
+        assert isinstance(buf, Buffer)
+        buf.freeze_layout(sympify_tuple(stride))
+    return box
+
+
+def _is_contiguous(size: Sequence[Any], stride: Sequence[int]) -> bool:
+    expected = 1
+    for n, s in reversed(list(zip(size, stride))):
+        if int(n) != 1 and s != expected:
+            return False
+        expected *= int(n)
+    return True
+
+
+@register_lowering(aten.empty_like)
+def empty_like(x: IRNode, *args: Any, dtype: torch.dtype | None = None, device: Any = None,
+               **kwargs: Any) -> TensorBox:
+    return _empty(list(x.get_size()), dtype or x.get_dtype(), device or x.get_device())
 
 
 def _new(value: Any) -> Any:
@@ -93,19 +121,21 @@ def _new(value: Any) -> Any:
 register_lowering(aten.new_zeros)(_new(0))
 register_lowering(aten.new_ones)(_new(1))
 register_lowering(aten.new_full)(_new(None))
-register_lowering(aten.new_empty)(_new(0))
+register_lowering(aten.new_empty)(lambda x, size, *args, dtype=None, device=None, **kwargs:
+                                  _empty(size, dtype or x.get_dtype(),
+                                         device or x.get_device()))
 
 
 @register_lowering(aten.empty, aten.empty_permuted)
 def empty(size: Sequence[Any], *args: Any, dtype: torch.dtype | None = None,
           device: Any = None, **kwargs: Any) -> TensorBox:
-    return full(size, 0, dtype=dtype or torch.get_default_dtype(), device=device)
+    return _empty(size, dtype or torch.get_default_dtype(), device)
 
 
 @register_lowering(aten.empty_strided)
 def empty_strided(size: Sequence[Any], stride: Sequence[Any], *, dtype: Any = None,
                   device: Any = None, **kwargs: Any) -> TensorBox:
-    return full(size, 0, dtype=dtype or torch.get_default_dtype(), device=device)
+    return _empty(size, dtype or torch.get_default_dtype(), device)
 
 
 @register_lowering(aten.arange)

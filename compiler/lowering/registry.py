@@ -182,3 +182,24 @@ def register_pointwise(
 
 def current_device() -> torch.device:
     return V.graph.default_device
+
+
+def eager_strides(arg: int | None = None) -> tuple[int, ...] | None:
+    """Eager's dense strides for the node being lowered (or its ``arg``-th input), if known.
+
+    Read from the FX node's ``val`` meta; None when there is none or it is not dense
+    (a gap or an overlap cannot be the layout of a fresh buffer).
+    """
+    node = V.graph.current_node
+    if node is not None and arg is not None:
+        node = node.args[arg] if len(node.args) > arg else None
+    meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(meta, torch.Tensor):
+        return None
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(meta.stride(), meta.shape) if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(meta.stride())
+

@@ -12,8 +12,7 @@ from ..ir.extern import realize_input
 from ..ir.layout import FixedLayout
 from ..ir.nodes import Buffer, IRNode, ReinterpretView, TensorBox, View
 from ..ir.sym import Expr, FloorDiv, ModularIndexing, prod, sympify_tuple
-from ..virtualized import V
-from .registry import expand, register_lowering
+from .registry import eager_strides, expand, register_lowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -245,27 +244,14 @@ def _realize_with_eager_strides(x: IRNode) -> None:
     ``as_strided`` reads raw storage, so the buffer under it must be laid out as in eager
     (a pointwise op on a transposed input is transposed in memory too).
     """
-    node = V.graph.current_node
-    meta = node.args[0].meta.get("val") if node is not None and node.args and isinstance(
-        node.args[0], torch.fx.Node) else None
     storage = x.storage() if isinstance(x, TensorBox) else None
     if storage is None or storage.is_realized() or x.data is not storage:
         return
-    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(x.get_size()):
-        return
+    stride = eager_strides(arg=0)
     storage.realize()
     buf = storage.data
-    if isinstance(buf, Buffer) and buf.is_flexible() and _dense(meta):
-        buf.freeze_layout(sympify_tuple(meta.stride()))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    if stride is not None and len(stride) == len(x.get_size()) and isinstance(buf, Buffer):
+        buf.freeze_layout(sympify_tuple(stride))
 
 
 @register_lowering(aten.alias)
