@@ -88,10 +88,11 @@ def index_select(x: IRNode, dim: int, index_t: IRNode) -> TensorBox:
     size = list(x.get_size())
     dim = _norm(dim, len(size))
     x_loader, i_loader = x.make_loader(), index_t.make_loader()
+    scalar_index = len(index_t.get_size()) == 0  # a 0-d index selects one entry, kept as dim
 
     def inner_fn(idx: Sequence[Expr]) -> Any:
         full = list(idx)
-        full[dim] = _indirect(i_loader, [idx[dim]], size[dim])
+        full[dim] = _indirect(i_loader, [] if scalar_index else [idx[dim]], size[dim])
         return x_loader(full)
 
     out = size[:dim] + [index_t.get_size()[0] if index_t.get_size() else 1] + size[dim + 1:]
