@@ -100,7 +100,8 @@ def concurrency_worker(
 
 def reader_worker(url: str, options: dict[str, Any], keys: list[str], seconds: float,
                   signing_key: str | None) -> dict[str, Any]:
-    """Read `keys` in a tight loop while writers publish them."""
+    """Read `keys` in a tight loop while writers publish them: for `seconds` after the
+    first hit (writers may start later than this reader), at most a minute in all."""
     import time
 
     from artifact_store import open_store
@@ -108,13 +109,16 @@ def reader_worker(url: str, options: dict[str, Any], keys: list[str], seconds: f
     store = open_store(url, storage_options=options, local_cache=False,
                        signing_key=signing_key, stats_file=False, read_only=True)
     report: dict[str, Any] = {"hits": 0, "misses": 0, "bad": []}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    stop = start + 60.0
+    while time.monotonic() < stop:
         for key in keys:
             got = store.get(key)
             if got is None:
                 report["misses"] += 1
                 continue
+            if not report["hits"]:
+                stop = min(stop, time.monotonic() + seconds)
             report["hits"] += 1
             expected = round_artifact(key, got.manifest["writer"], got.manifest["round"])
             if got.blobs != expected.blobs:

@@ -26,7 +26,7 @@ def run_processes(url: str, options: dict[str, Any], writers: int, rounds: int) 
     context = multiprocessing.get_context("spawn")
     with context.Pool(writers + 1) as pool:
         reader = pool.apply_async(
-            reader_worker, (url, options, SHARED + [own_key(0)], 1.5, f"hmac:{KEY}"))
+            reader_worker, (url, options, SHARED + [own_key(0)], 1.0, f"hmac:{KEY}"))
         jobs = [
             pool.apply_async(concurrency_worker,
                              (url, options, w, rounds, SHARED + [own_key(w)], f"hmac:{KEY}"))
