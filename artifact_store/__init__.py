@@ -13,7 +13,7 @@ This package knows nothing of torch (and never imports it).
 
 from .artifact import Artifact
 from .config import StoreConfig, default_stats_file, user_cache_dir
-from .errors import ConfigError, IntegrityError, SignatureError, StoreError
+from .errors import ConfigError, IntegrityError, StoreError
 from .factory import open_store
 from .signing import Keyring, ed25519_available, generate_ed25519_key, parse_keyring
 from .stats import read_stats, summarize
@@ -24,7 +24,6 @@ __all__ = [
     "ConfigError",
     "IntegrityError",
     "Keyring",
-    "SignatureError",
     "Store",
     "StoreConfig",
     "StoreError",

@@ -30,10 +30,6 @@ class IntegrityError(StoreError):
         self.corrupt = corrupt
 
 
-class SignatureError(StoreError):
-    """A manifest that is unsigned where signatures are required, or wrongly signed."""
-
-
 class UnsupportedFormat(StoreError):
     """A well-formed manifest written by a newer Kiln: a miss, but never quarantined."""
 
