@@ -51,6 +51,10 @@ def _decomposition_table() -> dict[Any, Callable[..., Any]]:
     table.update(get_decompositions(_EXTRA))
     for op in _KEEP:
         table.pop(op, None)
+    # Fused attention stays one (fallback) kernel: the vendor's flash kernels are fast, and
+    # AOTAutograd's backward calls the matching backward kernel with what the forward
+    # kernel saved, which a decomposed forward does not produce.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
 
 
