@@ -93,6 +93,50 @@ def test_forward_and_backward(comp: Composite, dtype: torch.dtype, draw: Draw,
     check_lowering(fwd_bwd, x, *params, cotangent, reduction=True)
 
 
+# Backward graphs of views, indexing and losses: slice_scatter, select_scatter,
+# index_put / scatter_add (fallbacks), constant padding with negative pads, ...
+GRAD_CASES: dict[str, tuple[Callable[..., torch.Tensor], list[tuple[int, ...]]]] = {
+    "slice_step": (lambda x: x[:, 1::2] * 2, [(4, 7)]),
+    "slice_negative": (lambda x: x[-3:-1] * 2, [(5, 3)]),
+    "select": (lambda x: x[:, -2].exp(), [(4, 5)]),
+    "cat": (lambda x, y: torch.cat([x, y], 1).exp(), [(3, 2), (3, 4)]),
+    "pad": (lambda x: F.pad(x, (1, 2, -1, 1)).sin(), [(4, 5)]),
+    "expand": (lambda x: x.expand(4, 3, 5) * 2, [(3, 1)]),
+    "permute_reshape": (lambda x: x.permute(1, 0, 2).reshape(4, 15) ** 2, [(3, 4, 5)]),
+    "split_unbind": (lambda x: torch.split(x, 2, 1)[1] * torch.unbind(x, 1)[0][:, None],
+                     [(3, 7)]),
+    "index_repeated": (lambda x: x[torch.tensor([0, -1, 2, 2])] * 2, [(6, 3)]),
+    "gather": (lambda x: torch.gather(x, 1, torch.tensor([[0, 4], [1, 1], [3, 2]])), [(3, 5)]),
+    "embedding": (lambda w: F.embedding(torch.tensor([[1, 7, 1], [0, 9, 3]]), w), [(10, 4)]),
+    "max_and_var": (lambda x: x.max(1)[0] + x.var(1) + x.prod(1), [(4, 5)]),
+    "where_clamp": (lambda x: torch.where(x > 0, x, x * 0.1).clamp(-0.5, 0.5), [(4, 5)]),
+    "mse": (lambda x, y: F.mse_loss(x, y), [(4, 5), (4, 5)]),
+    "bce_with_logits": (lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid()),
+                        [(4, 5), (4, 5)]),
+    "batch_norm_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                         [(4, 3, 5), (3,), (3,)]),
+    "pools": (lambda x: F.avg_pool2d(x, 2) + F.max_pool2d(x, 2), [(1, 2, 4, 6)]),
+    "attention": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                  [(1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)]),
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", GRAD_CASES)
+def test_backward_of_views_indexing_and_losses(name: str, dtype: torch.dtype, draw: Draw,
+                                               check_lowering: Any) -> None:
+    fn, shapes = GRAD_CASES[name]
+    primals = [draw(s, dtype) for s in shapes]
+    cotangent = draw(tuple(fn(*primals).shape), dtype)
+
+    def fwd_bwd(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        *xs, ct = inputs
+        out, pullback = torch.func.vjp(fn, *xs)
+        return (out, *pullback(ct))
+
+    check_lowering(fwd_bwd, *primals, cotangent, reduction=True)
+
+
 def test_autograd_grad_inside_the_traced_function(draw: Draw, check_lowering: Any) -> None:
     """``torch.autograd.grad`` traces too when the input requires grad."""
     x = draw((B, D), torch.float32).requires_grad_()

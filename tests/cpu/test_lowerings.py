@@ -157,6 +157,12 @@ UNARY: list[Op] = [
     Op("bitwise_not", torch.bitwise_not, INTS + (torch.bool, torch.uint8, torch.int8)),
     Op("isnan_of_log", lambda x: torch.isnan(torch.log(x)), FLOATS),
     Op("signbit", torch.signbit, FLOATS),
+    # A Python scalar as the first operand (rsub.Scalar, remainder.Scalar_Tensor, ...).
+    Op("scalar_pow_base", lambda x: torch.pow(1.5, x), FLOATS + INTS, ("small",)),
+    Op("scalar_minus", lambda x: 2 - x, FLOATS + INTS),
+    Op("scalar_div", lambda x: 3 / x, FLOATS + INTS, ("nonzero",)),
+    Op("scalar_floordiv", lambda x: 10 // x, FLOATS + INTS, ("nonzero",)),
+    Op("scalar_remainder", lambda x: 7 % x, FLOATS + INTS, ("nonzero",)),
     Op("gelu", F.gelu, FLOATS), Op("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), FLOATS),
     Op("silu", F.silu, FLOATS), Op("hardtanh", F.hardtanh, FLOATS),
     Op("leaky_relu", lambda x: F.leaky_relu(x, 0.2), FLOATS), Op("elu", F.elu, FLOATS),
