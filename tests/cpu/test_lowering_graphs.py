@@ -53,6 +53,60 @@ def test_extern_kernel_with_pointwise(name: str, dtype: torch.dtype, draw: Draw,
     assert any(type(b) is ExternKernel for b in sg.graph.buffers), _kinds(sg)
 
 
+# -- chains: views of realized buffers, reshapes of lazy transposes, indexing into loops ---
+
+
+def _views_of_a_realized_buffer(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = a.exp()
+    s0, s1 = x.sum(0), x.sum(1)  # two reductions read x: it is realized
+    return x.t()[::2].reshape(-1) * 2, s0, s1, x[1:, ::2].permute(1, 0).reshape(2, -1)
+
+
+def _reshape_of_a_lazy_transpose(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = (a.t() * 2).reshape(6, 20)
+    return (x - x.amax(1, keepdim=True)).exp().sum(1), x[:, 3:17:3]
+
+
+def _matmul_then_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    c = a @ b
+    return c.t().contiguous().view(-1)[::3], torch.softmax(c, 0).t()
+
+
+def _expand_reshape_reduce(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = a.unsqueeze(0).expand(3, 8, 15).reshape(24, 15)
+    return y.sum(0), y * y.mean(1, keepdim=True)
+
+
+def _pad_cat_flip(a: torch.Tensor) -> torch.Tensor:
+    p = F.pad(a, (1, 1))
+    return torch.cat([p, p.flip(1)], 0).reshape(-1, 4)[:, 1::2].sum(1)
+
+
+def _index_into_loops(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x, i = a.exp(), torch.tensor([0, -1, 3, 3, 7])
+    return x[i].sum(1), x.t()[i] * 2, x.sum()
+
+
+CHAINS: dict[str, Callable[..., Any]] = {
+    "views_of_a_realized_buffer": _views_of_a_realized_buffer,
+    "reshape_of_a_lazy_transpose": _reshape_of_a_lazy_transpose,
+    "matmul_then_views": _matmul_then_views,
+    "expand_reshape_reduce": _expand_reshape_reduce,
+    "pad_cat_flip": _pad_cat_flip,
+    "index_into_loops": _index_into_loops,
+}
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=["float32", "float16"])
+@pytest.mark.parametrize("name", CHAINS)
+def test_chains_of_views_reductions_and_loops(name: str, dtype: torch.dtype, draw: Draw,
+                                              check_lowering: Any) -> None:
+    fn = CHAINS[name]
+    extra = [draw((15, 6), dtype)] if name == "matmul_then_views" else []
+    for a in (draw((8, 15), dtype), draw((15, 8), dtype).t(), draw((16, 15), dtype)[::2]):
+        check_lowering(fn, a, *extra, reduction=True)
+
+
 # -- fallbacks: ops with no lowering run eagerly --------------------------------------
 
 FALLBACKS: dict[str, Callable[..., Any]] = {
