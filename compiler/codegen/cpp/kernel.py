@@ -40,6 +40,7 @@ LANE = "rl"  # the lane index inside a phase's vector block
 # Row buffers that keep expensive values for later phases: at most this much stack.
 ROW_SCRATCH_BYTES = 64 * 1024
 _VARIABLE = re.compile(r"\btmp\d+\b")
+_DEFINITION = re.compile(r"^\s*const [\w:]+ (tmp\d+) = ")
 _EXPENSIVE = re.compile(r"\b(?:exp|expm1|exp2|log|log1p|log2|log10|erf|erfc|tanh|sinh|cosh|"
                         r"sin|cos|tan|asin|acos|atan|asinh|acosh|atanh|pow|atan2|hypot|"
                         r"lgamma|kiln_erfinv_)f?\(")
@@ -187,6 +188,7 @@ class CppKernel:
                 render_phase(self, segment, code)
             else:
                 code.splice(segment)
+        code.lines = drop_unused_values(code.lines)
         return code
 
     # -- indexing -----------------------------------------------------------------------
@@ -234,8 +236,8 @@ class CppKernel:
             self.phase.stored_keys.append((name, idx))
         if name in self.removed:
             return
-        dtype = V.graph.get_dtype(name)
-        buf.writeline(f"{self.args.output(name)}[{idx}] = {narrow(str(value), value.dtype, dtype)};")
+        text = narrow(str(value), value.dtype, V.graph.get_dtype(name))
+        buf.writeline(f"{self.args.output(name)}[{idx}] = {text};")
 
     def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
         dt = compute_dtype(dtype)
@@ -307,6 +309,24 @@ class CppKernel:
     def _op(self, name: str, *args: CSEVariable) -> CSEVariable:
         expr, dtype = render_op(name, args)
         return self.emit(expr, dtype)
+
+
+def drop_unused_values(lines: list[str]) -> list[str]:
+    """Remove ``const`` values nothing reads (a load made dead by a reused row buffer)."""
+    while True:
+        uses: dict[str, int] = {}
+        for line in lines:
+            for name in _VARIABLE.findall(line):
+                uses[name] = uses.get(name, 0) + 1
+        kept = [line for line in lines if not _unused_definition(line, uses)]
+        if len(kept) == len(lines):
+            return kept
+        lines = kept
+
+
+def _unused_definition(line: str, uses: dict[str, int]) -> bool:
+    match = _DEFINITION.match(line)
+    return match is not None and uses.get(match.group(1), 0) == 1
 
 
 def _storage_offset(name: str) -> Expr:

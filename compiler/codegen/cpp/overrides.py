@@ -156,8 +156,7 @@ COMMON_BINARY = {
     "ne": "({a} != {b})", "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})",
     "ge": "({a} >= {b})", "logical_and": "({a} && {b})", "logical_or": "({a} || {b})",
     "logical_xor": "(({a} != 0) != ({b} != 0))",
-    "maximum": "(({a} != {a} || {a} > {b}) ? {a} : {b})",
-    "minimum": "(({a} != {a} || {a} < {b}) ? {a} : {b})",
+    "maximum": "kiln_maximum<{T}>({a}, {b})", "minimum": "kiln_minimum<{T}>({a}, {b})",
 }
 FLOAT_BINARY = {
     "truediv": "({a} / {b})", "floordiv": "kiln_floordiv_{f}({a}, {b})",

@@ -12,45 +12,51 @@ from __future__ import annotations
 
 PRELUDE_NAME = "kiln_prelude.h"
 
-_LIBMVEC_FUNCTIONS = (
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "sinh",
-    "cosh", "tanh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erf", "erfc",
-)
-_LIBMVEC_BINARY = ("atan2", "hypot", "pow")
+# libm functions kernels call, declared here rather than through <math.h>, whose C++
+# wrapper costs more compile time than a whole kernel. Unary, then binary; each has a
+# float ("f" suffix) and a double version.
+_VECTOR_UNARY = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan",
+                 "sinh", "cosh", "tanh", "asin", "acos", "atan", "asinh", "acosh", "atanh",
+                 "erf", "erfc")
+_SCALAR_UNARY = ("sqrt", "lgamma", "floor", "ceil", "nearbyint", "trunc", "fabs")
+_VECTOR_BINARY = ("atan2", "hypot", "pow")
+_SCALAR_BINARY = ("fmod", "copysign", "nextafter")
 
 
-def _libmvec_declarations() -> str:
-    simd = '__attribute__((__simd__("notinbranch")))'
-    lines = []
-    for fn in _LIBMVEC_FUNCTIONS:
-        lines.append(f"float {fn}f(float) {simd};")
-        lines.append(f"double {fn}(double) {simd};")
-    for fn in _LIBMVEC_BINARY:
-        lines.append(f"float {fn}f(float, float) {simd};")
-        lines.append(f"double {fn}(double, double) {simd};")
+def _libm_declarations() -> str:
+    """Declarations of the libm functions; with glibc's vector math library, the ones it
+    has in vector form carry ``simd`` so that vectorized loops call those."""
+    simd = ' KILN_SIMD'
+    lines = ['extern "C" {']
+    for names, params, vector in ((_VECTOR_UNARY, 1, True), (_SCALAR_UNARY, 1, False),
+                                  (_VECTOR_BINARY, 2, True), (_SCALAR_BINARY, 2, False)):
+        for fn in names:
+            for ct, suffix in (("float", "f"), ("double", "")):
+                args = ", ".join([ct] * params)
+                lines.append(f"{ct} {fn}{suffix}({args}) noexcept{simd if vector else ''};")
+    lines.append("}")
     return "\n".join(lines)
 
 
 _HEAD = """// Kiln C++ kernel prelude: types, conversions and helpers for generated kernels.
 #pragma once
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 #include <omp.h>
 
 #ifdef KILN_HAVE_LIBMVEC
-extern "C" {
-%s
-}
+#define KILN_SIMD __attribute__((__simd__("notinbranch")))
+#else
+#define KILN_SIMD
 #endif
+%s
 
 #define KILN_INLINE static inline __attribute__((always_inline))
 #define KILN_MAX_THREADS 256
 """
 
 _CONVERSIONS = r"""
-KILN_INLINE float kiln_bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-KILN_INLINE uint32_t kiln_f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+KILN_INLINE float kiln_bits_to_f32(uint32_t u) { return __builtin_bit_cast(float, u); }
+KILN_INLINE uint32_t kiln_f32_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
 // bf16 is the high half of a float; rounding adds half an ulp plus the tie-to-even bit.
 KILN_INLINE float kiln_bf16_to_f32(uint16_t h) { return kiln_bits_to_f32((uint32_t)h << 16); }
@@ -145,8 +151,8 @@ _SPECIAL = r"""
 // erfinv: Giles' single-precision approximation, refined by Newton steps on erf.
 #define KILN_ERFINV(T, SUFFIX, STEPS)                                                   \
 KILN_INLINE T kiln_erfinv_##SUFFIX(T y) {                                               \
-    if (y != y || y < -1 || y > 1) return (T)NAN;                                       \
-    if (y == 1 || y == -1) return y * (T)INFINITY;                                      \
+    if (y != y || y < -1 || y > 1) return (T)__builtin_nan("");                         \
+    if (y == 1 || y == -1) return y * (T)__builtin_inf();                               \
     T w = -log##SUFFIX(((T)1 - y) * ((T)1 + y));                                        \
     T p;                                                                                \
     if (w < (T)5) {                                                                     \
@@ -207,4 +213,4 @@ KILN_INLINE void kiln_welford_combine(T& mean, T& m2, T& weight, T mean_b, T m2_
 
 def prelude_source() -> str:
     """The full text of ``kiln_prelude.h``."""
-    return (_HEAD % _libmvec_declarations()) + _CONVERSIONS + _ARITHMETIC + _SPECIAL
+    return (_HEAD % _libm_declarations()) + _CONVERSIONS + _ARITHMETIC + _SPECIAL

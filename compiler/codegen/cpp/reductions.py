@@ -23,8 +23,7 @@ LANES = 16  # lanes per vector block (a zmm of fp32, two ymm)
 # How one value folds into an accumulator: {a} the accumulator, {b} the new value.
 _COMBINE = {
     "sum": "{a} + {b}", "prod": "{a} * {b}", "xor_sum": "{a} ^ {b}",
-    "max": "(({a} != {a} || {a} > {b}) ? {a} : {b})",
-    "min": "(({a} != {a} || {a} < {b}) ? {a} : {b})",
+    "max": "kiln_maximum<{T}>({a}, {b})", "min": "kiln_minimum<{T}>({a}, {b})",
     "any": "{a} | {b}", "all": "{a} & {b}",
 }
 
@@ -80,9 +79,9 @@ def emit_reduction(k: CppKernel, phase: Phase, reduction_type: str, value: CSEVa
     if reduction_type in ("any", "all"):
         value = k.emit(f"static_cast<uint8_t>({value} != 0)", torch.uint8)
     dtype = compute_dtype(value.dtype)
-    acc = Accumulator(name, "plain", [("v", ctype(dtype), literal(identity(reduction_type, dtype),
-                                                                  dtype))],
-                      _COMBINE[reduction_type])
+    init = literal(identity(reduction_type, dtype), dtype)
+    acc = Accumulator(name, "plain", [("v", ctype(dtype), init)],
+                      _COMBINE[reduction_type].replace("{T}", ctype(dtype)))
     phase.accumulators.append(acc)
     ref = acc.refs(LANE)[0]
     phase.body.writeline(f"{ref} = {acc.combine.format(a=ref, b=value)};")

@@ -214,11 +214,15 @@ def _signature(kernel: CppKernel) -> dict[str, str]:
 
 def render(kernel: CppKernel, body: IndentedBuffer, has_red: bool) -> str:
     """The kernel's translation unit: the prelude, then one ``extern "C"`` function."""
-    params = ", ".join(f"{ct} {arg}" for arg, ct in _signature(kernel).items())
+    params = [f"{ct} {arg}" for arg, ct in _signature(kernel).items()]
     code = IndentedBuffer()
     code.writeline(f'#include "{PRELUDE_NAME}"')
     code.writeline("")
-    code.writeline(f'extern "C" void {NAME_PLACEHOLDER}({params})')
+    code.writeline(f'extern "C" void {NAME_PLACEHOLDER}(')
+    with code.indent():
+        code.writelines([p + ("," if i + 1 < len(params) else ")") for i, p in enumerate(params)])
+    if not params:
+        code.writeline(")")
     code.writeline("{")
     with code.indent():
         if has_red:
