@@ -17,15 +17,14 @@ import torch
 from . import debug
 from .codegen.cpp.build import DEFAULT_ISA
 from .codegen.simd import SIMDScheduling
-from .graph import GraphLowering
 from .compiled_graph import CompiledGraph
 from .errors import KilnCompileError
-from .runtime.kernel_files import write_source
+from .graph import GraphLowering
 from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
+from .runtime.kernel_files import write_source
 from .scheduler import Scheduler
 from .virtualized import V
-
 
 DEFAULT_TARGETS = {"cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
                    "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
@@ -101,15 +100,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:
-        target = target or DEFAULT_TARGETS.get(device_type, {})
-        if _can_autotune(options, target):
+        chosen: dict[str, Any] = target or DEFAULT_TARGETS.get(device_type, {})
+        if _can_autotune(options, chosen):
             from .autotune import autotune_graph
 
             # 7. Kernel compilation and autotuning: every config, measured on this GPU.
-            autotune_graph(compiled, target)
+            autotune_graph(compiled, chosen)
         else:
             # 7. Kernel compilation for the target, with each kernel's heuristic config.
-            compile_all(compiled, target)
+            compile_all(compiled, chosen)
     _log_output_code(options, compiled)
     return compiled
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import KilnCompileError
 from ..memory import buffer_bytes, plan_memory
-from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
+from ..scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
 from .kernel_spec import KernelSpec
 from .triton.scheduling import NAME_PLACEHOLDER, UnforwardedBuffers, codegen_triton

@@ -48,7 +48,9 @@ def value_str(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         inner = ", ".join(value_str(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner}{',' if len(value) == 1 else ''})"
     if isinstance(value, str):
         return repr(value)
     return repr(value)

@@ -64,9 +64,8 @@ class Layout:
         return self.offset + sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1
 
     def is_contiguous(self) -> bool:
-        return all(
-            n == 1 or s == c for n, s, c in zip(self.size, self.stride, contiguous_strides(self.size))
-        )
+        expected = contiguous_strides(self.size)
+        return all(n == 1 or s == c for n, s, c in zip(self.size, self.stride, expected))
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,8 @@ class FlexibleLayout(Layout):
     """Contiguous by default; realization may still pick another dense stride order."""
 
     @staticmethod
-    def contiguous(device: torch.device, dtype: torch.dtype, size: Sequence[Expr]) -> FlexibleLayout:
+    def contiguous(device: torch.device, dtype: torch.dtype, size: Sequence[Expr]
+                   ) -> FlexibleLayout:
         sz = sympify_tuple(size)
         return FlexibleLayout(device, dtype, sz, contiguous_strides(sz))
 

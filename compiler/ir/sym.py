@@ -11,8 +11,7 @@ from functools import reduce
 from typing import Any
 
 import sympy
-
-Expr = sympy.Expr
+from sympy import Expr  # re-exported: the type of index expressions
 
 
 def sympify_tuple(values: Iterable[Any]) -> tuple[Expr, ...]:

@@ -56,7 +56,7 @@ _UNARY: list[tuple[Any, str, Any]] = [
 _BINARY: list[tuple[Any, str, Any]] = [
     (aten.mul, "mul", DEFAULT), (aten.maximum, "maximum", DEFAULT),
     (aten.minimum, "minimum", DEFAULT), (aten.remainder, "remainder", DEFAULT),
-    (aten.fmod, "fmod", DEFAULT), (aten.pow, "pow", BOOL_TO_LONG),
+    (aten.fmod, "fmod", DEFAULT),
     (aten.eq, "eq", ALWAYS_BOOL), (aten.ne, "ne", ALWAYS_BOOL), (aten.lt, "lt", ALWAYS_BOOL),
     (aten.le, "le", ALWAYS_BOOL), (aten.gt, "gt", ALWAYS_BOOL), (aten.ge, "ge", ALWAYS_BOOL),
     (aten.logical_and, "logical_and", ALWAYS_BOOL), (aten.logical_or, "logical_or", ALWAYS_BOOL),
@@ -221,3 +221,34 @@ def fill(x: IRNode, value: Any) -> TensorBox:
     from .creation import full
 
     return full(list(x.get_size()), value, dtype=x.get_dtype(), device=x.get_device())
+
+
+_pow_generic = make_pointwise(lambda a, b: ops.pow(a, b), promotion=BOOL_TO_LONG)
+
+
+def _pow_by_multiplication(n: int) -> Any:
+    """``x ** n`` for a small integer ``n`` as multiplications (pow is a transcendental)."""
+
+    def fn(x: Any) -> Any:
+        out = x
+        for _ in range(abs(n) - 1):
+            out = ops.mul(out, x)
+        return ops.reciprocal(out) if n < 0 else out
+
+    return make_pointwise(fn, promotion=BOOL_TO_LONG)
+
+
+_POW_SPECIAL = {0.5: make_pointwise(lambda x: ops.sqrt(x), promotion=INT_TO_FLOAT),
+                -0.5: make_pointwise(lambda x: ops.rsqrt(x), promotion=INT_TO_FLOAT)}
+
+
+@register_lowering(aten.pow)
+def pow_(a: Any, b: Any) -> TensorBox:
+    """Strength-reduced for constant exponents: ``x**2`` is ``x*x``, ``x**0.5`` is sqrt."""
+    if is_tensor(a) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        if b in _POW_SPECIAL and a.get_dtype().is_floating_point:
+            return _POW_SPECIAL[b](a)
+        small_int = float(b).is_integer() and 1 <= abs(b) <= 8
+        if small_int and (b > 0 or a.get_dtype().is_floating_point):
+            return _pow_by_multiplication(int(b))(a)
+    return _pow_generic(a, b)

@@ -51,9 +51,25 @@ def reduction_configs(xnumel: int, rnumel: int) -> list[dict[str, Any]]:
     return out
 
 
-def configs_for(kind: str, xnumel: int, rnumel: int) -> list[dict[str, Any]]:
+def outer_reduction_configs(xnumel: int, rnumel: int) -> list[dict[str, Any]]:
+    """Reductions over a strided dimension (column sums): wide in x, where memory is
+    contiguous, and short in r."""
+    xcap, rcap = next_power_of_2(xnumel), next_power_of_2(rnumel)
+    out: list[dict[str, Any]] = []
+    for xblock, rblock, warps in ((64, 8, 4), (128, 8, 4), (32, 16, 4), (64, 16, 8),
+                                  (128, 4, 4), (16, 32, 4)):
+        cfg = _cfg(warps, XBLOCK=min(xblock, xcap), RBLOCK=min(rblock, rcap))
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def configs_for(kind: str, xnumel: int, rnumel: int, outer: bool = False
+                ) -> list[dict[str, Any]]:
     if kind == "pointwise":
         return pointwise_configs(xnumel)
     if kind == "persistent_reduction":
         return persistent_reduction_configs(xnumel, rnumel)
+    if outer:
+        return outer_reduction_configs(xnumel, rnumel)
     return reduction_configs(xnumel, rnumel)

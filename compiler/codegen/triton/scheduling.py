@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import sympy
-import torch
 
 from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
@@ -37,10 +35,34 @@ class UnforwardedBuffers(Exception):
         self.names = names
 
 
-def kernel_kind(rnumel: int) -> str:
+def kernel_kind(rnumel: int, outer: bool = False) -> str:
     if rnumel == 1:
         return "pointwise"
+    if outer:  # a strided reduction loops over short r blocks, wide in x
+        return "reduction"
     return "persistent_reduction" if rnumel <= PERSISTENT_RNUMEL else "reduction"
+
+
+def is_outer_reduction(node: BaseSchedulerNode) -> bool:
+    """True when the reduced dimension is strided in memory and x is the contiguous one,
+    judged by the reductions' reads (a column sum of a row-major matrix)."""
+    inner = outer = 0
+    for sub in node.get_nodes():
+        if not sub.is_reduction():
+            continue
+        assert isinstance(sub, SchedulerNode)
+        nx = len(sub.get_ranges()[0])
+        for dep in sub.read_writes.reads:
+            if not isinstance(dep, MemoryDep) or dep.is_indirect():
+                continue
+            r_last = dep.var_names[len(dep.size) - 1]
+            cr = dep.index.coeff(r_last)
+            cx = dep.index.coeff(dep.var_names[nx - 1]) if nx else 0
+            if cr == 1:
+                inner += 1
+            elif cx == 1:
+                outer += 1
+    return outer > inner
 
 
 def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, KernelSpec]:
@@ -50,7 +72,8 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Ker
     loop phase), ``UnforwardedBuffers`` names it and the caller retries with it stored.
     """
     xnumel, rnumel = (int(v) for v in node.group)
-    kind = kernel_kind(rnumel)
+    outer = rnumel > 1 and is_outer_reduction(node)
+    kind = kernel_kind(rnumel, outer)
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
@@ -67,7 +90,7 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Ker
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
         signature=_signature(kernel), xnumel=xnumel, rnumel=rnumel,
-        configs=tuple(configs_for(kind, xnumel, rnumel)))
+        configs=tuple(configs_for(kind, xnumel, rnumel, outer)))
     return _base_name(kind, ops), spec
 
 
