@@ -36,6 +36,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 L2_BYTES = 60 * 2**20
+PROFILE_TOP = int(os.environ.get("BENCH_PROFILE_TOP", "0"))
 
 
 @dataclass
@@ -173,9 +174,11 @@ def time_fn(fn: Callable[..., Any], input_sets: list[list[Any]], reps: int) -> f
     return statistics.median(times)
 
 
-def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10) -> float:
+def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10,
+              top: int = 0) -> float:
     """GPU kernel time per call (sum of the call's kernels), from the profiler: what the
-    memory-bound figures use, free of Python launch overhead."""
+    memory-bound figures use, free of Python launch overhead. ``top`` prints the
+    costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(*args)
@@ -184,8 +187,12 @@ def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10) -> float
         for _ in range(calls):
             fn(*args)
         torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
-    return total_us / calls / 1e3
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    for e in events[:top]:
+        print(f"#    {e.self_device_time_total / calls / 1e3:8.3f} ms  x{e.count // calls:<3} "
+              f"{e.key[:90]}", file=sys.stderr)
+    return sum(e.self_device_time_total for e in events) / calls / 1e3
 
 
 def copy_bandwidth() -> float:
@@ -233,10 +240,12 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
         with _grad(w):
             row[f"{name}_ms"] = time_fn(fn, sets, reps)
     row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
+    for name in ("inductor", "kiln"):
+        print(f"# {w.name}: {name} top kernels", file=sys.stderr)
+        with _grad(w):
+            row[f"{name}_kernel_ms"] = kernel_ms(fns[name], sets[0], top=PROFILE_TOP)
     if w.bytes_moved:
         for name in ("inductor", "kiln"):
-            with _grad(w):
-                row[f"{name}_kernel_ms"] = kernel_ms(fns[name], sets[0])
             gbs = w.bytes_moved / row[f"{name}_kernel_ms"] / 1e6
             row[f"{name}_GBps"] = gbs
             row[f"{name}_pct_copy"] = 100 * gbs / copy_gbs
@@ -246,13 +255,14 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
     print(f"copy bandwidth (d2d, read+write): {copy_gbs:.0f} GB/s")
     head = ("workload", "eager ms", "inductor ms", "kiln ms", "kiln/inductor",
-            "kiln kernel GB/s", "kiln %copy", "inductor %copy", "kiln compile s",
-            "inductor compile s")
+            "kiln GPU ms", "inductor GPU ms", "kiln kernel GB/s", "kiln %copy",
+            "inductor %copy", "kiln compile s", "inductor compile s")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = [r["workload"], f"{r['eager_ms']:.3f}", f"{r['inductor_ms']:.3f}",
                  f"{r['kiln_ms']:.3f}", f"{r['kiln/inductor']:.2f}",
+                 f"{r['kiln_kernel_ms']:.3f}", f"{r['inductor_kernel_ms']:.3f}",
                  f"{r.get('kiln_GBps', 0):.0f}" if "kiln_GBps" in r else "-",
                  f"{r['kiln_pct_copy']:.0f}%" if "kiln_pct_copy" in r else "-",
                  f"{r['inductor_pct_copy']:.0f}%" if "inductor_pct_copy" in r else "-",
