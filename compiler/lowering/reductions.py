@@ -71,6 +71,8 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         result: TensorBox = Pointwise.create(
             x.get_device(), dtype, lambda idx: ops.to_dtype(single(inner_fn(idx, zeros), dtype),
                                                             dtype), ranges)
+    elif _split_factor(reduction_type, ranges, rranges) > 1:
+        result = _split_reduction(x, inner_fn, ranges, rranges, reduction_type, dtype, src)
     else:
         node = Reduction(x.get_device(), dtype, inner_fn, ranges, rranges, reduction_type,
                          src, output_index)
@@ -80,6 +82,62 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         shape = [1 if d in dims else int(s) for d, s in enumerate(size)]
         return view(result, shape)  # type: ignore[return-value]
     return result
+
+
+# A reduction to few outputs over many elements runs in two stages, so that more than a
+# handful of programs share the work.
+_SPLITTABLE = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "any": "any",
+               "all": "all"}
+SPLIT_MIN_RNUMEL = 65536
+SPLIT_MAX_OUTPUTS = 64
+
+
+def _split_factor(reduction_type: str, ranges: Sequence[Expr], rranges: Sequence[Expr]) -> int:
+    if reduction_type not in _SPLITTABLE:
+        return 1
+    numel, rnumel = int(prod(ranges)), int(prod(rranges))
+    if numel > SPLIT_MAX_OUTPUTS or rnumel < SPLIT_MIN_RNUMEL:
+        return 1
+    split = 1
+    while split < 1024 and rnumel % (split * 2) == 0 and rnumel // (split * 2) >= 2048:
+        split *= 2
+    return split
+
+
+def _unflatten(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
+    from ..ir.sym import FloorDiv, ModularIndexing
+
+    out: list[Expr] = []
+    stride: Expr = sympy.Integer(1)
+    for i in reversed(range(len(sizes))):
+        out.append(FloorDiv(flat, stride) if i == 0 else ModularIndexing(flat, stride, sizes[i]))
+        stride = stride * sizes[i]
+    return list(reversed(out))
+
+
+def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
+                     rranges: tuple[Expr, ...], reduction_type: str, dtype: torch.dtype,
+                     src: torch.dtype) -> TensorBox:
+    """Reduce ``split`` chunks into a partials buffer, then reduce the partials."""
+    split = _split_factor(reduction_type, ranges, rranges)
+    chunk = int(prod(rranges)) // split
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    n = len(ranges)
+
+    def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        flat = index[n] * chunk + rindex[0]
+        return inner_fn(index[:n], _unflatten(flat, rranges))
+
+    partial = TensorBox.create(Reduction(x.get_device(), acc, stage1,
+                                         ranges + (sympy.Integer(split),),
+                                         (sympy.Integer(chunk),), reduction_type, src))
+    partial.realize()
+    load = partial.make_loader()
+    final = TensorBox.create(Reduction(
+        x.get_device(), dtype, lambda index, rindex: load(list(index) + [rindex[0]]),
+        ranges, (sympy.Integer(split),), _SPLITTABLE[reduction_type], acc))
+    final.realize()
+    return final
 
 
 def _reduce_one(reduction_type: str, output_index: int | None) -> Any:
