@@ -1,16 +1,30 @@
-"""Compile an ATen graph for the client: in this process for now, then load it."""
+"""Compile an ATen graph for the client and load it: request, key, store, farm, load.
+
+The request's target follows the example inputs' device: a CUDA graph targets the
+device's own arch (``cuda:3`` and ``cuda:0`` give the same key: ordinals are not part of
+it), a CPU graph ``compiler.driver.DEFAULT_TARGETS["cpu"]``. A hit loads the stored
+artifact and runs no compiler; a miss goes through ``frontend.client``.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from compiler import debug
 from compiler.compiled_graph import load
-from compiler.driver import compile_graph
+from compiler.driver import DEFAULT_TARGETS
+from compiler.request import CompileRequest
 
+from .client import CompileResult, client_for
 from .config import KilnConfig
+from .serialize import make_request
+
+log = logging.getLogger("kiln.compile")
 
 
 def graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -34,8 +48,71 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def target_for(device: torch.device) -> dict[str, Any]:
+    """The compile target of a device: its GPU arch, or the CPU default."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+    return dict(DEFAULT_TARGETS["cpu"])
+
+
+def request_options(config: KilnConfig) -> dict[str, Any]:
+    """Options that reach the compiler and the key (autotuning changes chosen configs)."""
+    return {**config.compiler_options(), "autotune": config.autotune}
+
+
+def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                  config: KilnConfig, target: dict[str, Any] | None = None) -> CompileRequest:
+    target = target if target is not None else target_for(input_device(example_inputs))
+    return make_request(gm, example_inputs, options=request_options(config), target=target)
+
+
+def compile_request(request: CompileRequest, config: KilnConfig, name: str = "graph"
+                    ) -> CompileResult:
+    """Look up or compile one request (no loading): what ``kiln precompile`` and the
+    benchmarks use for targets this machine cannot run."""
+    return client_for(config).compile(request, name)
+
+
 def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                      config: KilnConfig, name: str) -> Callable[..., Any]:
-    options = {**config.compiler_options(), **config.debug_options()}
-    compiled = compile_graph(gm, example_inputs, options, name=name)
-    return load(compiled, graph_constants(gm), input_device(example_inputs))
+    start = time.perf_counter()
+    request = build_request(gm, example_inputs, config)
+    built = time.perf_counter()
+    result = compile_request(request, config, name)
+    loaded_at = time.perf_counter()
+    fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    done = time.perf_counter()
+    result.timings.update(request_s=built - start, load_s=done - loaded_at,
+                          backend_s=done - start)
+    _debug_dump(config, name, request, result)
+    log.debug("kiln graph %s key %s: %s in %.1f ms (%s)", name, result.key.key[:16],
+              result.source, 1000 * (done - start),
+              ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in result.timings.items()))
+    _notify(name, result)
+    return fn
+
+
+# Observers of every graph compiled in this process (``kiln precompile``'s progress).
+observers: list[Callable[[str, CompileResult], None]] = []
+
+
+def _notify(name: str, result: CompileResult) -> None:
+    for observer in list(observers):
+        observer(name, result)
+
+
+def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
+                result: CompileResult) -> None:
+    """With ``KILN_DEBUG``: the request and its key parts, for ``kiln explain-miss``."""
+    if not config.debug:
+        return
+    import json
+
+    options = config.debug_options()
+    folder = debug.debug_dir(f"{name}_request", options)
+    (folder / "request.msgpack").write_bytes(request.to_bytes())
+    (folder / "key.json").write_text(json.dumps(
+        {"key": result.key.key, "parts": result.key.parts, "source": result.source,
+         "timings": result.timings}, indent=2) + "\n")
+    log.info("kiln: request of graph %s (key %s) saved in %s", name, result.key.key, folder)

@@ -1,0 +1,13 @@
+"""The farm's side of Kiln: compile workers, kernel fan-out, GPU autotuning and in-flight
+de-duplication.
+
+- ``workers.pipeline``: the steps themselves, without Ray (``compile_inprocess`` is the
+  ``inprocess`` farm mode, and the client's own fallback);
+- ``workers.actors``: ``CompileWorker`` (graph to kernel sources), ``compile_kernel_task``
+  (one kernel, one config, one target), ``Autotuner`` (``num_gpus=1``);
+- ``workers.coordinator``: ``KilnFarm``, the named detached actor every client calls
+  (``get_farm_actor()``).
+
+Importing this package does not import Ray; ``workers.actors`` and
+``workers.coordinator`` do. Workers import ``compiler`` and never ``frontend``.
+"""

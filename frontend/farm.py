@@ -1,0 +1,252 @@
+"""Where a miss is compiled: the farm mode named by ``KILN_FARM``.
+
+- ``inprocess``: in this process, no Ray (``workers.pipeline.compile_inprocess``);
+- ``local`` (default): the cluster ``kiln farm up`` started, if its address file names
+  one that answers; else an embedded Ray started on the first miss with this machine's
+  CPUs (it lives as long as this process);
+- anything else is a Ray address (``host:port``, ``ray://host:port``, ``auto``): join it.
+
+A process already connected to Ray (``ray.init`` by the user) uses that connection. A
+farm that cannot be reached, that dies, that runs other versions, or that does not answer
+within ``KILN_FARM_TIMEOUT`` raises ``FarmUnavailable``: the client then compiles the
+graph itself. A compile error raises ``CompileFailure`` (naming key, stage and op).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from artifact_store import user_cache_dir
+from compiler.compiled_graph import CompiledGraph
+from compiler.request import CompileRequest
+from workers.pipeline import CompileFailure, KernelCache, compile_inprocess
+
+log = logging.getLogger("kiln.farm")
+
+INPROCESS, LOCAL = "inprocess", "local"
+PROBE_TIMEOUT_S = 3.0
+RAY_CLIENT_PORT = 10001
+
+
+class FarmUnavailable(RuntimeError):
+    """The farm cannot compile this graph now; the client compiles it itself."""
+
+
+class Farm(Protocol):
+    """Compiles requests somewhere; see the module docstring for the modes."""
+
+    @property
+    def description(self) -> str: ...
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph: ...
+
+
+class InProcessFarm:
+    """The ``inprocess`` mode and every client's fallback: this process, no Ray."""
+
+    description = "this process"
+
+    def __init__(self) -> None:
+        self.kernels = KernelCache()
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        try:
+            return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay)
+        except Exception as e:
+            raise CompileFailure.wrap(e, key) from e
+
+
+# ---------------------------------------------------------------------------------------
+# The address file of `kiln farm up`.
+
+
+def farm_file() -> Path:
+    return Path(os.environ.get("KILN_FARM_FILE") or user_cache_dir() / "farm.json")
+
+
+def read_farm_file() -> dict[str, Any] | None:
+    try:
+        data = json.loads(farm_file().read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("address") else None
+
+
+def write_farm_file(info: dict[str, Any]) -> Path:
+    path = farm_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) to probe for an address; None where there is nothing to probe."""
+    rest = address.removeprefix("ray://")
+    if address in ("auto", "") or ":" not in rest:
+        return None
+    host, _, port = rest.rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        return None
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``address`` cannot be reached (a TCP connect), or None if it answers.
+
+    Ray's own connect waits minutes for a cluster that is not there; this fails fast."""
+    target = _host_port(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{target[0]}:{target[1]} does not answer ({e})"
+
+
+def use_auth_token() -> None:
+    """Send this machine's Ray token when joining a cluster: Ray enables token auth by
+    default for the clusters it starts, but a joining driver only if told to."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Ray.
+
+
+class RayFarm:
+    """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
+
+    def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
+                 graph_workers: int | None = None, connect_timeout: float = 120.0) -> None:
+        self.address = address
+        self.num_cpus = num_cpus
+        self.graph_workers = graph_workers
+        self.connect_timeout = connect_timeout
+        self.joined: str | None = None  # what this process is connected to
+        self._actor: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def description(self) -> str:
+        where = self.joined or self.address
+        return f"the Ray cluster at {where}" if where else "an embedded Ray"
+
+    def actor(self) -> Any:
+        """The coordinator, connecting (and starting embedded Ray) on first use."""
+        with self._lock:
+            if self._actor is None:
+                self._actor = self._connect()
+            return self._actor
+
+    def _connect(self) -> Any:
+        import ray
+
+        from workers.coordinator import get_farm_actor
+
+        if self.address is not None:  # fail fast, whatever this process joined before
+            reason = probe(self.address)
+            if reason is not None:
+                raise FarmUnavailable(f"cannot reach the Ray cluster at {self.address}: "
+                                      f"{reason}")
+        if not ray.is_initialized():
+            self._init_ray(ray)
+        start = time.perf_counter()
+        actor = get_farm_actor(self.graph_workers)
+        try:
+            ray.get(actor.ping.remote(), timeout=self.connect_timeout)
+        except Exception as e:
+            raise FarmUnavailable(f"the farm's coordinator did not start: {e}") from e
+        log.debug("kiln farm: coordinator ready in %.2fs", time.perf_counter() - start)
+        return actor
+
+    def _init_ray(self, ray: Any) -> None:
+        address = self.address
+        if address is None:  # local: `kiln farm up`'s cluster if it answers
+            info = read_farm_file()
+            if info is not None and probe(str(info["address"])) is None:
+                address = str(info["address"])
+        kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING,
+                                  "ignore_reinit_error": True}
+        if address is None:
+            # Workers only compile: Triton's interpreter (a client's CPU backend) would
+            # stop them from cross-compiling GPU kernels.
+            # address "local": a new instance even where `ray start` runs one already.
+            kwargs.update(address="local", num_cpus=self.num_cpus or os.cpu_count(),
+                          include_dashboard=False,
+                          runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
+        else:
+            kwargs["address"] = address
+            use_auth_token()
+        try:
+            ray.init(**kwargs)
+        except Exception as e:
+            where = f"connect to {address}" if address else "start"
+            raise FarmUnavailable(f"Ray did not {where}: {e}") from e
+        self.joined = address or "embedded"
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        import ray
+
+        actor = self.actor()
+        ref = actor.compile.remote(key, request.to_bytes(), delay)
+        try:
+            return CompiledGraph.from_dict(ray.get(ref, timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise FarmUnavailable(
+                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                "compiling it for later clients") from None
+        except ray.exceptions.RayError as e:
+            raise self._classify(e, key) from None
+
+    def _classify(self, error: Exception, key: str) -> Exception:
+        from workers.coordinator import root_cause
+        from workers.pipeline import FarmVersionMismatch
+
+        cause = root_cause(error)
+        if isinstance(cause, CompileFailure):
+            return CompileFailure.wrap(cause, key)
+        if not isinstance(cause, FarmVersionMismatch):
+            with self._lock:
+                self._actor = None  # look the coordinator up again next time
+        return FarmUnavailable(f"{type(cause).__name__}: {cause}")
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        return dict(ray.get(self.actor().stats.remote(), timeout=self.connect_timeout))
+
+
+_farms: dict[str, Farm] = {}
+_farms_lock = threading.Lock()
+
+
+def farm_for(mode: str) -> Farm:
+    """The process's farm for a ``KILN_FARM`` value (one per value: Ray connects once)."""
+    mode = (mode or LOCAL).strip()
+    with _farms_lock:
+        if mode not in _farms:
+            if mode.lower() == INPROCESS:
+                _farms[mode] = InProcessFarm()
+            else:
+                _farms[mode] = RayFarm(None if mode.lower() == LOCAL else mode)
+        return _farms[mode]

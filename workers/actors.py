@@ -1,0 +1,96 @@
+"""Ray's side of the farm's steps: warm compile actors, kernel-compile tasks, GPU
+autotuners. Each is a thin shell over ``workers.pipeline`` / ``workers.autotune``.
+
+Resources: a ``CompileWorker`` reserves no CPU (it runs one graph at a time and is idle
+while its kernels compile), so every CPU of the cluster is free for kernel tasks, the
+part that fans out. An ``Autotuner`` holds one GPU for its lifetime.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from compiler.codegen.kernel_spec import KernelSpec
+from compiler.kernel_compile import KernelBinary
+
+from . import autotune
+from .pipeline import CompileFailure, FarmVersionMismatch, compile_sources, run_kernel_job
+
+
+def _warm_compiler() -> None:
+    """Import what every compile needs (torch, the compiler, Triton) once per process."""
+    import compiler.driver  # noqa: F401
+    import compiler.kernel_compile  # noqa: F401
+    from compiler.versions import versions
+
+    try:
+        import triton  # noqa: F401
+        import triton.compiler  # noqa: F401
+    except ImportError:  # a CPU-only farm without Triton still lowers graphs
+        pass
+    versions()
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=3)
+class CompileWorker:
+    """Runs stages 1 to 6 of the compiler for one request at a time (kernel sources).
+
+    ``max_restarts`` and ``max_task_retries``: a worker killed mid-compile is restarted
+    and the compile it was running is retried on it; compile errors are not retried."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def warm(self) -> int:
+        _warm_compiler()
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def compile_sources(self, request_bytes: bytes, key: str, delay: float = 0.0
+                        ) -> dict[str, Any]:
+        self.compiles += 1
+        try:
+            return compile_sources(request_bytes, key, delay=delay).to_dict()
+        except FarmVersionMismatch:
+            raise
+        except Exception as e:  # sent back as data: compiler errors do not unpickle
+            raise CompileFailure.wrap(e, key) from None
+
+
+@ray.remote(num_cpus=1, max_retries=3)
+def compile_kernel_task(spec: dict[str, Any], config: dict[str, Any],
+                        target: dict[str, Any]) -> dict[str, Any]:
+    """One kernel, one config, one target: the farm's unit of fan-out (retried if the
+    process running it dies)."""
+    try:
+        return run_kernel_job(spec, config, target)
+    except Exception as e:
+        raise CompileFailure.wrap(e, "") from None
+
+
+@ray.remote(num_cpus=1)
+def warm_kernel_process() -> int:
+    """Start (and import into) a process for kernel tasks before the first miss."""
+    _warm_compiler()
+    return os.getpid()
+
+
+@ray.remote(num_gpus=1, max_restarts=-1, max_task_retries=1)
+class Autotuner:
+    """Benchmarks a kernel's candidate binaries on the GPU Ray gives it."""
+
+    def arch(self) -> int | None:
+        """The GPU's arch number (90 for sm_90); -1 matches any target under the fake
+        benchmark of the tests; None without a usable GPU."""
+        if autotune.fake_autotune():
+            return -1
+        return autotune.gpu_arch()
+
+    def benchmark(self, spec: dict[str, Any], binaries: list[dict[str, Any]]) -> list[float]:
+        return autotune.benchmark(KernelSpec.from_dict(spec),
+                                  [KernelBinary.from_dict(b) for b in binaries])

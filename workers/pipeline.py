@@ -1,0 +1,245 @@
+"""The farm's work, without Ray: a request to kernel sources, kernels to binaries, and the
+finished ``CompiledGraph``. Every farm mode (``inprocess``, embedded Ray, a cluster) runs
+these same functions on the same decoded request, which is why they give byte-identical
+artifacts; the modes differ only in where each step runs.
+
+    compile_sources(request_bytes, key)        stages 1-6 on a CompileWorker (no binaries)
+    kernel_jobs(compiled, target, autotune)     one job per (kernel, candidate config)
+    run_kernel_job(job)                         one binary: a Ray task, or a plain call
+    finish(compiled, chosen, ...)               binaries and chosen configs into the graph
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from compiler.codegen.kernel_spec import KernelSpec
+from compiler.compiled_graph import CompiledGraph
+from compiler.errors import KilnCompileError
+from compiler.kernel_compile import KernelBinary, compile_kernel
+from compiler.request import CompileRequest, canonical
+from compiler.versions import versions
+
+# Test hook: seconds a worker sleeps before compiling a graph (to kill it mid-compile).
+# The client reads it and passes it along with the request; it never enters the key.
+TEST_DELAY_ENV = "KILN_TEST_COMPILE_DELAY"
+
+
+class FarmVersionMismatch(RuntimeError):
+    """The worker's compiler is not the one the request (and its key) was made for."""
+
+
+class CompileFailure(KilnCompileError):
+    """A compile error that names its graph key, stage and op, and crosses processes.
+
+    ``KilnCompileError`` and its subclasses take keyword-only fields and so do not
+    unpickle; this one keeps every field in ``args``, which is what pickling replays."""
+
+    def __init__(self, message: str, stage: str = "compile", key: str = "", node: str = "",
+                 op: str = "", kernel: str = "", graph: str = "") -> None:
+        RuntimeError.__init__(self, message, stage, key, node, op, kernel, graph)
+        self.message, self.key = message, key
+        self.stage, self.node, self.op, self.kernel, self.graph = stage, node, op, kernel, graph
+
+    def __str__(self) -> str:
+        return f"{self.message} [graph key {self.key}]" if self.key else self.message
+
+    @classmethod
+    def wrap(cls, error: BaseException, key: str) -> CompileFailure:
+        """``error`` as a CompileFailure for ``key`` (its stage, node, op and kernel kept)."""
+        if isinstance(error, CompileFailure):
+            return error if error.key else cls(*error.args[:2], key, *error.args[3:])
+        message = str(error) if isinstance(error, KilnCompileError) else \
+            f"{type(error).__name__}: {error}"
+        fields = {name: str(getattr(error, name, "") or "")
+                  for name in ("node", "op", "kernel", "graph")}
+        return cls(message, str(getattr(error, "stage", "") or "compile"), key, **fields)
+
+
+def graph_name(key: str) -> str:
+    """The compiled graph's name: from its key, so the wrapper's bytes depend on nothing
+    a client chose (``forward_0`` in one process is ``forward_3`` in another)."""
+    return f"kiln_{key[:16]}"
+
+
+def test_delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get(TEST_DELAY_ENV, "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+def check_versions(request: CompileRequest) -> None:
+    """Refuse a request whose compiler, torch or triton differ from this process's."""
+    mine = versions()
+    theirs = request.versions
+    differing = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differing:
+        detail = ", ".join(f"{k}: client {theirs.get(k)!r}, farm {mine.get(k)!r}"
+                           for k in differing)
+        raise FarmVersionMismatch(
+            f"the farm runs other versions than the client ({detail}); the client compiles "
+            "locally. Deploy the client's Kiln, torch and triton to the farm's image")
+
+
+def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0) -> CompiledGraph:
+    """Stages 1 to 6 of the compiler on a decoded request: sources, no binaries.
+
+    Inputs are FakeTensors of the request's device type, so a CPU-only worker lowers a
+    CUDA graph (and its kernels are cross-compiled for the request's target later)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiler.driver import compile_graph
+    from compiler.request import deserialize_graph, fake_tensor_from_meta
+
+    request = CompileRequest.from_bytes(request_bytes)
+    check_versions(request)
+    if delay > 0:
+        time.sleep(delay)
+    mode = FakeTensorMode()
+    gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode)
+    inputs = [fake_tensor_from_meta(meta, mode) for meta in request.inputs]
+    start = time.perf_counter()
+    compiled = compile_graph(gm, inputs, dict(request.options), name=graph_name(key),
+                             target=request.target, compile_kernels=False)
+    compiled.timings["graph_compile"] = time.perf_counter() - start
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel jobs.
+
+
+def needs_binary(spec: KernelSpec, target: dict[str, Any]) -> bool:
+    """Whether ``spec`` is compiled for ``target`` (Triton's interpreter runs sources)."""
+    kind = target.get("kind")
+    return (kind == "cuda" and spec.backend == "triton") or (kind == "cpu" and
+                                                             spec.backend == "cpp")
+
+
+def _spec_identity(spec: KernelSpec) -> dict[str, Any]:
+    """What a kernel's binary depends on: not its buffer names or candidate list."""
+    return {"backend": spec.backend, "kind": spec.kind, "source": spec.source,
+            "signature": spec.signature, "xnumel": spec.xnumel, "rnumel": spec.rnumel}
+
+
+@dataclass(frozen=True)
+class KernelJob:
+    """One kernel compiled with one config for one target: the unit of fan-out."""
+
+    spec: KernelSpec
+    config: dict[str, Any]
+    target: dict[str, Any]
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        wire = canonical([_spec_identity(self.spec), self.config, self.target], "kernel job")
+        digest = hashlib.sha256(msgpack.packb(wire, use_bin_type=True)).hexdigest()
+        object.__setattr__(self, "key", digest)
+
+
+def candidate_configs(spec: KernelSpec, autotune: bool) -> list[dict[str, Any]]:
+    """The heuristic config alone, or every distinct candidate when autotuning."""
+    configs = [dict(c) for c in spec.configs] or [{}]
+    if not autotune:
+        return configs[:1]
+    unique: list[dict[str, Any]] = []
+    for config in configs:
+        if config not in unique:
+            unique.append(config)
+    return unique
+
+
+def kernel_jobs(compiled: CompiledGraph, target: dict[str, Any], autotune: bool = False
+                ) -> dict[str, list[KernelJob]]:
+    """Per kernel name, the jobs to run: one, or one per candidate when autotuning."""
+    return {spec.name: [KernelJob(spec, config, target)
+                        for config in candidate_configs(spec, autotune)]
+            for spec in compiled.kernels if needs_binary(spec, target)}
+
+
+def run_kernel_job(spec: dict[str, Any], config: dict[str, Any], target: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """Compile one kernel job; plain dicts in and out (this is what a Ray task runs)."""
+    return compile_kernel(KernelSpec.from_dict(spec), config, target).to_dict()
+
+
+def finish(compiled: CompiledGraph, chosen: dict[str, KernelBinary], *,
+           autotune: dict[str, dict[str, Any]] | None = None, kernel_wall_s: float = 0.0
+           ) -> CompiledGraph:
+    """Put the chosen binaries and their configs into the graph; record how they were
+    chosen (``autotuned`` only when every compiled kernel with candidates was timed)."""
+    names = [spec.name for spec in compiled.kernels if spec.name in chosen]
+    compiled.binaries = {name: chosen[name] for name in names}
+    compiled.configs = {name: dict(chosen[name].config) for name in names}
+    tunable = [s.name for s in compiled.kernels if s.name in chosen and len(s.configs) > 1]
+    timed = autotune or {}
+    compiled.autotuned = bool(tunable) and all(name in timed for name in tunable)
+    if timed:
+        compiled.stats["autotune"] = {name: timed[name] for name in names if name in timed}
+    compiled.stats["kernels_compiled"] = len(names)
+    compiled.timings["kernel_compile"] = kernel_wall_s
+    compiled.timings["kernel_compile_cpu"] = sum(b.compile_seconds for b in chosen.values())
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------
+# In-process: the same steps, one after another, with a process-wide kernel cache.
+
+
+class KernelCache:
+    """Binaries by job key, bounded (least recently used out); thread-safe."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, KernelBinary] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.compiles = 0
+
+    def get_or_compile(self, job: KernelJob) -> KernelBinary:
+        with self._lock:
+            if job.key in self._entries:
+                self._entries.move_to_end(job.key)
+                self.hits += 1
+                return self._entries[job.key]
+        binary = compile_kernel(job.spec, job.config, job.target)
+        with self._lock:
+            self.compiles += 1
+            self._entries[job.key] = binary
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return binary
+
+
+def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
+                      delay: float = 0.0) -> CompiledGraph:
+    """The whole pipeline in this process: no Ray, heuristic configs (no autotuning)."""
+    cache = cache or KernelCache()
+    compiled = compile_sources(request_bytes, key, delay=delay)
+    target = CompileRequest.from_bytes(request_bytes).target
+    start = time.perf_counter()
+    chosen = {name: cache.get_or_compile(jobs[0])
+              for name, jobs in kernel_jobs(compiled, target).items()}
+    return finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
+
+
+def fastest(jobs: Iterable[KernelJob], timings_us: list[float],
+            binaries: list[KernelBinary]) -> tuple[KernelBinary, dict[str, Any]]:
+    """The binary with the lowest time, and the record the artifact keeps of the choice."""
+    jobs = list(jobs)
+    best = min(range(len(jobs)), key=lambda i: (timings_us[i], i))
+    record = {"timings_us": [round(t, 3) for t in timings_us], "chosen": best,
+              "configs": [job.config for job in jobs]}
+    return binaries[best], record
+
+
