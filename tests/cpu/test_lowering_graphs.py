@@ -191,18 +191,7 @@ MUTATIONS: dict[str, tuple[Callable[..., Any], list[tuple[int, ...]]]] = {
 }
 
 
-# Fix (outside the lowerings): ir/nodes.py Buffer.make_loader reads the layout when the
-# body runs, not when the loader is made; graph.py _realize_output then also freezes an
-# already realized, still flexible output to the meta strides.
-_REALIZED_EARLY_OUTPUT = pytest.mark.xfail(strict=True, reason=(
-    "graph.py _realize_output gives eager's strides only to storage it realizes itself; "
-    "an output realized earlier (a lazy reader of a mutated input, a value read by two "
-    "reductions) stays flexible and finalize_layouts makes it contiguous"))
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=_REALIZED_EARLY_OUTPUT) if n == "transposed_view" else n
-    for n in MUTATIONS])
+@pytest.mark.parametrize("name", MUTATIONS)
 def test_input_mutation_updates_the_input_in_place(name: str, draw: Draw,
                                                    assert_same: Any) -> None:
     fn, shapes = MUTATIONS[name]
@@ -221,10 +210,10 @@ def test_input_mutation_updates_the_input_in_place(name: str, draw: Draw,
     assert sg.graph.mutated_inputs, "no buffer writes into an input"
 
 
-@_REALIZED_EARLY_OUTPUT
 def test_output_read_by_two_reductions_keeps_eager_strides(draw: Draw,
                                                             check_lowering: Any) -> None:
-    """``y`` is realized when lowered (two reductions read it), before it is an output."""
+    """``y`` is realized when lowered (two reductions read it), before it is an output,
+    and still comes back with eager's (transposed) strides."""
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = x.t() * 2
