@@ -98,8 +98,8 @@ def _functionalized(fn: Callable[..., Any]) -> Callable[..., Any]:
                 out = fn(*wrapped)
             out = pytree.tree_map_only(FunctionalTensor, unwrap, out)
             for arg, w in zip(args, wrapped):
-                if isinstance(w, FunctionalTensor) and torch._functionalize_has_data_mutation(
-                        w.elem):
+                mutated = torch._functionalize_has_data_mutation  # type: ignore[attr-defined]
+                if isinstance(w, FunctionalTensor) and mutated(w.elem):
                     arg.copy_(unwrap(w))
         return out
 

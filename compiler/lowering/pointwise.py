@@ -211,7 +211,7 @@ def clamp_max(x: IRNode, max: Any) -> TensorBox:
 
 
 @register_lowering(aten.masked_fill)
-def masked_fill(x: IRNode, mask: IRNode, value: Any) -> TensorBox:
+def masked_fill(x: IRNode, mask: IRNode, value: Any) -> IRNode:
     value = to_dtype(value, x.get_dtype()) if is_tensor(value) else value
     return to_dtype(where(mask, value, x), x.get_dtype())  # never promotes x
 

@@ -244,7 +244,9 @@ def _realize_with_eager_strides(x: IRNode) -> None:
     ``as_strided`` reads raw storage, so the buffer under it must be laid out as in eager
     (a pointwise op on a transposed input is transposed in memory too).
     """
-    storage = x.storage() if isinstance(x, TensorBox) else None
+    if not isinstance(x, TensorBox):
+        return
+    storage = x.storage()
     if storage is None or storage.is_realized() or x.data is not storage:
         return
     stride = eager_strides(arg=0)
