@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compiler.interpreter import run_graph
+
 DTYPES = (torch.float32, torch.bfloat16, torch.int32)
 SHAPE = (4, 6, 5)
 
@@ -205,10 +207,40 @@ def test_constants(dtype: torch.dtype, draw: Draw, check_lowering: Any) -> None:
 
 def test_empty_like_has_the_right_metadata(draw: Draw, compile_graph: Any) -> None:
     """empty_like's values are undefined: only its dtype, size and layout are checked."""
-    from compiler.interpreter import run_graph
-
     x = draw((5, 3), torch.float16).t()
     sg = compile_graph(lambda t: [torch.empty_like(t), torch.empty(2, 3, dtype=torch.int8)], [x])
     a, b = run_graph(sg.graph, [x])
     assert (a.dtype, a.shape, a.stride()) == (x.dtype, x.shape, (1, 3))
     assert (b.dtype, b.shape) == (torch.int8, (2, 3))
+
+
+def test_outputs_that_alias_inputs_or_each_other(draw: Draw, check_lowering: Any) -> None:
+    """An input returned as is, views of it, one value returned twice, and a Python int."""
+
+    def fn(a: torch.Tensor) -> tuple[Any, ...]:
+        y = a.exp()
+        return a, a.t(), a[1:, ::2], y, y, y.t(), y[:, 1], 3
+
+    check_lowering(fn, draw((4, 6), torch.float32))
+    check_lowering(fn, draw((6, 4), torch.float32).t())
+
+
+PRIMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "broadcast_in_dim": lambda x: torch.ops.prims.broadcast_in_dim(x, [4, 3, 5], [0, 2]) * 2,
+    "transpose": lambda x: torch.ops.prims.transpose(x, [1, 0]) + 1,
+    "squeeze": lambda x: torch.ops.prims.squeeze(x[:1], [0]) * 2,
+    "reshape": lambda x: torch.ops.prims.reshape(x, [5, 4]) * 2,
+    "convert_element_type": lambda x: torch.ops.prims.convert_element_type(x, torch.float16),
+    "sum": lambda x: torch.ops.prims.sum(x, [1]),
+    "var": lambda x: torch.ops.prims.var(x, [1], correction=1),
+}
+
+
+@pytest.mark.parametrize("name", PRIMS)
+def test_prims_left_by_decompositions(name: str, draw: Draw, compile_graph: Any,
+                                      assert_same: Any) -> None:
+    """prims ops some decompositions emit (their views cannot be functionalized)."""
+    x, fn = draw((5, 4), torch.float32).t(), PRIMS[name]
+    sg = compile_graph(fn, [x], functionalize=False)
+    assert_same(run_graph(sg.graph, [x]), [fn(x)], reduction=True)
+
