@@ -3,8 +3,10 @@
 The compiler is ``$KILN_CXX``, else ``$CXX``, else ``g++``. A shared object is cached
 under ``cache_root()/cpp`` by a hash of the source, the prelude, the flags, the ISA level
 and the compiler's version, so a kernel compiles once per machine. The instruction-set
-level comes from the target (``{"kind": "cpu", "isa": "x86-64-v3"}``), never from the
-host (no ``-march=native``): the same target gives the same binary on any machine.
+level comes from the target (``{"kind": "cpu", "isa": "x86-64-v3"}``) and is always a
+named x86-64 level, never ``-march=native``: the same target gives the same binary on
+any machine that builds it. Targets that name no level get the level of the machine that
+asks (``$KILN_CPU_ISA`` pins one, e.g. for a fleet of mixed machines to share kernels).
 Launching loads the bytes with ``ctypes`` and calls the one ``extern "C"`` function with
 each tensor's data pointer.
 """
@@ -31,7 +33,7 @@ from .prelude import PRELUDE_NAME, prelude_source
 
 log = logging.getLogger("kiln.cpp")
 
-DEFAULT_ISA = "x86-64-v3"
+FALLBACK_ISA = "x86-64-v3"
 # Flags that keep IEEE semantics (no -ffast-math: NaN and signed zeros matter). Loops
 # vectorize through ``#pragma omp simd``; -fno-math-errno lets sqrt and friends inline,
 # -fno-trapping-math lets masked code be if-converted, -fwrapv makes integer overflow wrap
@@ -47,6 +49,38 @@ _LEVEL_FLAGS = {
     "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 _LEVELS = list(_LEVEL_FLAGS)
+
+
+@functools.lru_cache(maxsize=1)
+def host_isa_level() -> str | None:
+    """The highest x86-64 level this machine runs, or None when it cannot tell."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    level = "x86-64"
+    for name in _LEVELS[1:]:
+        if not _LEVEL_FLAGS[name] <= flags:
+            break
+        level = name
+    return level
+
+
+def default_isa() -> str:
+    """The ISA level CPU targets get unless they name one: ``$KILN_CPU_ISA``, else the
+    highest x86-64 level this machine runs (a named level, so the binary is the same on
+    any machine that builds it), else x86-64-v3."""
+    return os.environ.get("KILN_CPU_ISA") or host_isa_level() or FALLBACK_ISA
+
+
+DEFAULT_ISA = default_isa()
 
 
 def compiler_path() -> str:
@@ -164,28 +198,6 @@ def _prelude_dir() -> Path:
             f.write(text)
         os.replace(tmp, header)
     return folder
-
-
-@functools.lru_cache(maxsize=1)
-def host_isa_level() -> str | None:
-    """The highest x86-64 level this machine runs, or None when it cannot tell."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    level = "x86-64"
-    for name in _LEVELS[1:]:
-        if not _LEVEL_FLAGS[name] <= flags:
-            break
-        level = name
-    return level
 
 
 def runnable_isa(isa: str) -> str:
