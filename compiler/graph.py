@@ -189,7 +189,19 @@ class GraphLowering(torch.fx.Interpreter):
                 assert isinstance(buf, Buffer)
                 if _is_dense(meta) and buf.is_flexible():
                     buf.freeze_layout(sympify_tuple(meta.stride()))
-        return realize_input(value)
+        out = realize_input(value)
+        if isinstance(meta, torch.Tensor) and _is_dense(meta) and _owned_by_graph(out) \
+                and not _same_strides(out, meta):
+            # A buffer laid out for speed (a padded matmul output) is returned as eager
+            # lays it out.
+            copy = TensorBox.create(Pointwise(out.get_device(), out.get_dtype(),
+                                              out.make_loader(), tuple(out.get_size())))
+            copy.realize()
+            buf = copy.storage().data  # type: ignore[union-attr]
+            assert isinstance(buf, Buffer)
+            buf.freeze_layout(sympify_tuple(meta.stride()))
+            out = buf
+        return out
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current_node = n
@@ -269,6 +281,17 @@ def _target_name(target: Any) -> str:
         return repr(target)
     module = getattr(target, "__module__", None)
     return f"{module}.{qualname}" if module else str(qualname)
+
+
+def _owned_by_graph(node: IRNode) -> bool:
+    buf = node.data if isinstance(node, ReinterpretView) else node
+    return isinstance(buf, Buffer) and not isinstance(buf, InputBuffer)
+
+
+def _same_strides(node: IRNode, meta: torch.Tensor) -> bool:
+    stride = node.layout.stride if isinstance(node, ReinterpretView) else \
+        node.get_layout().stride  # type: ignore[attr-defined]
+    return all(int(a) == b or n == 1 for a, b, n in zip(stride, meta.stride(), meta.shape))
 
 
 def _is_dense(t: torch.Tensor) -> bool:

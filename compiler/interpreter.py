@@ -287,7 +287,12 @@ def _evaluate_buffer(buf: Buffer, storages: dict[str, Tensor], tensors: dict[str
         return
     if isinstance(buf, ExternKernel):
         args = [_input_tensor(x, storages, tensors) for x in buf.inputs]
-        if isinstance(buf, FallbackKernel):
+        if buf.out_variant is not None:
+            lay = buf.get_layout()
+            value = torch.empty_strided([int(v) for v in lay.size], [int(v) for v in lay.stride],
+                                        dtype=lay.dtype)
+            buf.out_variant(*args, *buf.constant_args, **buf.kwargs, out=value)
+        elif isinstance(buf, FallbackKernel):
             value = buf.op_overload(*fill_template(buf.args_template, args.__getitem__),
                                     **fill_template(buf.kwargs_template, args.__getitem__))
         else:

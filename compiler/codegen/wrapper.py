@@ -119,14 +119,36 @@ class WrapperCodegen:
             rendered = [_render(a) for a in args] + [f"{k}={_render(v)}"
                                                      for k, v in kwargs.items()]
             self.lines.writeline(f"{name} = {op}({', '.join(rendered)})")
+            self._coerce_layout(buf)
             for out in buf.outputs:
                 index = "".join(f"[{i}]" for i in out.indices) if isinstance(out, MultiOutput) \
                     else ""
                 self.lines.writeline(f"{out.get_name()} = {name}{index}")
+                self._coerce_layout(out)
             return
         rendered = refs + [value_str(a) for a in buf.constant_args]
         rendered += [f"{k}={value_str(v)}" for k, v in buf.kwargs.items()]
+        if buf.out_variant is not None:
+            layout = buf.get_layout()
+            self.lines.writeline(
+                f"{name} = empty_strided({size_str(layout.size)}, {size_str(layout.stride)}, "
+                f"device=DEVICE, dtype={layout.dtype})")
+            rendered.append(f"out={name}")
+            self.lines.writeline(f"{_op_ref(buf.out_variant)}({', '.join(rendered)})")
+            return
         self.lines.writeline(f"{name} = {op}({', '.join(rendered)})")
+        if buf.op_overload is torch.ops.aten.convolution.default:
+            self._coerce_layout(buf)
+
+    def _coerce_layout(self, buf: Buffer) -> None:
+        """Library calls choose their outputs' strides at run time (cuDNN picks NHWC);
+        the kernels after them were generated for the planned layout."""
+        layout = buf.layout
+        if not isinstance(layout, Layout):
+            return
+        name = buf.get_name()
+        self.lines.writeline(f"{name} = as_layout({name}, {size_str(layout.size)}, "
+                             f"{size_str(layout.stride)})")
 
     def nop(self, node: NopKernelSchedulerNode) -> None:
         buf = node.node

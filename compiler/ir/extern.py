@@ -74,6 +74,9 @@ class ExternKernel(Buffer):
     constant_args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     op_overload: Any = None
+    # Where set, the wrapper allocates the output with ``layout`` and calls this ``out=``
+    # overload (a matmul whose rows are padded to an aligned stride).
+    out_variant: Any = None
 
     def __post_init__(self) -> None:
         self.name = V.graph.register_buffer(self)
@@ -86,14 +89,31 @@ class ExternKernel(Buffer):
 
     @classmethod
     def create(cls, op: Any, tensor_args: Sequence[IRNode], constant_args: Sequence[Any] = (),
-               kwargs: dict[str, Any] | None = None) -> TensorBox:
+               kwargs: dict[str, Any] | None = None, out_variant: Any = None,
+               pad_rows_to: int = 1) -> TensorBox:
         inputs = [realize_input(x) for x in tensor_args]
         kwargs = kwargs or {}
         out = op(*[meta_tensor(x) for x in inputs], *constant_args, **kwargs)
         device = inputs[0].get_device()
-        node = cls(name=None, layout=layout_of(out, device), inputs=inputs,
-                   constant_args=tuple(constant_args), kwargs=dict(kwargs), op_overload=op)
+        layout = layout_of(out, device)
+        if out_variant is not None:
+            layout = padded_rows(layout, pad_rows_to)
+        node = cls(name=None, layout=layout, inputs=inputs, constant_args=tuple(constant_args),
+                   kwargs=dict(kwargs), op_overload=op, out_variant=out_variant)
         return TensorBox.create(node)
+
+
+def padded_rows(layout: FixedLayout, multiple: int) -> FixedLayout:
+    """A contiguous layout whose rows start every ``multiple`` elements (aligned rows)."""
+    size = [int(s) for s in layout.size]
+    row = -(-size[-1] // multiple) * multiple
+    stride = [1] * len(size)
+    if len(size) >= 2:
+        stride[-2] = row
+        for d in range(len(size) - 3, -1, -1):
+            stride[d] = stride[d + 1] * size[d + 1]
+    return FixedLayout(layout.device, layout.dtype, layout.size, sympify_tuple(stride),
+                       layout.offset)
 
 
 @dataclass(eq=False, repr=False)

@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from ..virtualized import V, ops
-from .layout import FixedLayout, FlexibleLayout, Layout, MultiOutputLayout
+from .layout import FixedLayout, FlexibleLayout, Layout, MultiOutputLayout, strides_for_order
 from .sym import Expr, sympify_tuple
 
 Loader = Callable[[Sequence[Expr]], Any]
@@ -252,6 +252,10 @@ class StorageBox(IRNode):
         assert isinstance(self.data, Loops), type(self.data)
         layout = FlexibleLayout.contiguous(
             self.data.get_device(), self.data.get_dtype(), self.data.get_size())
+        order = _inherited_stride_order(self.data)
+        if order is not None:
+            layout = FlexibleLayout(layout.device, layout.dtype, layout.size,
+                                    strides_for_order(layout.size, order))
         buf = ComputedBuffer(name=None, layout=layout, data=self.data)
         buf.name = V.graph.register_buffer(buf)
         self.data = buf
@@ -270,6 +274,33 @@ class StorageBox(IRNode):
 
     def __repr__(self) -> str:
         return f"StorageBox({self.data!r})"
+
+
+def _inherited_stride_order(data: Loops) -> list[int] | None:
+    """A 4-d pointwise result over a channels-last buffer of its shape is laid out
+    channels-last too, so that convolutions around it need no layout conversions."""
+    if not isinstance(data, Pointwise) or len(data.ranges) != 4:
+        return None
+    from ..dependencies import extract_read_writes
+
+    for name in sorted(extract_read_writes(data).read_names()):
+        try:
+            layout = V.graph.get_buffer(name).layout
+        except (KeyError, AssertionError):
+            continue
+        if isinstance(layout, FixedLayout) and tuple(layout.size) == tuple(data.ranges) \
+                and is_channels_last(layout.stride, layout.size):
+            return CHANNELS_LAST_ORDER
+    return None
+
+
+CHANNELS_LAST_ORDER = [1, 3, 2, 0]  # innermost first: C, W, H, N
+
+
+def is_channels_last(stride: Sequence[Expr], size: Sequence[Expr]) -> bool:
+    if len(stride) != 4 or any(s == 1 for s in size[1:]):
+        return False
+    return list(stride) == list(strides_for_order(size, CHANNELS_LAST_ORDER))
 
 
 class TensorBox(IRNode):

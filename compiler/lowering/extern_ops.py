@@ -16,14 +16,34 @@ from .registry import expand, lowerings, register_lowering
 aten = torch.ops.aten
 
 
+# GPU matmuls whose output rows are not 16-byte aligned fall onto slow library kernels
+# (GPT-2's vocabulary of 50257): such outputs get padded rows.
+PAD_MIN_ELEMENTS = 2**20
+
+
+def _row_padding(a: IRNode, b: IRNode) -> int:
+    dtype = b.get_dtype()
+    if a.get_device().type != "cuda" or not dtype.is_floating_point:
+        return 1
+    multiple = max(1, 16 // dtype.itemsize)
+    n, m = int(b.get_size()[-1]), int(a.get_size()[-2])
+    if n % multiple == 0 or n * m < PAD_MIN_ELEMENTS:
+        return 1
+    return multiple
+
+
 @register_lowering(aten.mm)
 def mm(a: IRNode, b: IRNode) -> TensorBox:
-    return ExternKernel.create(aten.mm.default, [a, b])
+    pad = _row_padding(a, b)
+    return ExternKernel.create(aten.mm.default, [a, b], out_variant=aten.mm.out if pad > 1
+                               else None, pad_rows_to=pad)
 
 
 @register_lowering(aten.bmm)
 def bmm(a: IRNode, b: IRNode) -> TensorBox:
-    return ExternKernel.create(aten.bmm.default, [a, b])
+    pad = _row_padding(a, b)
+    return ExternKernel.create(aten.bmm.default, [a, b], out_variant=aten.bmm.out if pad > 1
+                               else None, pad_rows_to=pad)
 
 
 def _scaled_epilogue(product: IRNode, bias: IRNode, beta: Any, alpha: Any) -> TensorBox:
@@ -61,7 +81,12 @@ def convolution(x: IRNode, weight: IRNode, bias: IRNode | None, stride: Any, pad
                 ) -> TensorBox:
     consts = (list(stride), list(padding), list(dilation), transposed, list(output_padding),
               groups)
+    if _wants_channels_last(x):
+        # cuDNN works in NHWC: giving it channels-last tensors saves a conversion each way.
+        x, weight = require_channels_last(x), require_channels_last(weight)
     out = ExternKernel.create(aten.convolution.default, [x, weight], (None,) + consts)
+    if _wants_channels_last(x):
+        _plan_channels_last(out)
     if bias is None:
         return out
     # Bias as an epilogue over the channel dimension, fusable with what follows.
@@ -70,6 +95,51 @@ def convolution(x: IRNode, weight: IRNode, bias: IRNode | None, stride: Any, pad
 
     b = view(bias, [int(bias.get_size()[0])] + [1] * (ndim - 2))
     return _scaled_epilogue(out, b, 1, 1)
+
+
+def _wants_channels_last(x: IRNode) -> bool:
+    return x.get_device().type == "cuda" and len(x.get_size()) == 4 and \
+        x.get_dtype() in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _plan_channels_last(out: TensorBox) -> None:
+    """cuDNN returns NHWC for NHWC inputs (the meta kernel says NCHW): plan for that."""
+    from ..ir.layout import FixedLayout, strides_for_order
+    from ..ir.nodes import CHANNELS_LAST_ORDER, Buffer
+
+    buf = out.storage().data  # type: ignore[union-attr]
+    assert isinstance(buf, Buffer)
+    lay = buf.get_layout()
+    if any(s == 1 for s in lay.size[1:]):
+        return
+    buf.layout = FixedLayout(lay.device, lay.dtype, lay.size,
+                             strides_for_order(lay.size, CHANNELS_LAST_ORDER), lay.offset)
+
+
+def require_channels_last(x: IRNode) -> IRNode:
+    """``x`` laid out channels-last: a lazy or flexible buffer is simply laid out so, a
+    fixed one (a graph input) is copied."""
+    from ..ir.layout import strides_for_order
+    from ..ir.nodes import CHANNELS_LAST_ORDER, Buffer, is_channels_last
+
+    if any(s == 1 for s in x.get_size()[1:]):
+        return x
+    storage = x.storage() if isinstance(x, TensorBox) else None
+    if storage is not None and x.data is storage:
+        storage.realize()
+        buf = storage.data
+        assert isinstance(buf, Buffer)
+        if buf.is_flexible():
+            buf.freeze_layout(strides_for_order(buf.get_size(), CHANNELS_LAST_ORDER))
+            return x
+        if is_channels_last(buf.get_stride(), buf.get_size()):
+            return x
+    copy = Pointwise.create(x.get_device(), x.get_dtype(), x.make_loader(), x.get_size())
+    copy.realize()
+    buf = copy.storage().data  # type: ignore[union-attr]
+    assert isinstance(buf, Buffer)
+    buf.freeze_layout(strides_for_order(buf.get_size(), CHANNELS_LAST_ORDER))
+    return copy
 
 
 @register_lowering(aten.copy_)

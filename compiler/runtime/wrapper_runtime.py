@@ -22,3 +22,15 @@ def align_input(x: torch.Tensor, alignment: int = 16) -> torch.Tensor:
     extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) if x.numel() else 0
     base = x.as_strided((extent,), (1,), x.storage_offset()).clone()
     return base.as_strided(x.shape, x.stride(), 0)
+
+
+def as_layout(x: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """``x`` itself when a library call returned the layout the compiler planned for,
+    else a copy laid out that way (the kernels after it index by that layout)."""
+    if tuple(x.stride()) == tuple(stride) or x.numel() <= 1:
+        return x
+    if all(a == b or n == 1 for a, b, n in zip(x.stride(), stride, size)):
+        return x
+    out = torch.empty_strided(size, stride, dtype=x.dtype, device=x.device)
+    out.copy_(x)
+    return out
