@@ -35,6 +35,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     config = KilnConfig.resolve(options)
     model_id = next(_graph_ids)
+    from compiler.fx_passes import fuse_attention
+
+    fuse_attention(gm)  # attention as one flash-attention call, on GPU graphs
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_fn(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
