@@ -126,6 +126,15 @@ class CppKernel:
             self.phase_values.setdefault(value_id, (self.phase, var))
         return var
 
+    def reserve_row(self, dtype: torch.dtype) -> bool:
+        """Room for a row buffer of ``dtype`` on this kernel's stack (not when rows are
+        split across threads: they may be any length)."""
+        nbytes = self.rnumel * compute_dtype(dtype).itemsize
+        if self.mode == "r" or self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
+            return False
+        self.scratch_bytes += nbytes
+        return True
+
     def _value_id(self, expr: str) -> str:
         """Hash-consing: equal ids mean the same value, whatever the variables' names."""
         key = _VARIABLE.sub(lambda m: self.value_ids.get(m.group(0), m.group(0)), expr)
@@ -141,10 +150,8 @@ class CppKernel:
         origin, var = found
         row = origin.rows.get(var.name)
         if row is None:
-            nbytes = self.rnumel * dtype.itemsize
-            if self.mode == "r" or self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
+            if not self.reserve_row(dtype):
                 return None
-            self.scratch_bytes += nbytes
             row = f"row_{var.name}"
             origin.rows[var.name] = row
             origin.pre.writeline(f"{ctype(dtype)} {row}[{self.rnumel}];")
