@@ -17,7 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -250,3 +255,91 @@ def farm_for(mode: str) -> Farm:
             else:
                 _farms[mode] = RayFarm(None if mode.lower() == LOCAL else mode)
         return _farms[mode]
+
+
+# ---------------------------------------------------------------------------------------
+# `kiln farm up` / `kiln farm down`: a Ray cluster on this machine for every local client.
+
+
+def _ray_executable() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if not found:
+        raise FileNotFoundError("the `ray` command is not installed (pip install ray)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
+                        port: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
+    """`ray start --head` in the background; its address goes to the farm file, which
+    ``local`` clients read. A cluster already up is returned as it is."""
+    info = read_farm_file()
+    if info is not None and probe(str(info["address"])) is None:
+        return {**info, "already_running": True}
+    log_path = farm_file().with_name("farm-head.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port = port or _free_port()
+    command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
+               f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
+               "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
+    if num_gpus is not None:
+        command.append(f"--num-gpus={num_gpus}")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    address = _wait_for_head(proc, log_path, timeout)
+    info = {"address": address, "pid": proc.pid, "log": str(log_path),
+            "num_cpus": num_cpus or os.cpu_count(), "started": time.time()}
+    write_farm_file(info)
+    return info
+
+
+def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        found = re.search(r"ray start --address='([^']+)'", text)
+        if "Ray runtime started" in text and found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start failed (see {log_path}):\n{text[-2000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise TimeoutError(f"ray start did not come up in {timeout:g}s (see {log_path})")
+
+
+def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
+    """Stop the cluster of `kiln farm up` (its process group) and forget its address."""
+    info = read_farm_file()
+    if info is None:
+        return None
+    pid = int(info.get("pid", 0))
+    if pid > 0:
+        _kill_group(pid, grace_s)
+    farm_file().unlink(missing_ok=True)
+    return info
+
+
+def _kill_group(pid: int, grace_s: float) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    try:  # Ray drains for up to 30 s on SIGTERM; a farm going down need not wait
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

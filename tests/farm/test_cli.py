@@ -1,0 +1,126 @@
+"""The `kiln` command: precompile, stats, inspect, explain-miss, gc, farm up/down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from farm_helpers import SRC, python_env, run_python
+
+from frontend.cli import main
+
+
+def kiln(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`kiln ARGS` in a fresh process (the console script is `frontend.cli:main`)."""
+    return subprocess.run([sys.executable, "-m", "frontend.cli", *args], env=env, cwd=SRC,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def precompiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two shape sets of a small MLP precompiled (forward and backward) in process, then
+    again from the store; the environment that did it."""
+    tmp_path = tmp_path_factory.mktemp("precompile")
+    env = python_env(KILN_FARM="inprocess", KILN_STORE=str(tmp_path / "store"),
+                     XDG_CACHE_HOME=str(tmp_path / "cache"), TRITON_INTERPRET="1",
+                     KILN_DEBUG="1", KILN_DEBUG_DIR=str(tmp_path / "debug"))
+    args = ["precompile", "cli_models:mlp", "--shapes", "4x16", "8x16", "--train",
+            "--option", "cpu_backend=triton-interpret", "--json"]
+    first = kiln(*args, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["graphs"] == summary["misses"] == 4 and summary["eager"] == 0
+    assert "[####################] 2/2" in first.stderr
+    again = json.loads(kiln(*args, env=env).stdout.strip().splitlines()[-1])
+    assert again["graphs"] == again["hits"] == 4 and again["misses"] == 0
+    return env
+
+
+def test_stats_json_counts_hits_misses_compiles_and_time_saved(
+        precompiled: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", precompiled["XDG_CACHE_HOME"])
+    assert main(["stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["hits"]["total"] == 4 and stats["misses"]["total"] == 4
+    assert stats["hits"]["local"] == 4
+    assert (stats["graphs"], stats["compiles"], stats["compiles_local"]) == (8, 4, 4)
+    assert stats["time_saved_s"] > 0 and stats["compile_seconds"] > 0
+
+
+def store_keys(env: dict[str, str]) -> list[str]:
+    return sorted(p.name for p in (Path(env["KILN_STORE"]) / "ac").rglob("*") if p.is_file())
+
+
+def test_inspect_shows_manifest_kernels_lifetimes_and_wrapper(
+        precompiled: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KILN_STORE", precompiled["KILN_STORE"])
+    key = store_keys(precompiled)[0]
+    assert main(["inspect", key]) == 0
+    out = capsys.readouterr().out
+    for part in (f"key          {key}", "key parts    schema", "== kernels ==",
+                 "triton_", "== buffer lifetimes ==", "peak memory estimate",
+                 "== wrapper (wrapper.py) ==", "def call(args):"):
+        assert part in out
+    assert main(["inspect", "f" * 64]) == 1
+
+
+def test_explain_miss_between_keys_and_saved_requests(
+        precompiled: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KILN_STORE", precompiled["KILN_STORE"])
+    first, second = store_keys(precompiled)[:2]
+    assert main(["explain-miss", first, second]) == 0
+    assert "differs" in capsys.readouterr().out
+    assert main(["explain-miss", first, first]) == 0
+    assert "the keys are equal" in capsys.readouterr().out
+    saved = sorted(p.parent for p in Path(precompiled["KILN_DEBUG_DIR"]).rglob("request.msgpack")
+                   if p.parent.name.startswith("forward"))
+    assert len(saved) >= 2
+    assert main(["explain-miss", str(saved[0]), str(saved[-1])]) == 0
+    out = capsys.readouterr().out
+    assert "inputs differs" in out and "in detail:" in out and "inputs[" in out
+
+
+def test_gc_dry_run_reports_and_keeps_everything(
+        precompiled: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KILN_STORE", precompiled["KILN_STORE"])
+    before = store_keys(precompiled)
+    assert main(["gc", "--dry-run", "--max-age", "0s"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dry_run"] is True and store_keys(precompiled) == before
+
+
+# A `local` client: prints where it compiled and which cluster it joined.
+LOCAL_CLIENT = """
+import json
+from farm_helpers import cuda_request
+from frontend.client import KilnClient
+from frontend.config import KilnConfig
+client = KilnClient(KilnConfig.resolve())
+result = client.compile(cuda_request(shapes=((4, 8), (8, 8))))
+print(json.dumps({"source": result.source, "joined": client.farm.joined}))
+"""
+
+
+def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> None:
+    env = python_env(XDG_CACHE_HOME=str(tmp_path / "cache"), KILN_STORE=str(tmp_path / "s"))
+    up = kiln("farm", "up", "--num-cpus", "1", "--no-warm", env=env)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        farm_file = json.loads((tmp_path / "cache" / "kiln" / "farm.json").read_text())
+        assert farm_file["address"] in up.stdout
+        status = kiln("farm", "status", env=env)
+        assert status.returncode == 0 and "up" in status.stdout
+        out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local"})
+        assert out == {**out, "source": "farm", "joined": farm_file["address"]}
+    finally:
+        down = kiln("farm", "down", env=env)
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert not (tmp_path / "cache" / "kiln" / "farm.json").exists()
+    assert kiln("farm", "status", env=env).returncode == 1
