@@ -163,7 +163,7 @@ class KilnFarm:
         return compiled.to_dict()
 
     async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any]
-                      ) -> tuple[str, KernelBinary, dict[str, Any] | None]:
+                      ) -> tuple[str, KernelBinary, list[dict[str, Any]] | None]:
         outcomes = await asyncio.gather(*(self._binary(job) for job in jobs),
                                         return_exceptions=True)
         if isinstance(outcomes[0], BaseException) and (len(jobs) == 1 or all(

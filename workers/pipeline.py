@@ -174,7 +174,7 @@ def run_kernel_job(spec: dict[str, Any], config: dict[str, Any], target: dict[st
 
 
 def finish(compiled: CompiledGraph, chosen: dict[str, KernelBinary], *,
-           autotune: dict[str, dict[str, Any]] | None = None, kernel_wall_s: float = 0.0
+           autotune: dict[str, list[dict[str, Any]]] | None = None, kernel_wall_s: float = 0.0
            ) -> CompiledGraph:
     """Put the chosen binaries and their configs into the graph; record how they were
     chosen (``autotuned`` only when every compiled kernel with candidates was timed)."""
@@ -223,23 +223,39 @@ class KernelCache:
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
                       delay: float = 0.0) -> CompiledGraph:
-    """The whole pipeline in this process: no Ray, heuristic configs (no autotuning)."""
+    """The whole pipeline in this process, no Ray: autotuned where the request asks and
+    this process has a GPU of the target's arch, else heuristic configs."""
     cache = cache or KernelCache()
     compiled = compile_sources(request_bytes, key, delay=delay)
-    target = CompileRequest.from_bytes(request_bytes).target
+    request = CompileRequest.from_bytes(request_bytes)
+    target = request.target
     start = time.perf_counter()
+    if local_autotune(request):
+        from compiler.autotune import autotune_graph
+
+        autotune_graph(compiled, target)
+        chosen = dict(compiled.binaries)
+        return finish(compiled, chosen, autotune=compiled.stats.get("autotune"),
+                      kernel_wall_s=time.perf_counter() - start)
     chosen = {name: cache.get_or_compile(jobs[0])
               for name, jobs in kernel_jobs(compiled, target).items()}
     return finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
 
 
-def fastest(jobs: Iterable[KernelJob], timings_us: list[float],
-            binaries: list[KernelBinary]) -> tuple[KernelBinary, dict[str, Any]]:
-    """The binary with the lowest time, and the record the artifact keeps of the choice."""
+def local_autotune(request: CompileRequest) -> bool:
+    """Whether this process can autotune the request: asked, and a GPU of its arch."""
+    if not request.options.get("autotune", True) or request.target.get("kind") != "cuda":
+        return False
+    from .autotune import gpu_arch
+
+    return gpu_arch() == int(request.target.get("arch", -1))
+
+
+def fastest(jobs: Iterable[KernelJob], timings_ms: list[float],
+            binaries: list[KernelBinary]) -> tuple[KernelBinary, list[dict[str, Any]]]:
+    """The binary with the lowest time, and the record the artifact keeps of the choice
+    (``compiler.autotune``'s format: each candidate's config and median milliseconds)."""
     jobs = list(jobs)
-    best = min(range(len(jobs)), key=lambda i: (timings_us[i], i))
-    record = {"timings_us": [round(t, 3) for t in timings_us], "chosen": best,
-              "configs": [job.config for job in jobs]}
+    best = min(range(len(jobs)), key=lambda i: (timings_ms[i], i))
+    record = [{"config": job.config, "ms": t} for job, t in zip(jobs, timings_ms)]
     return binaries[best], record
-
-
