@@ -161,7 +161,7 @@ class GraphLowering(torch.fx.Interpreter):
                                   graph=self.name)
 
     def output(self, target: Any, args: Any, kwargs: Any) -> Any:
-        outs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        outs = _flatten(args[0])
         metas = self._output_metas()
         for i, value in enumerate(outs):
             if isinstance(value, IRNode):
@@ -174,8 +174,7 @@ class GraphLowering(torch.fx.Interpreter):
         fx_graph = self.module.graph
         assert isinstance(fx_graph, torch.fx.Graph)
         out_node = next(n for n in fx_graph.nodes if n.op == "output")
-        arg = out_node.args[0]
-        arg = arg if isinstance(arg, (list, tuple)) else [arg]
+        arg = _flatten(out_node.args[0])
         return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in arg]
 
     def _realize_output(self, value: IRNode, meta: Any) -> IRNode:
@@ -281,6 +280,13 @@ def _target_name(target: Any) -> str:
         return repr(target)
     module = getattr(target, "__module__", None)
     return f"{module}.{qualname}" if module else str(qualname)
+
+
+def _flatten(value: Any) -> list[Any]:
+    """Nested lists and tuples of outputs, flattened in order (None entries kept)."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    return [value]
 
 
 def _owned_by_graph(node: IRNode) -> bool:

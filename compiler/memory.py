@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .dependencies import MemoryDep
+from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout, MutationLayout
 from .ir.nodes import Buffer, ComputedBuffer, InputBuffer
 from .scheduler import BaseSchedulerNode, Scheduler
@@ -16,6 +18,7 @@ class MemoryPlan:
 
     removed_buffers: set[str] = field(default_factory=set)
     reuse: dict[str, str] = field(default_factory=dict)  # new buffer -> buffer it takes over
+    inplace: dict[str, str] = field(default_factory=dict)  # new buffer -> input it overwrites
     allocations: dict[str, int] = field(default_factory=dict)  # buffer -> bytes it holds
     peak_bytes: int = 0
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # buf -> (def, last)
@@ -120,6 +123,71 @@ def _allocates(buf: Buffer) -> bool:
     return isinstance(buf.layout, Layout)
 
 
+def plan_inplace(plan: MemoryPlan, scheduler: Scheduler) -> None:
+    """Let kernels write outputs over inputs that die there (``plan.inplace``).
+
+    A pass after ``plan_memory`` that a backend opts into: on CPU a fresh allocation of a
+    large buffer costs page faults on every call, which writing in place avoids. Only
+    fresh allocations change, and only donors that no later buffer takes over.
+    """
+    outputs = set(V.graph.get_output_names())
+    taken = set(plan.reuse.values())
+    for node in scheduler.nodes:
+        if node.is_extern() or node.is_nop():
+            continue
+        for name in sorted(node.get_buffer_names() - plan.removed_buffers):
+            buf = V.graph.name_to_buffer.get(name)
+            if name not in plan.allocations or name in plan.reuse or buf is None:
+                continue
+            donor = _take_inplace(node, name, buf, plan, outputs | taken)
+            if donor is not None:
+                plan.inplace[name] = donor
+
+
+def _take_inplace(node: BaseSchedulerNode, name: str, buf: Buffer, plan: MemoryPlan,
+                  excluded: set[str]) -> str | None:
+    """An input that dies at ``node`` and that ``node`` may overwrite with ``name``: same
+    storage shape, read by no other part of the kernel, and read only at the element
+    that ``name`` writes (so each element is read before it is overwritten). Writing in
+    place spares a fresh allocation, which on CPU costs page faults for large buffers."""
+    writers = [sub for sub in node.get_nodes() if sub.get_name() == name]
+    if len(writers) != 1 or not isinstance(buf.layout, Layout):
+        return None
+    writer = writers[0]
+    written = [d for d in writer.read_writes.writes if isinstance(d, MemoryDep)]
+    if len(written) != 1:
+        return None
+    for dep in writer.read_writes.reads:
+        cand = dep.name
+        if (cand not in node.last_usage or cand in excluded or cand in plan.removed_buffers
+                or cand in plan.inplace.values() or cand == name):
+            continue
+        other = V.graph.name_to_buffer.get(cand)
+        if not _fresh(other) or not _same_storage(other, buf):
+            continue
+        reads = [d for sub in node.get_nodes() for d in sub.read_writes.reads
+                 if d.name == cand]
+        if all(isinstance(d, MemoryDep) and d in writer.read_writes.reads and
+               (d.index, d.size) == (written[0].index, written[0].size) for d in reads):
+            return cand
+    return None
+
+
+def _fresh(buf: Buffer | None) -> bool:
+    """A buffer whose storage nothing else shares: a kernel's output, or a library call's
+    (a fallback op may return a view of its input)."""
+    if buf is None or not _allocates(buf):
+        return False
+    return isinstance(buf, ComputedBuffer) or (
+        isinstance(buf, ExternKernel) and not isinstance(buf, (FallbackKernel, MultiOutput)))
+
+
+def _same_storage(a: Buffer, b: Buffer) -> bool:
+    la, lb = a.get_layout(), b.get_layout()
+    return (la.device.type, la.dtype, la.size, la.stride, la.offset) == (
+        lb.device.type, lb.dtype, lb.size, lb.stride, lb.offset)
+
+
 def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
     """A freed buffer with the same device, dtype and storage size, if there is one."""
     want = (buf.get_device().type, buf.get_dtype(), buffer_bytes(buf))
@@ -136,6 +204,8 @@ def describe(plan: MemoryPlan, nodes: list[BaseSchedulerNode]) -> str:
         lines.append(f"{node.get_name()}: last_usage={sorted(node.last_usage)}")
     for new, old in plan.reuse.items():
         lines.append(f"{new} reuses {old}")
+    for new, old in plan.inplace.items():
+        lines.append(f"{new} is written in place of {old}")
     if plan.removed_buffers:
         lines.append(f"in-kernel only (never allocated): {sorted(plan.removed_buffers)}")
     return "\n".join(lines)

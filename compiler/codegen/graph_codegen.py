@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import KilnCompileError
-from ..memory import buffer_bytes, plan_memory
+from ..memory import buffer_bytes, plan_inplace, plan_memory
 from ..scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
 from .kernel_spec import KernelSpec
@@ -93,6 +93,8 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
     namer = KernelNamer()
     with V.set_graph_handler(graph):
         kernels = codegen_kernels(sg, backend)
+        if backend == "cpp":  # fresh CPU allocations cost page faults: write in place
+            plan_inplace(sg.memory, scheduler)
         wrapper = WrapperCodegen(sg.memory, graph.name)
         for i, node in enumerate(scheduler.nodes):
             if isinstance(node, ExternKernelSchedulerNode):

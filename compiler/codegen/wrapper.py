@@ -84,6 +84,9 @@ class WrapperCodegen:
         if isinstance(layout, MutationLayout):
             self.lines.writeline(f"{name} = {layout.target}  # written in place")
             return
+        if name in self.plan.inplace:
+            self.lines.writeline(f"{name} = {self.plan.inplace[name]}  # written in place")
+            return
         if name in self.plan.reuse:
             donor = self.plan.reuse[name]
             d_layout = V.graph.name_to_buffer[donor].get_layout()

@@ -150,9 +150,10 @@ class Buffer(IRNode):
         return self.layout.device
 
     def make_loader(self) -> Loader:
-        indexer = self.get_layout().make_indexer()
+        # The layout is read when the loader runs, not when it is made: a flexible layout
+        # may still be decided (channels-last, eager's output strides) after readers exist.
         name = self.get_name()
-        return lambda index: ops.load(name, indexer(index))
+        return lambda index: ops.load(name, self.get_layout().make_indexer()(index))
 
     def freeze_layout(self, stride: Sequence[Expr] | None = None) -> None:
         if isinstance(self.layout, FlexibleLayout):

@@ -76,10 +76,11 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Ker
     kind = kernel_kind(rnumel, outer)
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
+    order = memory_order(node, removed) if kind == "pointwise" else None
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
         for sub in node.get_nodes():
             assert isinstance(sub, SchedulerNode) and isinstance(sub.node, ComputedBuffer)
-            _codegen_subnode(kernel, sub)
+            _codegen_subnode(kernel, sub, order)
         kernel.end_loop()
     lost = kernel.unforwarded & removed
     if lost:
@@ -113,7 +114,23 @@ def _needs_int64(node: BaseSchedulerNode) -> bool:
     return int(xnumel) * int(rnumel) > limit
 
 
-def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode) -> None:
+def memory_order(node: BaseSchedulerNode, removed: set[str]) -> list[int] | None:
+    """The loop order of a pointwise kernel: that of the memory it writes (outermost
+    stride first), so a channels-last output is walked channels-last. All nodes share it,
+    which needs them to have the same loops."""
+    subs = [s for s in node.get_nodes() if isinstance(s, SchedulerNode)]
+    ranges = {tuple(int(r) for r in s.get_ranges()[0]) for s in subs}
+    if len(ranges) != 1 or len(next(iter(ranges))) < 2:
+        return None
+    stored = [s for s in subs if s.get_name() not in removed] or subs
+    stride = [int(v) for v in stored[-1].node.get_layout().stride]
+    size = next(iter(ranges))
+    order = sorted(range(len(size)), key=lambda d: (-stride[d] if size[d] != 1 else 0, d))
+    return order if order != sorted(order) else None
+
+
+def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode,
+                     order: list[int] | None = None) -> None:
     buf = sub.node
     assert isinstance(buf, ComputedBuffer)
     ranges = [sympy.Integer(int(s)) for s in buf.data.get_size()]
@@ -128,7 +145,9 @@ def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode) -> None:
         mapping = _map_loops(ranges, variables[: len(ranges)], exprs, XINDEX)
         mapping.update(_map_loops(rranges, variables[len(ranges):], exprs, RINDEX))
     elif x_only or kernel.rnumel == 1:
-        mapping = _map_loops(ranges, variables, exprs, XINDEX)
+        perm = order or list(range(len(ranges)))
+        mapping = _map_loops([ranges[d] for d in perm], [variables[d] for d in perm], exprs,
+                             XINDEX)
     else:
         mapping = _map_split(ranges, variables, exprs, kernel.xnumel, kernel.rnumel)
     kernel.set_index_map(mapping, uses_r=not x_only and kernel.rnumel != 1)
