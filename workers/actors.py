@@ -17,21 +17,18 @@ from compiler.codegen.kernel_spec import KernelSpec
 from compiler.kernel_compile import KernelBinary
 
 from . import autotune
-from .pipeline import CompileFailure, FarmVersionMismatch, compile_sources, run_kernel_job
+from .pipeline import (
+    CompileFailure,
+    FarmVersionMismatch,
+    compile_sources,
+    run_kernel_job,
+    warm_up,
+)
 
 
 def _warm_compiler() -> None:
-    """Import what every compile needs (torch, the compiler, Triton) once per process."""
-    import compiler.driver  # noqa: F401
-    import compiler.kernel_compile  # noqa: F401
-    from compiler.versions import versions
-
-    try:
-        import triton  # noqa: F401
-        import triton.compiler  # noqa: F401
-    except ImportError:  # a CPU-only farm without Triton still lowers graphs
-        pass
-    versions()
+    """Imports, and one tiny graph through every stage, once per process."""
+    warm_up()
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=3)

@@ -12,6 +12,7 @@ artifacts; the modes differ only in where each step runs.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from compiler.errors import KilnCompileError
 from compiler.kernel_compile import KernelBinary, compile_kernel
 from compiler.request import CompileRequest, canonical
 from compiler.versions import versions
+
+log = logging.getLogger("kiln.workers")
 
 # Test hook: seconds a worker sleeps before compiling a graph (to kill it mid-compile).
 # The client reads it and passes it along with the request; it never enters the key.
@@ -113,6 +116,26 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0) -> Co
                              target=request.target, compile_kernels=False)
     compiled.timings["graph_compile"] = time.perf_counter() - start
     return compiled
+
+
+def warm_up() -> None:
+    """Run a tiny CUDA graph through every stage, kernel compile included, so that a
+    worker's first real request pays no one-time start-up (imports, Triton's first
+    compile). A worker without Triton or a CUDA backend just skips it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiler.decompositions import trace_aten
+    from compiler.driver import DEFAULT_TARGETS, compile_graph
+
+    versions()
+    try:
+        gm = trace_aten(lambda x: (x * 2).sum(-1), [torch.ones(4, 32)])
+        with FakeTensorMode():
+            inputs = [torch.empty(4, 32, device="cuda")]
+        compile_graph(gm, inputs, {}, name="kiln_warm_up", target=DEFAULT_TARGETS["cuda"])
+    except Exception as e:  # warm-up is an optimization, never an error
+        log.debug("kiln worker warm-up skipped: %s", e)
 
 
 # ---------------------------------------------------------------------------------------
