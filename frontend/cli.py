@@ -241,14 +241,25 @@ def cmd_farm(args: argparse.Namespace) -> int:
         stopped = farm.stop_local_cluster()
         print(f"farm at {stopped['address']} stopped" if stopped else "no farm is up")
         return EXIT_OK
-    info = farm.read_farm_file()
-    if info is None:
-        print("no farm is up (KILN_FARM=local clients start an embedded Ray)")
-        return EXIT_FAILED
-    reason = farm.probe(str(info["address"]))
-    print(f"farm at {info['address']}: {'up' if reason is None else reason}")
+    return _farm_status(args)
+
+
+def _farm_status(args: argparse.Namespace) -> int:
+    """The farm clients use: KILN_FARM's address, else the one of `kiln farm up`."""
+    from . import farm
+    from .config import KilnConfig
+
+    mode = KilnConfig.resolve().farm
+    if mode.lower() in (farm.LOCAL, farm.INPROCESS):
+        info = farm.read_farm_file()
+        if info is None:
+            print(f"KILN_FARM={mode}: no farm is up (local clients start an embedded Ray)")
+            return EXIT_FAILED
+        mode = str(info["address"])
+    reason = farm.probe(mode)
+    print(f"farm at {mode}: {'up' if reason is None else reason}")
     if reason is None and args.json:
-        _print_json(farm.RayFarm(str(info["address"])).stats())
+        _print_json(farm.RayFarm(mode).stats())
     return EXIT_OK if reason is None else EXIT_FAILED
 
 
