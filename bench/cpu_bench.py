@@ -123,11 +123,13 @@ def main() -> None:
           f"threads {torch.get_num_threads()}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {opts.rounds} rounds x "
           f"{opts.calls} calls, interleaved")
-    print(f"{'case':36} {'shape':30} {'eager':>9} {'inductor':>9} {'kiln':>9} "
-          f"{'ind/kiln':>9} {'eager/kiln':>10}")
+    print(f"{'case':34} {'shape':28} {'eager':>8} {'inductor':>8} {'kiln':>8} "
+          f"{'ind/kiln':>8} {'eager/kiln':>10}   best: eager / inductor / kiln")
     for r in results:
-        print(f"{r['case']:36} {r['shape']:30} {r['eager_ms']:8.2f}ms {r['inductor_ms']:8.2f}ms "
-              f"{r['kiln_ms']:8.2f}ms {r['kiln_vs_inductor']:8.2f}x {r['kiln_vs_eager']:9.2f}x")
+        best = r["best_ms"]
+        print(f"{r['case']:34} {r['shape']:28} {r['eager_ms']:6.1f}ms {r['inductor_ms']:6.1f}ms "
+              f"{r['kiln_ms']:6.1f}ms {r['kiln_vs_inductor']:7.2f}x {r['kiln_vs_eager']:9.2f}x   "
+              f"{best['eager']:.1f} / {best['inductor']:.1f} / {best['kiln']:.1f} ms")
 
 
 if __name__ == "__main__":

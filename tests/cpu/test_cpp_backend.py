@@ -401,3 +401,22 @@ def test_a_binary_for_an_isa_the_host_lacks_is_rebuilt(monkeypatch: pytest.Monke
         (out,) = load(compiled)(list(args))
     assert "recompiling for x86-64-v2" in caplog.text
     torch.testing.assert_close(out, fn(*args))
+
+
+def test_kernels_write_in_place_of_inputs_that_die_there() -> None:
+    fn = lambda x, w, b: F.gelu(x @ w + b) * 2  # noqa: E731
+    compiled = assert_matches_eager(fn, [rand(16, 24), rand(24, 32), rand(32)],
+                                    {"atol": 1e-5, "rtol": 1e-5})
+    assert "buf1 = buf0  # written in place" in compiled.wrapper_source
+
+
+def test_no_in_place_write_over_values_read_elsewhere() -> None:
+    # The mm's output is read transposed and shifted by the kernel that replaces it, so
+    # writing over it element by element would read overwritten values.
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        return y.sin() + y.t() * 3 + y.roll(1, 0)
+
+    compiled = assert_matches_eager(fn, [rand(16, 16), rand(16, 16)],
+                                    {"atol": 1e-5, "rtol": 1e-5})
+    assert "written in place" not in compiled.wrapper_source
