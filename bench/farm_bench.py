@@ -74,7 +74,7 @@ def build_graphs(graphs: int, kernels: int, target: str) -> list[tuple[Any, list
     from compiler.decompositions import trace_aten
     from compiler.request import TensorMeta
 
-    out = []
+    out: list[tuple[Any, list[Any]]] = []
     for g in range(graphs):
         args = [torch.randn(64, 256), torch.randn(256, 256)]
         gm = trace_aten(layer_chain(g, kernels), args)
@@ -97,8 +97,7 @@ def target_dict(target: str) -> dict[str, Any]:
             major, minor = torch.cuda.get_device_capability()
             return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor,
                     "warp_size": 32}
-        return dict(DEFAULT_TARGETS["cuda"])
-    return dict(DEFAULT_TARGETS["cpu"])
+    return dict(DEFAULT_TARGETS[target])  # type: ignore[call-overload,no-any-return]
 
 
 # ---------------------------------------------------------------------------------------

@@ -370,8 +370,8 @@ def _run_entry(args: argparse.Namespace, options: dict[str, Any], progress: Prog
         out = compiled(*_example_inputs(shapes, args.dtype, args.device))
         if args.train:
             flat = out if isinstance(out, (list, tuple)) else [out]
-            sum(o.float().sum() for o in flat if torch.is_tensor(o) and o.requires_grad
-                ).backward()
+            losses = [o.float().sum() for o in flat if torch.is_tensor(o) and o.requires_grad]
+            torch.stack(losses).sum().backward()
         progress.step()
 
 

@@ -53,7 +53,8 @@ def target_for(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
-    return dict(DEFAULT_TARGETS["cpu"])
+    cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
+    return cpu
 
 
 def request_options(config: KilnConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Kiln gets (and warms) its own farm instead of one that would refuse its requests
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -117,7 +118,7 @@ class KilnFarm:
         if future is None:
             future = asyncio.ensure_future(self._compile(key, request_bytes, delay))
             self.inflight[key] = future
-            future.add_done_callback(lambda f, key=key: self._done(key, f))
+            future.add_done_callback(functools.partial(self._done, key))
         else:
             self.counters["deduplicated"] += 1
         return await asyncio.shield(future)

@@ -60,7 +60,8 @@ class CompileFailure(KilnCompileError):
     def wrap(cls, error: BaseException, key: str) -> CompileFailure:
         """``error`` as a CompileFailure for ``key`` (its stage, node, op and kernel kept)."""
         if isinstance(error, CompileFailure):
-            return error if error.key else cls(*error.args[:2], key, *error.args[3:])
+            return error if error.key else cls(error.message, error.stage, key, error.node,
+                                               error.op, error.kernel, error.graph)
         message = str(error) if isinstance(error, KilnCompileError) else \
             f"{type(error).__name__}: {error}"
         fields = {name: str(getattr(error, name, "") or "")
@@ -133,7 +134,8 @@ def warm_up() -> None:
         gm = trace_aten(lambda x: (x * 2).sum(-1), [torch.ones(4, 32)])
         with FakeTensorMode():
             inputs = [torch.empty(4, 32, device="cuda")]
-        compile_graph(gm, inputs, {}, name="kiln_warm_up", target=DEFAULT_TARGETS["cuda"])
+        target: dict[str, Any] = dict(DEFAULT_TARGETS["cuda"])  # type: ignore[call-overload]
+        compile_graph(gm, inputs, {}, name="kiln_warm_up", target=target)
     except Exception as e:  # warm-up is an optimization, never an error
         log.debug("kiln worker warm-up skipped: %s", e)
 
