@@ -32,18 +32,43 @@ def _row_padding(a: IRNode, b: IRNode) -> int:
     return multiple
 
 
+def _padded_matmul(op: Any, a: IRNode, b: IRNode) -> TensorBox:
+    """``op(a, b)`` with ``b``'s columns zero-padded to an aligned count, and the result
+    sliced back: library kernels for unaligned widths are several times slower."""
+    from .indexing import constant_pad_nd
+    from .views import slice_
+
+    pad = _row_padding(a, b)
+    if pad == 1:
+        return ExternKernel.create(op, [a, b])
+    n = int(b.get_size()[-1])
+    padded = constant_pad_nd(b, [0, -(-n // pad) * pad - n])
+    _keep_stride_order(padded, b)  # a transposed weight stays transposed: a plain copy
+    out = ExternKernel.create(op, [a, padded])
+    return slice_(out, -1, 0, n)  # type: ignore[return-value]
+
+
+def _keep_stride_order(x: TensorBox, like: IRNode) -> None:
+    from ..ir.layout import stride_order, strides_for_order
+    from ..ir.nodes import Buffer, as_storage_and_layout
+
+    found = as_storage_and_layout(like) if isinstance(like, TensorBox) else None
+    if found is None:
+        return
+    x.realize()
+    buf = x.storage().data  # type: ignore[union-attr]
+    assert isinstance(buf, Buffer)
+    buf.freeze_layout(strides_for_order(buf.get_size(), stride_order(found[1].stride)))
+
+
 @register_lowering(aten.mm)
 def mm(a: IRNode, b: IRNode) -> TensorBox:
-    pad = _row_padding(a, b)
-    return ExternKernel.create(aten.mm.default, [a, b], out_variant=aten.mm.out if pad > 1
-                               else None, pad_rows_to=pad)
+    return _padded_matmul(aten.mm.default, a, b)
 
 
 @register_lowering(aten.bmm)
 def bmm(a: IRNode, b: IRNode) -> TensorBox:
-    pad = _row_padding(a, b)
-    return ExternKernel.create(aten.bmm.default, [a, b], out_variant=aten.bmm.out if pad > 1
-                               else None, pad_rows_to=pad)
+    return _padded_matmul(aten.bmm.default, a, b)
 
 
 def _scaled_epilogue(product: IRNode, bias: IRNode, beta: Any, alpha: Any) -> TensorBox:
