@@ -106,6 +106,16 @@ def run_case(case: BenchCase, rounds: int, calls: int) -> dict[str, Any]:
             "best_ms": best}
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -119,7 +129,9 @@ def main() -> None:
     if opts.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    from compiler.codegen.cpp.build import DEFAULT_ISA
+
+    print(f"# {_cpu_name()}, torch {torch.__version__}, Kiln ISA level {DEFAULT_ISA}, "
           f"threads {torch.get_num_threads()}, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {opts.rounds} rounds x "
           f"{opts.calls} calls, interleaved")

@@ -321,11 +321,14 @@ class CppKernel:
 def drop_unused_values(lines: list[str]) -> list[str]:
     """Remove ``const`` values nothing reads (a load made dead by a reused row buffer)."""
     while True:
-        uses: dict[str, int] = {}
+        mentions: dict[str, int] = {}  # a tail loop repeats a body's definitions
         for line in lines:
             for name in _VARIABLE.findall(line):
-                uses[name] = uses.get(name, 0) + 1
-        kept = [line for line in lines if not _unused_definition(line, uses)]
+                mentions[name] = mentions.get(name, 0) + 1
+            match = _DEFINITION.match(line)
+            if match is not None:
+                mentions[match.group(1)] -= 1
+        kept = [line for line in lines if not _unused_definition(line, mentions)]
         if len(kept) == len(lines):
             return kept
         lines = kept
@@ -333,7 +336,7 @@ def drop_unused_values(lines: list[str]) -> list[str]:
 
 def _unused_definition(line: str, uses: dict[str, int]) -> bool:
     match = _DEFINITION.match(line)
-    return match is not None and uses.get(match.group(1), 0) == 1
+    return match is not None and uses.get(match.group(1), 0) == 0
 
 
 def _storage_offset(name: str) -> Expr:
