@@ -195,7 +195,8 @@ def run_child(src: Path, work: Path, argv: list[str], *, store: Path,
               fresh_caches: bool) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KILN_") and k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
-    env.update(PYTHONPATH=str(src), KILN_STORE=str(store), KILN_STATS_FILE="off",
+    path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, KILN_STORE=str(store), KILN_STATS_FILE="off",
                XDG_CACHE_HOME=str(work / "cache"), TRITON_CACHE_DIR=str(work / "triton"))
     if fresh_caches:
         shutil.rmtree(work / "cache", ignore_errors=True)
