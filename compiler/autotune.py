@@ -55,19 +55,42 @@ def time_launch(run: Any, args: list[torch.Tensor], reps: int = 20, warmup: int 
     return statistics.median(times)
 
 
-def compile_configs(spec: KernelSpec, target: dict[str, Any]) -> list[KernelBinary]:
-    """Every candidate config compiled, in parallel threads (Triton's passes drop the GIL)."""
-    workers = max(1, min(len(spec.configs), os.cpu_count() or 1, 8))
+# Kernels smaller than this run in microseconds whatever their config: not tuned.
+MIN_TUNED_ELEMENTS = 2**16
+MAX_CANDIDATES = 4
+
+
+def candidates(spec: KernelSpec) -> list[dict[str, Any]]:
+    if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes:
+        return [dict(spec.configs[0])]
+    return [dict(c) for c in spec.configs[:MAX_CANDIDATES]]
+
+
+def compile_candidates(specs: list[KernelSpec], target: dict[str, Any]
+                       ) -> dict[str, list[KernelBinary]]:
+    """Every candidate of every kernel compiled in one pool of threads (Triton's passes
+    release the GIL), so a graph's kernels compile side by side."""
+    jobs = [(spec, cfg) for spec in specs for cfg in candidates(spec)]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, 16))
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda c: compile_kernel(spec, dict(c), target), spec.configs))
+        results = list(pool.map(lambda job: compile_kernel(job[0], job[1], target), jobs))
+    out: dict[str, list[KernelBinary]] = {}
+    for (spec, _), binary in zip(jobs, results):
+        out.setdefault(spec.name, []).append(binary)
+    return out
 
 
-def autotune_kernel(spec: KernelSpec, target: dict[str, Any], device: torch.device
+def compile_configs(spec: KernelSpec, target: dict[str, Any]) -> list[KernelBinary]:
+    return compile_candidates([spec], target)[spec.name]
+
+
+def autotune_kernel(spec: KernelSpec, target: dict[str, Any], device: torch.device,
+                    binaries: list[KernelBinary] | None = None
                     ) -> tuple[KernelBinary, list[tuple[dict[str, Any], float]]]:
     """The fastest config's binary, and each config's median time."""
     from .runtime.triton_launcher import TritonLauncher
 
-    binaries = compile_configs(spec, target)
+    binaries = binaries or compile_configs(spec, target)
     if len(binaries) == 1 or len(spec.arg_bytes) == 0:
         return binaries[0], []
     args = scratch_args(spec, device)
@@ -90,10 +113,11 @@ def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],
                    device: torch.device | None = None) -> None:
     """Pick each Triton kernel's config by measurement on this machine's GPU."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    for spec in compiled.kernels:
-        if spec.backend != "triton":
-            continue
-        binary, results = autotune_kernel(spec, target, device)
+    specs = [s for s in compiled.kernels if s.backend == "triton"]
+    compiled_candidates = compile_candidates(specs, target)
+    for spec in specs:
+        binary, results = autotune_kernel(spec, target, device,
+                                          compiled_candidates[spec.name])
         compiled.binaries[spec.name] = binary
         compiled.configs[spec.name] = dict(binary.config)
         compiled.stats.setdefault("autotune", {})[spec.name] = [

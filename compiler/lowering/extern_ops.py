@@ -90,7 +90,12 @@ def _scaled_epilogue(product: IRNode, bias: IRNode, beta: Any, alpha: Any) -> Te
 
 @register_lowering(aten.addmm)
 def addmm(bias: IRNode, a: IRNode, b: IRNode, *, beta: Any = 1, alpha: Any = 1) -> TensorBox:
-    # The matmul goes to the library; the bias add stays a loop so it fuses with what follows.
+    # A row bias goes into the library call (cuBLASLt adds it in the matmul's epilogue:
+    # no extra pass over the output); other forms are a matmul plus a pointwise epilogue
+    # that fuses with what follows.
+    if beta == 1 and alpha == 1 and len(bias.get_size()) == 1 and _row_padding(a, b) == 1 \
+            and a.get_device().type == "cuda":
+        return ExternKernel.create(aten.addmm.default, [bias, a, b])
     return _scaled_epilogue(mm(a, b), bias, beta, alpha)
 
 

@@ -9,10 +9,15 @@ import torch
 empty_strided = torch.empty_strided
 
 
-def reinterpret_tensor(x: torch.Tensor, size: Sequence[int], stride: Sequence[int],
-                       offset: int) -> torch.Tensor:
+def _reinterpret_python(x: torch.Tensor, size: Sequence[int], stride: Sequence[int],
+                        offset: int) -> torch.Tensor:
     """A view of ``x``'s storage; ``offset`` counts from where ``x`` starts."""
     return x.as_strided(size, stride, x.storage_offset() + offset)
+
+
+# torch's C++ helper does the same without the dispatcher's overhead, where it exists.
+reinterpret_tensor = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                             "_reinterpret_tensor", _reinterpret_python)
 
 
 def align_input(x: torch.Tensor, alignment: int = 16) -> torch.Tensor:

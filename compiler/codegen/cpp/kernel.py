@@ -50,6 +50,10 @@ def xvar(i: int) -> sympy.Symbol:
     return sympy.Symbol(f"x{i}", integer=True, nonnegative=True)
 
 
+class NotColumnKernel(Exception):
+    """The kernel cannot take the column-reduction form; generate it by rows."""
+
+
 @dataclass
 class Phase:
     """One ``r0`` loop: code before it, its body, code after it, its accumulators."""
@@ -68,10 +72,13 @@ class Phase:
 class CppKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
-    def __init__(self, xsizes: list[int], rnumel: int, removed: set[str], mode: str) -> None:
+    def __init__(self, xsizes: list[int], rnumel: int, removed: set[str], mode: str,
+                 columns: Any = None) -> None:
         self.xsizes, self.rnumel = xsizes, rnumel
         self.removed = removed
         self.mode = mode  # "serial", "x" (parallel x loops) or "r" (parallel r loops)
+        self.columns = columns  # a columns.ColumnPlan: lanes are columns, not rows
+        self.lane = "xl" if columns is not None else LANE
         self.args = KernelArgs()
         self.printer = CppIndexPrinter()
         self.cse = CSE()
@@ -130,7 +137,8 @@ class CppKernel:
         """Room for a row buffer of ``dtype`` on this kernel's stack (not when rows are
         split across threads: they may be any length)."""
         nbytes = self.rnumel * compute_dtype(dtype).itemsize
-        if self.mode == "r" or self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
+        if self.mode == "r" or self.columns is not None or \
+                self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
             return False
         self.scratch_bytes += nbytes
         return True
@@ -170,6 +178,8 @@ class CppKernel:
         return var
 
     def begin_phase(self) -> None:
+        if self.columns is not None and self.phase_count:
+            raise NotColumnKernel("a second reduction loop")
         self.phase = Phase(self.cse.scoped())
         self.phase_count += 1
 
@@ -189,6 +199,12 @@ class CppKernel:
         from .reductions import render_phase
 
         self.end_phase()
+        if self.columns is not None:
+            from .columns import render_columns
+
+            code = render_columns(self, self.columns)
+            code.lines = drop_unused_values(code.lines)
+            return code
         code = IndentedBuffer()
         for segment in self.segments:
             if isinstance(segment, Phase):
@@ -237,6 +253,8 @@ class CppKernel:
 
     def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable,
                   in_phase: bool) -> None:
+        if self.columns is not None and self.phase is None and not self.phase_count:
+            raise NotColumnKernel("a store before the reduction loop")
         idx = self.index_str(index, name)
         self.stored[(name, idx)] = value
         if in_phase and self.phase is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common import CSEVariable, IndentedBuffer
-from .kernel import LANE, CppKernel, Phase
+from .kernel import CppKernel, Phase
 from .overrides import compute_dtype, ctype, literal
 
 LANES = 16  # lanes per vector block (a zmm of fp32, two ymm)
@@ -83,7 +83,7 @@ def emit_reduction(k: CppKernel, phase: Phase, reduction_type: str, value: CSEVa
     acc = Accumulator(name, "plain", [("v", ctype(dtype), init)],
                       _COMBINE[reduction_type].replace("{T}", ctype(dtype)))
     phase.accumulators.append(acc)
-    ref = acc.refs(LANE)[0]
+    ref = acc.refs(k.lane)[0]
     phase.body.writeline(f"{ref} = {acc.combine.format(a=ref, b=value)};")
     out = _final(k, phase, acc, dtype)[0]
     if reduction_type in ("any", "all"):
@@ -93,10 +93,13 @@ def emit_reduction(k: CppKernel, phase: Phase, reduction_type: str, value: CSEVa
 
 def _final(k: CppKernel, phase: Phase, acc: Accumulator, *dtypes: torch.dtype
            ) -> list[CSEVariable]:
-    """Combine the lanes in order into fresh x-level variables."""
+    """Combine the lanes in order into fresh x-level variables (with column lanes, each
+    lane is its own column's result)."""
     outs = [k.newvar(dt) for dt in dtypes]
-    for out, ref in zip(outs, acc.refs("0")):
+    for out, ref in zip(outs, acc.refs(k.lane if k.columns is not None else "0")):
         phase.post.writeline(f"{ctype(out.dtype)} {out} = {ref};")
+    if k.columns is not None:
+        return outs
     phase.post.writeline(f"for (int64_t l = 1; l < {LANES}; ++l) "
                          f"{acc.merge([o.name for o in outs], acc.refs('l'))}")
     return outs
@@ -108,7 +111,7 @@ def _arg(k: CppKernel, phase: Phase, name: str, reduction_type: str, value: CSEV
     init = literal(identity("max" if reduction_type == "argmax" else "min", dtype), dtype)
     acc = Accumulator(name, reduction_type, [("v", ctype(dtype), init), ("i", "int64_t", "-1")])
     phase.accumulators.append(acc)
-    v, i = acc.refs(LANE)
+    v, i = acc.refs(k.lane)
     op = ">" if reduction_type == "argmax" else "<"
     take = f"{name}_take"
     # Within a lane indices only grow: a tie keeps the earlier one, the first NaN wins.
@@ -128,7 +131,7 @@ def _welford(k: CppKernel, phase: Phase, name: str, value: CSEVariable
     zero = literal(0, dtype)
     acc = Accumulator(name, "welford", [("mean", ct, zero), ("m2", ct, zero), ("w", ct, zero)])
     phase.accumulators.append(acc)
-    mean, m2, w = acc.refs(LANE)
+    mean, m2, w = acc.refs(k.lane)
     x = value if value.dtype == dtype else f"static_cast<{ct}>({value})"
     # Every lane holds the same count at the start of a block: one reciprocal per block.
     phase.block_pre.writeline(f"const {ct} {name}_inv = ({ct})1 / ({acc.array('w')}[0] + "
@@ -152,7 +155,7 @@ def _two_pass_variance(k: CppKernel, phase: Phase, name: str, value: CSEVariable
     phase.body.writeline(f"{row}[r0] = {x};")
     acc = Accumulator(name, "plain", [("v", ct, literal(0, dtype))], _COMBINE["sum"])
     phase.accumulators.append(acc)
-    phase.body.writeline(f"{acc.refs(LANE)[0]} += {row}[r0];")
+    phase.body.writeline(f"{acc.refs(k.lane)[0]} += {row}[r0];")
     total = _final(k, phase, acc, dtype)[0]
     weight = literal(k.rnumel, dtype)
     mean, m2 = k.newvar(dtype), k.newvar(dtype)
@@ -201,10 +204,10 @@ def _blocks(phase: Phase, main: int, code: IndentedBuffer) -> None:
 def _block(phase: Phase, start: str, count: str, code: IndentedBuffer) -> None:
     code.splice(phase.block_pre)
     code.writeline("#pragma omp simd")
-    code.writeline(f"for (int64_t {LANE} = 0; {LANE} < {count}; ++{LANE})")
+    code.writeline(f"for (int64_t rl = 0; rl < {count}; ++rl)")
     code.writeline("{")
     with code.indent():
-        code.writeline(f"const int64_t r0 = {start} + {LANE};")
+        code.writeline(f"const int64_t r0 = {start} + rl;")
         code.splice(phase.body)
     code.writeline("}")
 

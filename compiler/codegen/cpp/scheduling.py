@@ -20,7 +20,8 @@ from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
 from ..kernel_spec import KernelSpec
 from ..triton.scheduling import NAME_PLACEHOLDER, UnforwardedBuffers
-from .kernel import RINDEX, CppKernel, xvar
+from .columns import ColumnPlan, plan_columns
+from .kernel import RINDEX, CppKernel, NotColumnKernel, xvar
 from .overrides import storage_type
 from .prelude import PRELUDE_NAME
 
@@ -42,12 +43,12 @@ def codegen_cpp(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Kernel
     subs = [_scheduler_node(sub) for sub in node.get_nodes()]
     has_red = any(sub.is_reduction() for sub in subs)
     xsizes = _choose_xsizes(subs, xnumel, has_red)
-    kernel = CppKernel(xsizes, rnumel if has_red else 1, removed,
-                       _parallel_mode(xnumel, rnumel, has_red))
-    with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
-        for sub in subs:
-            _codegen_subnode(kernel, sub, has_red)
-        body = kernel.render_body()
+    mode = _parallel_mode(xnumel, rnumel, has_red)
+    plan = _column_plan(subs, xsizes, mode) if has_red else None
+    try:
+        kernel, body = _generate(subs, xsizes, rnumel if has_red else 1, removed, mode, plan)
+    except NotColumnKernel:
+        kernel, body = _generate(subs, xsizes, rnumel, removed, mode, None)
     lost = kernel.unforwarded & removed
     if lost:
         raise UnforwardedBuffers(lost)
@@ -59,6 +60,23 @@ def codegen_cpp(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Kernel
         configs=({"parallel": kernel.mode},))
     ops = [op for sub in subs for op in sub.read_writes.op_names]
     return _base_name(ops), spec
+
+
+def _generate(subs: Sequence[SchedulerNode], xsizes: list[int], rnumel: int, removed: set[str],
+              mode: str, plan: ColumnPlan | None) -> tuple[CppKernel, IndentedBuffer]:
+    has_red = any(sub.is_reduction() for sub in subs)
+    kernel = CppKernel(xsizes, rnumel, removed, mode, plan)
+    with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
+        for sub in subs:
+            _codegen_subnode(kernel, sub, has_red)
+        return kernel, kernel.render_body()
+
+
+def _column_plan(subs: Sequence[SchedulerNode], xsizes: list[int], mode: str
+                 ) -> ColumnPlan | None:
+    red = next(sub for sub in subs if sub.is_reduction())
+    ranges, rranges = _sizes(red)
+    return plan_columns(red, ranges, rranges, xsizes, mode)
 
 
 def _scheduler_node(sub: BaseSchedulerNode) -> SchedulerNode:
@@ -264,11 +282,26 @@ def _pointwise_loops(kernel: CppKernel, body: IndentedBuffer, code: IndentedBuff
 
 def _reduction_loops(kernel: CppKernel, body: IndentedBuffer, code: IndentedBuffer) -> None:
     """Rows across threads (mode "x"), or rows in turn with each phase split (mode "r")."""
+    if kernel.columns is not None:
+        _column_loops(kernel, body, code)
+        return
     if kernel.mode == "x" and kernel.xsizes:
         code.writeline(f"#pragma omp parallel for{_collapse(len(kernel.xsizes))} "
                        "schedule(static)")
     for i, size in enumerate(kernel.xsizes):
         _loop(code, i, size)
+    _braced(body, code)
+
+
+def _column_loops(kernel: CppKernel, body: IndentedBuffer, code: IndentedBuffer) -> None:
+    """Outer x loops and blocks of columns across threads, unless rows are split."""
+    outer = kernel.xsizes[:-1]
+    if kernel.mode == "x" and not kernel.columns.split_rows:
+        code.writeline(f"#pragma omp parallel for{_collapse(len(outer) + 1)} schedule(static)")
+    for i, size in enumerate(outer):
+        _loop(code, i, size)
+    code.writeline(f"for (int64_t xb = 0; xb < {kernel.xsizes[-1]}; "
+                   f"xb += {kernel.columns.width})")
     _braced(body, code)
 
 
