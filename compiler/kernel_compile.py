@@ -50,17 +50,29 @@ def compile_kernel(spec: KernelSpec, config: dict[str, Any], target: dict[str, A
                    ) -> KernelBinary:
     """Compile one kernel for one config; ``target`` like {"kind": "cuda", "arch": 90}."""
     start = time.perf_counter()
-    kind = target.get("kind")
-    if kind == "cuda":
-        binary, meta = _compile_triton(spec, config, target)
-    elif kind == "cpu" and spec.backend == "cpp":
-        from .codegen.cpp.build import compile_cpp
+    try:
+        binary, meta = _compile_for(spec, config, target)
+    except Exception as e:  # name the kernel and where its source is, whatever failed
+        from .runtime.kernel_files import write_source
 
-        binary, meta = compile_cpp(spec, target)
-    else:  # Triton's interpreter runs the source itself: nothing to compile
-        binary, meta = b"", {"interpret": True}
+        reason = str(e) if isinstance(e, KilnCompileError) else f"{type(e).__name__}: {e}"
+        if "kernel source:" not in reason:
+            reason += f"; kernel source: {write_source(spec.source)}"
+        raise KilnCompileError(reason, stage="kernel compile", kernel=spec.name) from e
     return KernelBinary(spec.name, dict(target), dict(config), binary, meta,
                         time.perf_counter() - start)
+
+
+def _compile_for(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                 ) -> tuple[bytes, dict[str, Any]]:
+    kind = target.get("kind")
+    if kind == "cuda":
+        return _compile_triton(spec, config, target)
+    if kind == "cpu" and spec.backend == "cpp":
+        from .codegen.cpp.build import compile_cpp
+
+        return compile_cpp(spec, target)
+    return b"", {"interpret": True}  # Triton's interpreter runs the source: nothing to build
 
 
 def _compile_triton(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
@@ -76,7 +88,8 @@ def _compile_triton(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
     pointer_args = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_args}
     src = ASTSource(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"])}
+    options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"]),
+               "enable_fp_fusion": True}
     try:
         compiled = triton.compile(src, target=triton_target(target), options=options)
     except Exception as e:
