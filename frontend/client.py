@@ -97,7 +97,8 @@ class KilnClient:
             config.store, local_cache=config.local_cache, signing_key=config.signing_key,
             require_signed=True if config.require_signed else None)
         self.farm = farm if farm is not None else farm_for(config.farm)
-        self.local = self.farm if isinstance(self.farm, InProcessFarm) else InProcessFarm()
+        self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
+            else InProcessFarm()
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())
@@ -178,8 +179,13 @@ class KilnClient:
             except CompileFailure:
                 self.counters.add(compile_errors=1)
                 raise
+        # The compiler's KILN_DEBUG folder; not its logs: compile.py prints those, once,
+        # however the graph came.
+        debug: dict[str, Any] = {"logs": ""}
+        if self.config.debug:
+            debug.update(debug="1", debug_dir=self.config.debug_dir)
         try:
-            return self.local.compile(key.key, request), "local"
+            return self.local.compile(key.key, request, debug_options=debug), "local"
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise

@@ -9,6 +9,7 @@ artifact and runs no compiler; a miss goes through ``frontend.client``.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from compiler import debug
-from compiler.compiled_graph import load
+from compiler.compiled_graph import CompiledGraph, load
 from compiler.driver import DEFAULT_TARGETS
 from compiler.request import CompileRequest
 
@@ -87,6 +88,9 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
     _debug_dump(config, name, request, result)
+    if "output_code" in config.logs.split(","):
+        print(f"# ==== kiln output code: graph {name} (key {result.key.key}, "
+              f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
     log.debug("kiln graph %s key %s: %s in %.1f ms (%s)", name, result.key.key[:16],
               result.source, 1000 * (done - start),
               ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in result.timings.items()))
@@ -103,9 +107,20 @@ def _notify(name: str, result: CompileResult) -> None:
         observer(name, result)
 
 
+def output_code(compiled: CompiledGraph) -> str:
+    """The wrapper and every kernel's source, as ``KILN_LOGS=output_code`` prints them."""
+    parts = [compiled.wrapper_source]
+    for spec in compiled.kernels:
+        parts.append(f"# ---- kernel {spec.name} ({spec.backend}, {spec.kind}) ----\n"
+                     f"{spec.source}")
+    return "\n".join(parts)
+
+
 def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
                 result: CompileResult) -> None:
-    """With ``KILN_DEBUG``: the request and its key parts, for ``kiln explain-miss``."""
+    """With ``KILN_DEBUG``: the request and its key parts (for ``kiln explain-miss``) and
+    the output code, whichever way the graph came (a hit, the farm, this process); the
+    compiler's own IR dumps are written where it ran in this process."""
     if not config.debug:
         return
     import json
@@ -113,6 +128,7 @@ def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
     options = config.debug_options()
     folder = debug.debug_dir(f"{name}_request", options)
     (folder / "request.msgpack").write_bytes(request.to_bytes())
+    (folder / "output_code.py").write_text(output_code(result.compiled) + "\n")
     (folder / "key.json").write_text(json.dumps(
         {"key": result.key.key, "parts": result.key.parts, "source": result.source,
          "timings": result.timings}, indent=2) + "\n")

@@ -63,9 +63,12 @@ class InProcessFarm:
         self.kernels = KernelCache()
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
-                delay: float = 0.0) -> CompiledGraph:
+                delay: float = 0.0, debug_options: dict[str, Any] | None = None
+                ) -> CompiledGraph:
+        """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
         try:
-            return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay)
+            return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
+                                     extra_options=debug_options)
         except Exception as e:
             raise CompileFailure.wrap(e, key) from e
 

@@ -95,11 +95,13 @@ def check_versions(request: CompileRequest) -> None:
             "locally. Deploy the client's Kiln, torch and triton to the farm's image")
 
 
-def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0) -> CompiledGraph:
+def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
+                    extra_options: dict[str, Any] | None = None) -> CompiledGraph:
     """Stages 1 to 6 of the compiler on a decoded request: sources, no binaries.
 
     Inputs are FakeTensors of the request's device type, so a CPU-only worker lowers a
-    CUDA graph (and its kernels are cross-compiled for the request's target later)."""
+    CUDA graph (and its kernels are cross-compiled for the request's target later).
+    ``extra_options`` reach the compiler but not the key: debug folders and logs only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiler.driver import compile_graph
@@ -113,7 +115,8 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0) -> Co
     gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode)
     inputs = [fake_tensor_from_meta(meta, mode) for meta in request.inputs]
     start = time.perf_counter()
-    compiled = compile_graph(gm, inputs, dict(request.options), name=graph_name(key),
+    options = {**request.options, **(extra_options or {})}
+    compiled = compile_graph(gm, inputs, options, name=graph_name(key),
                              target=request.target, compile_kernels=False)
     compiled.timings["graph_compile"] = time.perf_counter() - start
     return compiled
@@ -247,11 +250,12 @@ class KernelCache:
 
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
-                      delay: float = 0.0) -> CompiledGraph:
+                      delay: float = 0.0, extra_options: dict[str, Any] | None = None
+                      ) -> CompiledGraph:
     """The whole pipeline in this process, no Ray: autotuned where the request asks and
     this process has a GPU of the target's arch, else heuristic configs."""
     cache = cache or KernelCache()
-    compiled = compile_sources(request_bytes, key, delay=delay)
+    compiled = compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
     request = CompileRequest.from_bytes(request_bytes)
     target = request.target
     start = time.perf_counter()

@@ -81,6 +81,7 @@ def test_explain_miss_between_keys_and_saved_requests(
     saved = sorted(p.parent for p in Path(precompiled["KILN_DEBUG_DIR"]).rglob("request.msgpack")
                    if p.parent.name.startswith("forward"))
     assert len(saved) >= 2
+    assert all("def call(args)" in (folder / "output_code.py").read_text() for folder in saved)
     assert main(["explain-miss", str(saved[0]), str(saved[-1])]) == 0
     out = capsys.readouterr().out
     assert "inputs differs" in out and "in detail:" in out and "inputs[" in out
