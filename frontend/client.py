@@ -179,6 +179,9 @@ class KilnClient:
             except CompileFailure:
                 self.counters.add(compile_errors=1)
                 raise
+            except Exception as e:  # a farm bug must cost a local compile, not the graph
+                log.debug("kiln farm failure", exc_info=True)
+                self._give_up_farm(f"{type(e).__name__}: {e}")
         # The compiler's KILN_DEBUG folder; not its logs: compile.py prints those, once,
         # however the graph came.
         debug: dict[str, Any] = {"logs": ""}

@@ -166,9 +166,12 @@ class RayFarm:
             return self._actor
 
     def _connect(self) -> Any:
-        import ray
+        try:
+            import ray
 
-        from workers.coordinator import get_farm_actor
+            from workers.coordinator import get_farm_actor
+        except ImportError as e:
+            raise FarmUnavailable(f"Ray is not installed here ({e}); pip install ray") from e
 
         if self.address is not None:  # fail fast, whatever this process joined before
             reason = probe(self.address)
