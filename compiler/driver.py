@@ -26,8 +26,9 @@ from .runtime.kernel_files import write_source
 from .scheduler import Scheduler
 from .virtualized import V
 
-DEFAULT_TARGETS = {"cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
-                   "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
+DEFAULT_TARGETS: dict[str, dict[str, Any]] = {
+    "cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
+    "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
 
 
 @dataclass
@@ -100,7 +101,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:
-        chosen: dict[str, Any] = target or DEFAULT_TARGETS.get(device_type, {})
+        chosen: dict[str, Any] = dict(target or DEFAULT_TARGETS.get(device_type) or {})
         if _can_autotune(options, chosen):
             from .autotune import autotune_graph
 

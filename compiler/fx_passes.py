@@ -59,7 +59,10 @@ def fuse_attention(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",
             continue
         if _softmax_dim(probs) not in (-1, 3) or probs.kwargs.get("dtype") is not None:
             continue
-        scores, scale = _scaled_scores(probs.args[0])
+        found = _scaled_scores(probs.args[0])
+        if found is None:
+            continue
+        scores, scale = found
         if not _is_call(scores, _MATMUL, "matmul") or len(scores.users) != 1:
             continue
         q, kt = scores.args

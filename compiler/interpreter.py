@@ -280,7 +280,8 @@ def _evaluate_buffer(buf: Buffer, storages: dict[str, Tensor], tensors: dict[str
         storages[name], tensors[name] = flat_storage(out), out
         return
     if isinstance(buf, MultiOutput):
-        value = tensors[buf.inputs[0].get_name()]  # type: ignore[union-attr]
+        assert buf.parent is not None
+        value = tensors[buf.parent.get_name()]
         for i in buf.indices:
             value = value[i]
         storages[name], tensors[name] = flat_storage(value), value

@@ -179,7 +179,7 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
     out = op(*fill_template(args_t, metas.__getitem__),
              **fill_template(kwargs_t, metas.__getitem__))
     device = _fallback_device(inputs, kwargs)
-    mutated = [inputs[i].get_name() for i in _mutated_arg_slots(op, args_t, kwargs_t)]
+    mutated = [_buffer_name(inputs[i]) for i in _mutated_arg_slots(op, args_t, kwargs_t)]
     if isinstance(out, torch.Tensor):
         node = FallbackKernel(name=None, layout=layout_of(out, device), inputs=inputs,
                               op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
@@ -189,6 +189,11 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
                           op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
                           mutated_inputs=mutated)
     return _multi_outputs(node, out, (), device)
+
+
+def _buffer_name(x: IRNode) -> str:
+    assert isinstance(x, (Buffer, ReinterpretView)), type(x)
+    return x.get_name()
 
 
 def _multi_outputs(parent: FallbackKernel, out: Any, indices: tuple[int, ...],

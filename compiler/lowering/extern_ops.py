@@ -155,7 +155,7 @@ def require_channels_last(x: IRNode) -> IRNode:
     if any(s == 1 for s in x.get_size()[1:]):
         return x
     storage = x.storage() if isinstance(x, TensorBox) else None
-    if storage is not None and x.data is storage:
+    if storage is not None and isinstance(x, TensorBox) and x.data is storage:
         storage.realize()
         buf = storage.data
         assert isinstance(buf, Buffer)
