@@ -131,6 +131,32 @@ def test_parallel_paths(name: str, fn: Callable[..., Any],
     assert any("#pragma omp parallel" in k.source for k in compiled.kernels), name
 
 
+COLUMN_CASES: list[tuple[str, Callable[..., Any], Callable[[], list[torch.Tensor]]]] = [
+    ("rows_split_sum", lambda x: x.sum(0), lambda: [rand(3000, 1000)]),
+    ("blocks_across_threads", lambda x: x.sum(1), lambda: [rand(9, 600, 130)]),
+    ("wide_blocks", lambda x: x.amin(0), lambda: [rand(40, 9000)]),
+    ("bias_grads", lambda x, g: ((x * g).sum(0), g.sum(0), *torch.var_mean(x, 0)),
+     lambda: [rand(1500, 100), rand(1500, 100)]),
+    ("epilogue", lambda x: (x.sum(0) * 2 + 1).relu(), lambda: [rand(5000, 64)]),
+]
+
+
+@pytest.mark.parametrize("name, fn, make", COLUMN_CASES, ids=[c[0] for c in COLUMN_CASES])
+def test_column_reductions(name: str, fn: Callable[..., Any],
+                           make: Callable[[], list[torch.Tensor]]) -> None:
+    compiled = assert_matches_eager(fn, make(), tolerance(torch.float32, reduction=True))
+    (kernel,) = compiled.kernels
+    assert "xl < xn" in kernel.source, name  # lanes are columns
+
+
+def test_column_argmax_keeps_first_index_and_nan() -> None:
+    x = rand(3000, 40)
+    x[100, 3] = x[2000, 3] = 9.0
+    x[1500, 7] = x[2500, 7] = float("nan")
+    fn = lambda t: (t.argmax(0), t.argmin(0), t.amax(0))  # noqa: E731
+    assert_matches_eager(fn, [x], tolerance(torch.float32, reduction=True))
+
+
 def test_split_reduction_keeps_first_index_and_nan() -> None:
     x = rand(2, 50000)
     x[0, 123] = x[0, 40000] = 5.0  # ties: the first index wins
