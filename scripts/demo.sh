@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: set-up, then the demo.
+# The main job on the embedded default: set-up, then the compiler's stages on the seed
+# example, then the whole path (a cold compile through the local Ray farm, and a second
+# process that hits the store and compiles nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m frontend.demo "$@"
+.venv/bin/python -m frontend.demo
+exec .venv/bin/python -m frontend.demo farm
