@@ -53,6 +53,10 @@ def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor
     return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 
 
+def column_sum_fn(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(dim=0)  # a bias gradient's reduction: along strided rows
+
+
 def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape) * scale
 
@@ -66,6 +70,8 @@ CASES = [
     BenchCase("MLP forward (linear-gelu-linear)", "x (2048, 1024), hidden 4096", mlp_fn,
               lambda: [_randn(2048, 1024), _randn(4096, 1024, scale=0.03), _randn(4096),
                        _randn(1024, 4096, scale=0.015), _randn(1024)]),
+    BenchCase("column sum x.sum(0) (extra)", "(8192, 4096)", column_sum_fn,
+              lambda: [_randn(8192, 4096)]),
 ]
 
 
@@ -91,7 +97,7 @@ def run_case(case: BenchCase, rounds: int, calls: int) -> dict[str, Any]:
         warnings.simplefilter("error")  # a Kiln fallback to eager would make figures lie
         for name, fn in variants.items():
             torch.testing.assert_close(fn(*args), expected, rtol=1e-3, atol=1e-3,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+                                       msg=_named(name))
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -104,6 +110,10 @@ def run_case(case: BenchCase, rounds: int, calls: int) -> dict[str, Any]:
             "kiln_vs_inductor": ms["inductor"] / ms["kiln"],
             "kiln_vs_eager": ms["eager"] / ms["kiln"],
             "best_ms": best}
+
+
+def _named(name: str) -> Callable[[str], str]:
+    return lambda message: f"{name}: {message}"
 
 
 def _cpu_name() -> str:

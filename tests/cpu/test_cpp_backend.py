@@ -74,7 +74,7 @@ def assert_matches_eager(fn: Callable[..., Any], args: Sequence[torch.Tensor],
     assert len(outs) == len(refs)
     for out, r in zip(outs, refs):
         assert out.dtype == r.dtype and out.shape == r.shape
-        torch.testing.assert_close(out, r, **tol, equal_nan=True)
+        torch.testing.assert_close(out, r, rtol=tol["rtol"], atol=tol["atol"], equal_nan=True)
         if r.is_contiguous() and r.dim() > 1:
             assert out.stride() == r.stride(), (out.stride(), r.stride())
     return compiled
@@ -285,6 +285,10 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.up(self.n2(x))))
 
 
+def _named(name: str) -> Callable[[str], str]:
+    return lambda message: f"{name}: {message}"
+
+
 def _no_fallback_compile(model: nn.Module) -> Callable[..., Any]:
     return torch.compile(model, backend="kiln", options={"cpu_backend": "cpp"})
 
@@ -325,7 +329,7 @@ def test_training_step(make: type, shape: tuple[int, ...], target: Any) -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+                                   msg=_named(name))
 
 
 # -- compiling and loading -------------------------------------------------------------
@@ -373,8 +377,12 @@ def test_a_kernel_compiles_once_per_source_flags_and_isa(
 
     builds: list[str] = []
     real = build._build
-    monkeypatch.setattr(build, "_build", lambda spec, cxx, flags, path: (
-        builds.append(" ".join(flags)), real(spec, cxx, flags, path))[-1])
+
+    def counting(spec: Any, cxx: str, flags: list[str], path: Path) -> None:
+        builds.append(" ".join(flags))
+        real(spec, cxx, flags, path)
+
+    monkeypatch.setattr(build, "_build", counting)
     source = (f'#include "kiln_prelude.h"\n// {uuid.uuid4()}\nextern "C" void kiln_copy('
               "const float* a, float* b) { b[0] = a[0]; }\n")
     v2, v3 = ({"kind": "cpu", "isa": isa} for isa in ("x86-64-v2", "x86-64-v3"))

@@ -202,3 +202,15 @@ def test_softmax_keeps_exp_in_a_row_buffer() -> None:
     assert kernel.name == "cpp_fused_exp_max_sub_sum_truediv_0"
     assert kernel.source.count("expf(") == 2  # main blocks and tail of one phase only
     assert_same_lines(kernel.source, SOFTMAX_KERNEL)
+
+
+def test_column_sum_walks_rows_with_a_lane_per_column() -> None:
+    (kernel,) = codegen(lambda x: x.sum(0), (8192, 4096)).kernels
+    lines = [line.strip() for line in kernel.source.splitlines()]
+    assert "for (int64_t xb = 0; xb < 4096; xb += 4096)" in lines
+    assert "#pragma omp parallel" in lines  # one block: the rows are split across threads
+    assert "for (int64_t rc = 0; rc < 8192; rc += 64)" in lines
+    simd = lines.index("#pragma omp simd")
+    assert lines[simd + 1] == "for (int64_t xl = 0; xl < xn; ++xl)"
+    assert "const float tmp0 = in_ptr0[4096*r0 + x0];" in lines
+    assert "#pragma omp ordered" in lines  # partial sums merged in thread order
