@@ -454,3 +454,17 @@ def test_no_in_place_write_over_values_read_elsewhere() -> None:
     compiled = assert_matches_eager(fn, [rand(16, 16), rand(16, 16)],
                                     {"atol": 1e-5, "rtol": 1e-5})
     assert "written in place" not in compiled.wrapper_source
+
+
+def test_a_binary_that_does_not_load_is_rebuilt(caplog: pytest.LogCaptureFixture) -> None:
+    import dataclasses
+
+    fn = lambda x: x * 3 - 1  # noqa: E731
+    args = [rand(4, 9)]
+    compiled = compile_fn(fn, args)
+    for name, binary in list(compiled.binaries.items()):
+        compiled.binaries[name] = dataclasses.replace(binary, binary=b"not an ELF file")
+    with caplog.at_level("WARNING", logger="kiln.cpp"):
+        (out,) = load(compiled)(list(args))
+    assert "did not load" in caplog.text
+    torch.testing.assert_close(out, fn(*args))

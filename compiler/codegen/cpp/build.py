@@ -76,8 +76,12 @@ def host_isa_level() -> str | None:
 def default_isa() -> str:
     """The ISA level CPU targets get unless they name one: ``$KILN_CPU_ISA``, else the
     highest x86-64 level this machine runs (a named level, so the binary is the same on
-    any machine that builds it), else x86-64-v3."""
-    return os.environ.get("KILN_CPU_ISA") or host_isa_level() or FALLBACK_ISA
+    any machine that builds it), else x86-64-v3; on other machines, their name."""
+    if os.environ.get("KILN_CPU_ISA"):
+        return os.environ["KILN_CPU_ISA"]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return platform.machine().lower() or FALLBACK_ISA
+    return host_isa_level() or FALLBACK_ISA
 
 
 DEFAULT_ISA = default_isa()
@@ -102,9 +106,11 @@ def compiler_version(cxx: str) -> str:
 
 
 def isa_flags(isa: str) -> list[str]:
+    """``-march`` for an x86-64 level; another machine's name (``aarch64``) means the
+    compiler's baseline for it."""
     if isa.startswith("x86-64"):
         return [f"-march={isa}", "-mtune=generic"]
-    return [f"-march={isa}"] if isa else []
+    return []
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,7 +247,13 @@ class CppLauncher:
                 log.warning("kiln: kernel %s was built for %s, which this machine lacks; "
                             "recompiling for %s", spec.name, isa, runnable_isa(isa))
             data, _ = compile_cpp(spec, {"kind": "cpu", "isa": runnable_isa(isa)})
-        fn = getattr(load_library(data), spec.name)
+        try:
+            library = load_library(data)
+        except OSError as e:  # built for another machine or libc: build it for this one
+            log.warning("kiln: kernel %s did not load (%s); recompiling for %s", spec.name,
+                        e, DEFAULT_ISA)
+            library = load_library(compile_cpp(spec, {"kind": "cpu", "isa": DEFAULT_ISA})[0])
+        fn = getattr(library, spec.name)
         fn.argtypes = [ctypes.c_void_p] * len(spec.arg_buffers)
         fn.restype = None
         self._fn = fn
