@@ -332,6 +332,58 @@ def test_training_step(make: type, shape: tuple[int, ...], target: Any) -> None:
                                    msg=_named(name))
 
 
+# -- op-level backward through torch.compile -------------------------------------------
+
+BACKWARD_CASES: list[tuple[str, Callable[..., Any], Callable[[], list[torch.Tensor]]]] = [
+    ("elementwise", lambda x, y: (x.exp() * y.sigmoid() + x.tanh() / (y.abs() + 1)).pow(2),
+     lambda: [rand(17, 33), rand(17, 33)]),
+    ("broadcast_transposed", lambda x, b: x.t() * b + x.t().sin(),
+     lambda: [rand(33, 17), rand(17, 1)]),
+    ("reductions", lambda x: (x.sum(-1), x.mean(0), x.amax(-1), x.prod(-1),
+                              *torch.var_mean(x, 0)), lambda: [rand(9, 21, low=0.5)]),
+    ("softmax", lambda x: torch.softmax(x, -1), lambda: [rand(13, 40)]),
+    ("log_softmax", lambda x: F.log_softmax(x, 0), lambda: [rand(13, 40)]),
+    ("layer_norm", lambda x, w, b: F.layer_norm(x, (40,), w, b),
+     lambda: [rand(13, 40), rand(40), rand(40)]),
+    ("rms_norm", lambda x, w: F.rms_norm(x, (40,), w, eps=1e-6), lambda: [rand(13, 40), rand(40)]),
+    ("gelu_silu", lambda x: F.gelu(x) + F.silu(x), lambda: [rand(13, 40)]),
+    ("cross_entropy", lambda x, t: F.cross_entropy(x, t),
+     lambda: [rand(16, 50), torch.randint(0, 50, (16,))]),
+    ("indexing", lambda x, i: (x[i] * 2, torch.gather(x, 1, (i[:, None] % 7).expand(-1, 3))),
+     lambda: [rand(12, 7), torch.randint(-12, 12, (12,))]),
+    ("embedding_cat_pad", lambda w, i, y: torch.cat([F.embedding(i, w), F.pad(y, (1, 2))], -1),
+     lambda: [rand(20, 6), torch.randint(0, 20, (3, 5)), rand(3, 5, 4)]),
+    ("slice_select", lambda x: x[1:, ::2].exp() + x[1:, 3:4] * x[2, ::2], lambda: [rand(9, 12)]),
+]
+
+
+@pytest.mark.parametrize("name, fn, make", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
+def test_op_backward(name: str, fn: Callable[..., Any],
+                     make: Callable[[], list[torch.Tensor]]) -> None:
+    args = make()
+    leaves = [a.requires_grad_() if a.is_floating_point() else a for a in args]
+    ref_leaves = [a.detach().clone().requires_grad_() if a.is_floating_point() else a
+                  for a in args]
+
+    def loss(outs: Any) -> torch.Tensor:
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        gen = torch.Generator().manual_seed(1)  # random weights: no gradient is trivial
+        return sum(((o * torch.rand(o.shape, generator=gen)).sum() for o in outs),
+                   torch.zeros(()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no graph may fall back to eager
+        got = loss(torch.compile(fn, backend="kiln")(*leaves))
+        got.backward()
+    expected = loss(fn(*ref_leaves))
+    expected.backward()
+    rtol, atol = (tolerance(torch.float32, reduction=True)[k] for k in ("rtol", "atol"))
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    for a, r in zip(leaves, ref_leaves):
+        if a.is_floating_point():
+            torch.testing.assert_close(a.grad, r.grad, rtol=rtol, atol=atol, msg=_named(name))
+
+
 # -- compiling and loading -------------------------------------------------------------
 
 def test_missing_compiler_falls_back_to_eager_with_one_warning(
