@@ -65,7 +65,7 @@ _BINARY: list[tuple[Any, str, Any]] = [
     (aten.bitwise_left_shift, "bitwise_left_shift", DEFAULT),
     (aten.bitwise_right_shift, "bitwise_right_shift", DEFAULT),
     (aten.atan2, "atan2", INT_TO_FLOAT), (aten.copysign, "copysign", INT_TO_FLOAT),
-    (aten.hypot, "hypot", INT_TO_FLOAT), (aten.floor_divide, "floordiv", DEFAULT),
+    (aten.hypot, "hypot", INT_TO_FLOAT),
     (aten.nextafter, "nextafter", DEFAULT),
 ]
 
@@ -101,8 +101,41 @@ register_lowering(aten.rsub)(
     lambda a, b, *, alpha=None: _with_alpha("sub")(b, a, alpha=alpha))
 
 _true_div = make_pointwise(lambda a, b: ops.truediv(a, b), promotion=INT_TO_FLOAT)
-_floor_div = make_pointwise(lambda a, b: ops.floordiv(a, b))
-_trunc_div = make_pointwise(lambda a, b: ops.truncdiv(a, b))
+_int_floor_div = make_pointwise(lambda a, b: ops.floordiv(a, b))
+_int_trunc_div = make_pointwise(lambda a, b: ops.truncdiv(a, b))
+
+
+def _float_floor_div_fn(a: Any, b: Any) -> Any:
+    """ATen's floor division of floats: through fmod, so a quotient that lands a rounding
+    error away from an integer floors as eager's does."""
+    zero = ops.constant(0.0, torch.float32)
+    mod = ops.fmod(a, b)
+    div = ops.truediv(ops.sub(a, mod), b)
+    fix = ops.logical_and(ops.ne(mod, zero), ops.ne(ops.lt(b, zero), ops.lt(mod, zero)))
+    div = ops.where(fix, ops.sub(div, ops.constant(1.0, torch.float32)), div)
+    floor = ops.floor(div)
+    up = ops.gt(ops.sub(div, floor), ops.constant(0.5, torch.float32))
+    return ops.where(up, ops.add(floor, ops.constant(1.0, torch.float32)), floor)
+
+
+_float_floor_div = make_pointwise(_float_floor_div_fn)
+
+
+def _floor_div(a: Any, b: Any) -> TensorBox:
+    from .registry import promote_dtypes
+
+    if promote_dtypes([a, b], DEFAULT)[1].is_floating_point:
+        return _float_floor_div(a, b)
+    return _int_floor_div(a, b)
+
+
+def _trunc_div(a: Any, b: Any) -> TensorBox:
+    """Eager rounds a float quotient to its dtype, then truncates it."""
+    from .registry import promote_dtypes
+
+    if promote_dtypes([a, b], DEFAULT)[1].is_floating_point:
+        return make_pointwise(lambda x: ops.trunc(x))(_true_div(a, b))
+    return _int_trunc_div(a, b)
 
 
 @register_lowering(aten.div)
@@ -114,6 +147,9 @@ def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> TensorBox:
     if rounding_mode == "trunc":
         return _trunc_div(a, b)
     raise ValueError(f"aten.div: unknown rounding_mode {rounding_mode!r}")
+
+
+register_lowering(aten.floor_divide)(_floor_div)
 
 
 @register_lowering(aten.true_divide)

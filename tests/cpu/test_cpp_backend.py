@@ -32,13 +32,11 @@ from tests.numerics_cases import (
     tolerance,
 )
 
+
 # Eager truncates a reduced-precision quotient after rounding it to that precision; the
 # lowering truncates the fp32 quotient (as the Triton backend does), so a quotient within
 # half an ulp of an integer can differ by one. The suite's inputs change from run to run
 # (their seed is a str hash), so these sometimes pass.
-KNOWN_DIFFERENCES = {"div_trunc-float16", "div_trunc-bfloat16"}
-
-
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """No KILN_* settings from the shell; a fresh store; compiles in this process. The
@@ -94,8 +92,6 @@ CASES = expand_cases(ALL_CASES)
 @pytest.mark.parametrize("item", CASES, ids=[case_id(c) for c in CASES])
 def test_numerics_suite(item: tuple[Case, torch.dtype]) -> None:
     case, dtype = item
-    if case_id(item) in KNOWN_DIFFERENCES:
-        pytest.xfail("eager rounds the reduced-precision quotient before truncating it")
     torch.manual_seed(hash(case.name) % 1000)
     compiled = assert_matches_eager(case.fn, case.inputs(dtype),
                                     tolerance(dtype, is_reduction(case)))
