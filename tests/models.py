@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,3 +31,23 @@ class Block(nn.Module):
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def assert_training_step_matches(model: nn.Module, x: torch.Tensor, tol: dict[str, float],
+                                 options: dict[str, Any] | None = None) -> None:
+    """One step through ``torch.compile(backend="kiln")``: loss and every gradient equal
+    eager's, and no graph falls back to eager (its warning is an error here)."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = torch.compile(model, backend="kiln", options=options)
+        loss = compiled(x).square().mean()
+        loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = model(x).square().mean()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, **tol)
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **tol, msg=n)

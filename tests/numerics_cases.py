@@ -3,6 +3,7 @@ dtypes it applies to. Inputs are fresh random values (never zeros) in each op's 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -179,6 +180,11 @@ ALL_CASES = POINTWISE + REDUCTIONS + COMPOSITES + LAYOUTS + FALLBACK
 
 def expand_cases(cases: list[Case]) -> list[tuple[Case, torch.dtype]]:
     return [(c, dt) for c in cases for dt in c.dtypes]
+
+
+def case_seed(case: Case) -> int:
+    """A seed per case that is the same in every process (``hash`` of a str is not)."""
+    return zlib.crc32(case.name.encode()) % 1000
 
 
 def case_id(item: tuple[Case, torch.dtype]) -> str:

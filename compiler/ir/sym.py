@@ -84,6 +84,17 @@ class ModularIndexing(sympy.Function):
         return None
 
 
+def unflatten_index(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
+    """Row-major coordinates of the flat index ``flat`` in loops of ``sizes``, outermost
+    first (the outermost is not wrapped: it may run past its size only if ``flat`` does)."""
+    out: list[Expr] = []
+    stride: Expr = sympy.Integer(1)
+    for i in reversed(range(len(sizes))):
+        out.append(FloorDiv(flat, stride) if i == 0 else ModularIndexing(flat, stride, sizes[i]))
+        stride = stride * sizes[i]
+    return list(reversed(out))
+
+
 def free_index_symbols(expr: Expr) -> set[sympy.Symbol]:
     return {s for s in expr.free_symbols if isinstance(s, sympy.Symbol)}
 

@@ -10,7 +10,7 @@ import sympy
 import torch
 
 from ..ir.nodes import IRNode, Pointwise, Reduction, TensorBox
-from ..ir.sym import Expr, prod
+from ..ir.sym import Expr, prod, unflatten_index
 from ..virtualized import ops
 from .pointwise import to_dtype
 from .registry import register_lowering
@@ -104,17 +104,6 @@ def _split_factor(reduction_type: str, ranges: Sequence[Expr], rranges: Sequence
     return split
 
 
-def _unflatten(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
-    from ..ir.sym import FloorDiv, ModularIndexing
-
-    out: list[Expr] = []
-    stride: Expr = sympy.Integer(1)
-    for i in reversed(range(len(sizes))):
-        out.append(FloorDiv(flat, stride) if i == 0 else ModularIndexing(flat, stride, sizes[i]))
-        stride = stride * sizes[i]
-    return list(reversed(out))
-
-
 def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
                      rranges: tuple[Expr, ...], reduction_type: str, dtype: torch.dtype,
                      src: torch.dtype) -> TensorBox:
@@ -126,7 +115,7 @@ def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
 
     def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
         flat = index[n] * chunk + rindex[0]
-        return inner_fn(index[:n], _unflatten(flat, rranges))
+        return inner_fn(index[:n], unflatten_index(flat, rranges))
 
     partial = TensorBox.create(Reduction(x.get_device(), acc, stage1,
                                          ranges + (sympy.Integer(split),),

@@ -26,6 +26,7 @@ from tests.numerics_cases import (
     ALL_CASES,
     Case,
     case_id,
+    case_seed,
     expand_cases,
     is_reduction,
     rand,
@@ -92,7 +93,7 @@ CASES = expand_cases(ALL_CASES)
 @pytest.mark.parametrize("item", CASES, ids=[case_id(c) for c in CASES])
 def test_numerics_suite(item: tuple[Case, torch.dtype]) -> None:
     case, dtype = item
-    torch.manual_seed(hash(case.name) % 1000)
+    torch.manual_seed(case_seed(case))
     compiled = assert_matches_eager(case.fn, case.inputs(dtype),
                                     tolerance(dtype, is_reduction(case)))
     assert compiled.kernels or "aten" in compiled.wrapper_source

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from tests.models import Block, mlp
+from tests.models import Block, assert_training_step_matches, mlp
 
 
 @pytest.mark.gpu
@@ -15,20 +13,8 @@ from tests.models import Block, mlp
                          ids=["mlp", "block"])
 def test_training_step_on_gpu(make: type, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
-    torch._dynamo.reset()
-    model, x = make().cuda(), torch.randn(*shape, device="cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        compiled = torch.compile(model, backend="kiln")
-        loss = compiled(x).square().mean()
-        loss.backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    ref = model(x).square().mean()
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-3)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, atol=1e-4, rtol=1e-3, msg=n)
+    assert_training_step_matches(make().cuda(), torch.randn(*shape, device="cuda"),
+                                 {"atol": 1e-4, "rtol": 1e-3})
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from compiler.compiled_graph import load
 from compiler.runtime import triton_launcher
-from tests.models import Block, mlp
+from tests.models import Block, assert_training_step_matches, mlp
 from tests.numerics_cases import rand
 from tests.triton_interp.helpers import assert_matches_eager, compile_fn
 
@@ -88,20 +88,8 @@ def test_fallback_op_runs_correctly() -> None:
                          ids=["mlp", "block"])
 def test_training_step_matches_eager(make: type, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
-    torch._dynamo.reset()
-    model, x = make(), torch.randn(*shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no graph may fall back to eager
-        compiled = torch.compile(model, backend="kiln", options=OPTIONS)
-        loss = compiled(x).square().mean()
-        loss.backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    ref = model(x).square().mean()
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-4)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    assert_training_step_matches(make(), torch.randn(*shape), {"atol": 1e-5, "rtol": 1e-4},
+                                 OPTIONS)
 
 
 def test_kernel_compile_failure_falls_back_to_eager_with_one_warning(

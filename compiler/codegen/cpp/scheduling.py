@@ -14,7 +14,7 @@ import sympy
 
 from ...dependencies import MemoryDep
 from ...ir.nodes import ComputedBuffer
-from ...ir.sym import Expr, FloorDiv, ModularIndexing, prod
+from ...ir.sym import Expr, prod, unflatten_index
 from ...scheduler import BaseSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
@@ -142,7 +142,7 @@ def _codegen_subnode(kernel: CppKernel, sub: SchedulerNode, has_red: bool) -> No
         mapping.update(_map_onto(rranges, variables[len(ranges):], exprs, [RINDEX],
                                  [kernel.rnumel]))
     elif in_phase:
-        mapping = _map_split(ranges, variables, exprs, kernel, xvars)
+        mapping = _mapunflatten_index(ranges, variables, exprs, kernel, xvars)
     else:
         mapping = _map_onto(ranges, variables, exprs, xvars, kernel.xsizes)
     kernel.set_index_map(mapping)
@@ -182,16 +182,6 @@ def _flat(kvars: Sequence[sympy.Symbol], ksizes: Sequence[int]) -> Expr:
     return flat
 
 
-def _split(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
-    """Row-major coordinates of ``flat`` in loops of ``sizes``, outermost first."""
-    out: list[Expr] = []
-    stride: Expr = sympy.Integer(1)
-    for i in reversed(range(len(sizes))):
-        out.append(FloorDiv(flat, stride) if i == 0 else ModularIndexing(flat, stride, sizes[i]))
-        stride = stride * sizes[i]
-    return list(reversed(out))
-
-
 def _map_onto(sizes: Sequence[int], variables: Sequence[sympy.Symbol], exprs: list[Expr],
               kvars: Sequence[sympy.Symbol], ksizes: Sequence[int]
               ) -> dict[sympy.Symbol, Expr]:
@@ -204,11 +194,11 @@ def _map_onto(sizes: Sequence[int], variables: Sequence[sympy.Symbol], exprs: li
     if [int(s) for s in new_sizes] == list(ksizes):
         target: dict[sympy.Symbol, Expr] = dict(zip(new_vars, kvars))
     else:
-        target = dict(zip(new_vars, _split(_flat(kvars, ksizes), new_sizes)))
+        target = dict(zip(new_vars, unflatten_index(_flat(kvars, ksizes), new_sizes)))
     return {v: sympy.expand(linear[v]).xreplace(target) for v in variables}
 
 
-def _map_split(ranges: Sequence[int], variables: Sequence[sympy.Symbol], exprs: list[Expr],
+def _mapunflatten_index(ranges: Sequence[int], variables: Sequence[sympy.Symbol], exprs: list[Expr],
                kernel: CppKernel, xvars: Sequence[sympy.Symbol]) -> dict[sympy.Symbol, Expr]:
     """A pointwise node inside a reduction loop: its loops split into x and r parts."""
     xnumel = int(prod(kernel.xsizes))
@@ -219,7 +209,7 @@ def _map_split(ranges: Sequence[int], variables: Sequence[sympy.Symbol], exprs: 
                                      [kernel.rnumel]))
             return mapping
     flat = _flat(xvars, kernel.xsizes) * kernel.rnumel + RINDEX
-    return dict(zip(variables, _split(flat, [sympy.Integer(s) for s in ranges])))
+    return dict(zip(variables, unflatten_index(flat, [sympy.Integer(s) for s in ranges])))
 
 
 def _signature(kernel: CppKernel) -> dict[str, str]:

@@ -8,7 +8,7 @@ in registers. Looped reductions run in phases, one ``for roffset`` loop each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,15 +337,3 @@ _SPECIAL: dict[str, Callable[..., CSEVariable]] = {
     "remainder": _remainder, "truncdiv": _truncdiv, "fmod": _fmod, "pow": _pow,
     "relu": _relu, "sign": _sign, "logical_not": _logical_not, "abs": _abs,
 }
-
-
-def index_vars_for(sizes: Sequence[Expr], base: sympy.Symbol) -> list[Expr]:
-    """Expressions of ``base`` (xindex or rindex) for loops of ``sizes``, outermost first."""
-    from ...ir.sym import FloorDiv, ModularIndexing
-
-    out: list[Expr] = []
-    stride: Expr = sympy.Integer(1)
-    for i in reversed(range(len(sizes))):
-        out.append(FloorDiv(base, stride) if i == 0 else ModularIndexing(base, stride, sizes[i]))
-        stride = stride * sizes[i]
-    return list(reversed(out))

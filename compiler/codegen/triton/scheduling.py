@@ -9,13 +9,13 @@ import sympy
 from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer
-from ...ir.sym import Expr, prod
+from ...ir.sym import Expr, prod, unflatten_index
 from ...scheduler import BaseSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
 from ..kernel_spec import KernelSpec
 from .heuristics import PERSISTENT_RNUMEL, configs_for
-from .kernel import RINDEX, XINDEX, TritonKernel, index_vars_for
+from .kernel import RINDEX, XINDEX, TritonKernel
 from .overrides import SIGNATURE_DTYPES
 
 HEADER = """import triton
@@ -189,7 +189,7 @@ def _map_loops(sizes: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: 
         return {}
     new_sizes, subs, new_vars = merge_loops(sizes, exprs, variables)
     linear = linear_substitution(subs)
-    kernel_exprs = dict(zip(new_vars, index_vars_for(new_sizes, base)))
+    kernel_exprs = dict(zip(new_vars, unflatten_index(base, new_sizes)))
     return {v: sympy.expand(linear[v]).xreplace(kernel_exprs) for v in variables}
 
 
@@ -202,7 +202,7 @@ def _map_split(ranges: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs:
             mapping.update(_map_loops(ranges[k:], variables[k:], exprs, RINDEX))
             return mapping
     flat = XINDEX * rnumel + RINDEX
-    return dict(zip(variables, index_vars_for(ranges, flat)))  # type: ignore[arg-type]
+    return dict(zip(variables, unflatten_index(flat, ranges)))
 
 
 def _signature(kernel: TritonKernel) -> dict[str, str]:
