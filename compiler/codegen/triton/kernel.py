@@ -159,31 +159,24 @@ class TritonKernel:
 
     def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
               ) -> None:
-        idx = self.index_str(index)
-        self.stored[(name, idx)] = value
-        if name in self.removed:
-            return
-        dtype = V.graph.get_dtype(name)
-        ptr = self.args.output(name)
-        cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
-        self.compute().writeline(f"tl.store({ptr} + ({idx}), {value}{cast}, {self.mask()})")
+        self._store_to(self.compute(), name, index, value, self.mask())
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
         was_r = self.uses_r
         self.uses_r = False
         saved = self.in_loop
         try:
-            if self.looped:
-                self.in_loop = False  # the final value exists after the loop
-                buf = self.loop_post
-                self._store_to(buf, name, index, value)
-            else:
-                self._store_to(self.body, name, index, value)
+            # In a looped reduction the final value exists after the loop.
+            self.in_loop = False
+            buf = self.loop_post if self.looped else self.body
+            self._store_to(buf, name, index, value, "xmask")
         finally:
             self.in_loop = saved
             self.uses_r = was_r
 
-    def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable) -> None:
+    def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable,
+                  mask: str) -> None:
+        """Store ``value`` (or only remember it, for a buffer kept in registers)."""
         idx = self.index_str(index)
         self.stored[(name, idx)] = value
         if name in self.removed:
@@ -191,7 +184,7 @@ class TritonKernel:
         dtype = V.graph.get_dtype(name)
         ptr = self.args.output(name)
         cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
-        buf.writeline(f"tl.store({ptr} + ({idx}), {value}{cast}, xmask)")
+        buf.writeline(f"tl.store({ptr} + ({idx}), {value}{cast}, {mask})")
 
     def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
         dt = compute_dtype(dtype)
