@@ -123,6 +123,15 @@ class KernelArgs:
         return [(arg, buf) for buf, arg in ordered]
 
 
+def run_masked(mask_stack: list[str], mask: Any, body: Any) -> Any:
+    """Run a masked body with ``mask`` on the kernel's mask stack (its loads see it)."""
+    mask_stack.append(str(mask))
+    try:
+        return body()
+    finally:
+        mask_stack.pop()
+
+
 class IndexPrinter:
     """Print an integer index expression as Python/Triton source."""
 

@@ -225,8 +225,8 @@ class TemplateBuffer(Buffer):
         self.name = V.graph.register_buffer(self)
 
 
-class StorageBox(IRNode):
-    """Holds a lazy loop until something realizes it, then the buffer it became."""
+class _Box(IRNode):
+    """A node that stands for the node it holds: size, dtype, device and loads are its."""
 
     def __init__(self, data: IRNode) -> None:
         self.data = data
@@ -242,6 +242,10 @@ class StorageBox(IRNode):
 
     def make_loader(self) -> Loader:
         return self.data.make_loader()
+
+
+class StorageBox(_Box):
+    """Holds a lazy loop until something realizes it, then the buffer it became."""
 
     def is_realized(self) -> bool:
         return isinstance(self.data, Buffer)
@@ -304,29 +308,14 @@ def is_channels_last(stride: Sequence[Expr], size: Sequence[Expr]) -> bool:
     return list(stride) == list(strides_for_order(size, CHANNELS_LAST_ORDER))
 
 
-class TensorBox(IRNode):
+class TensorBox(_Box):
     """What lowerings return: a view chain (possibly empty) over a StorageBox."""
-
-    def __init__(self, data: IRNode) -> None:
-        self.data = data
 
     @staticmethod
     def create(data: IRNode) -> TensorBox:
         if isinstance(data, (Loops, Buffer)):
             return TensorBox(StorageBox(data))
         return TensorBox(data)
-
-    def get_size(self) -> tuple[Expr, ...]:
-        return self.data.get_size()
-
-    def get_dtype(self) -> torch.dtype:
-        return self.data.get_dtype()
-
-    def get_device(self) -> torch.device:
-        return self.data.get_device()
-
-    def make_loader(self) -> Loader:
-        return self.data.make_loader()
 
     def storage(self) -> StorageBox | None:
         node = self.data

@@ -22,7 +22,7 @@ import torch
 from ...ir.layout import Layout
 from ...ir.sym import Expr, simplify_with_ranges
 from ...virtualized import V
-from ..common import CSE, CSEVariable, IndentedBuffer, KernelArgs, combine_div_mod
+from ..common import CSE, CSEVariable, IndentedBuffer, KernelArgs, combine_div_mod, run_masked
 from .overrides import (
     CppIndexPrinter,
     compute_dtype,
@@ -297,11 +297,7 @@ class CppKernel:
         return sympy.Symbol(var.name, integer=True, nonnegative=True)
 
     def masked(self, mask: CSEVariable, body: Callable[[], Any], other: Any) -> CSEVariable:
-        self.mask_stack.append(str(mask))
-        try:
-            result = body()
-        finally:
-            self.mask_stack.pop()
+        result = run_masked(self.mask_stack, mask, body)
         other_lit = literal(other, result.dtype)
         return self.emit(f"({mask} ? {result} : {other_lit})", result.dtype)
 
