@@ -1,7 +1,7 @@
 """Kiln's artifact store: content-addressed blobs and signed manifests on any fsspec URL,
 with a bounded local tier in front of a remote one and verified reads.
 
-    from artifact_store import Artifact, open_store
+    from kiln.artifact_store import Artifact, open_store
 
     store = open_store()                       # KILN_STORE, KILN_LOCAL_CACHE, ... from env
     store.publish(Artifact(key, {"target": ...}, {"wrapper.py": b"..."}))   # -> bool

@@ -26,7 +26,7 @@ from .stats import StoreStats
 from .store import Store, keyring_for
 from .tiers import CACHE, PRIMARY, LruBound, Tier
 
-logger = logging.getLogger("artifact_store.store")
+logger = logging.getLogger("kiln.artifact_store.store")
 
 _S3_RETRIES = 3
 
@@ -105,7 +105,7 @@ def _open_tier(
     if role == CACHE:
         label = root if is_local else label
     name = "local" if role == CACHE or (is_local and not has_cache) else "remote"
-    health = TierHealth(label, logging.getLogger("artifact_store.store"),
+    health = TierHealth(label, logging.getLogger("kiln.artifact_store.store"),
                         fallback="", timeout_s=config.timeout_s)
     return Tier(
         name, fs, root, role=role, label=label, health=health, pool=shared_pool(),

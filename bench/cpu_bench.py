@@ -139,7 +139,7 @@ def main() -> None:
     if opts.json:
         print(json.dumps(results, indent=2))
         return
-    from compiler.codegen.cpp.build import DEFAULT_ISA
+    from kiln.compiler.codegen.cpp.build import DEFAULT_ISA
 
     print(f"# {_cpu_name()}, torch {torch.__version__}, Kiln ISA level {DEFAULT_ISA}, "
           f"threads {torch.get_num_threads()}, OMP_NUM_THREADS="

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("compiler", "workers", "frontend", "artifact_store")
 
 # ---------------------------------------------------------------------------------------
 # The model.
@@ -71,8 +70,8 @@ def build_graphs(graphs: int, kernels: int, target: str) -> list[tuple[Any, list
 
     import torch
 
-    from compiler.decompositions import trace_aten
-    from compiler.request import TensorMeta
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.compiler.request import TensorMeta
 
     out: list[tuple[Any, list[Any]]] = []
     for g in range(graphs):
@@ -88,7 +87,7 @@ def build_graphs(graphs: int, kernels: int, target: str) -> list[tuple[Any, list
 
 
 def target_dict(target: str) -> dict[str, Any]:
-    from compiler.driver import DEFAULT_TARGETS
+    from kiln.compiler.driver import DEFAULT_TARGETS
 
     if target == "cuda":
         import torch
@@ -108,10 +107,10 @@ def child_cold(args: argparse.Namespace) -> dict[str, Any]:
     """Compile every graph at once through the farm (``--mode``: N CPUs or inprocess)."""
     import ray
 
-    from frontend.client import KilnClient
-    from frontend.compile import build_request
-    from frontend.config import KilnConfig
-    from frontend.farm import InProcessFarm, RayFarm
+    from kiln.frontend.client import KilnClient
+    from kiln.frontend.compile import build_request
+    from kiln.frontend.config import KilnConfig
+    from kiln.frontend.farm import InProcessFarm, RayFarm
 
     graphs = build_graphs(args.graphs, args.kernels, args.target)
     config = KilnConfig.resolve({"autotune": False})
@@ -145,10 +144,10 @@ def child_warm(args: argparse.Namespace) -> dict[str, Any]:
     """Every graph again, from the store: backend time per graph, split by step."""
     import torch
 
-    from compiler.compiled_graph import load
-    from frontend.client import client_for
-    from frontend.compile import build_request, graph_constants
-    from frontend.config import KilnConfig
+    from kiln.compiler.compiled_graph import load
+    from kiln.frontend.client import client_for
+    from kiln.frontend.compile import build_request, graph_constants
+    from kiln.frontend.config import KilnConfig
 
     graphs = build_graphs(args.graphs, args.kernels, args.target)
     can_load = args.target == "cpu" or torch.cuda.is_available()
@@ -183,12 +182,10 @@ def snapshot_sources(live: bool) -> Path:
     """The packages copied once, so that edits to the tree during a run change nothing."""
     if live:
         return ROOT
-    dest = Path(tempfile.mkdtemp(prefix="kiln-bench-src-"))
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, dest / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", dest)
-    return dest
+    sys.path.insert(0, str(ROOT))
+    import kiln
+
+    return Path(kiln.snapshot_sources(ROOT, tempfile.mkdtemp(prefix="kiln-bench-src-")))
 
 
 def run_child(src: Path, work: Path, argv: list[str], *, store: Path,

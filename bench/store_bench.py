@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from artifact_store import Artifact, Store, open_store  # noqa: E402
+from kiln.artifact_store import Artifact, Store, open_store  # noqa: E402
 
 SIGNING_KEY = "hmac:bench-farm-key"
 MIB = 2**20

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from artifact_store import Artifact
-from compiler.codegen.kernel_spec import KernelSpec
-from compiler.compiled_graph import CompiledGraph
-from compiler.kernel_compile import KernelBinary
-from compiler.request import CompileRequest
+from kiln.artifact_store import Artifact
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.request import CompileRequest
 
 from .keys import KeyInfo
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from compiler.decompositions import kiln_decompositions
+from kiln.compiler.decompositions import kiln_decompositions
 
 from .config import KilnConfig
 
@@ -35,7 +35,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     config = KilnConfig.resolve(options)
     model_id = next(_graph_ids)
-    from compiler.fx_passes import fuse_attention
+    from kiln.compiler.fx_passes import fuse_attention
 
     fuse_attention(gm)  # attention as one flash-attention call, on GPU graphs
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from artifact_store import default_stats_file, open_store, read_stats, summarize
+from kiln.artifact_store import default_stats_file, open_store, read_stats, summarize
 
 EXIT_OK, EXIT_FAILED = 0, 1
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -168,7 +168,7 @@ def describe_artifact(described: dict[str, Any], manifest: dict[str, Any]) -> li
 def _key_parts_of(ref: str) -> tuple[dict[str, str], Any]:
     """(key parts, request or None) of a key in the store, or of a request saved by
     KILN_DEBUG (its request.msgpack, or the folder holding it)."""
-    from compiler.request import CompileRequest
+    from kiln.compiler.request import CompileRequest
 
     from .keys import compute_key
 
@@ -208,7 +208,7 @@ def cmd_explain_miss(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from artifact_store.config import parse_size
+    from kiln.artifact_store.config import parse_size
 
     store = open_store()
     max_bytes = parse_size(args.max_size, "--max-size") if args.max_size else None

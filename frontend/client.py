@@ -21,11 +21,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from artifact_store import Store, default_stats_file, open_store
-from artifact_store.stats import merge_counters, persist_counters
-from compiler.compiled_graph import CompiledGraph
-from compiler.request import CompileRequest
-from workers.pipeline import CompileFailure, test_delay
+from kiln.artifact_store import Store, default_stats_file, open_store
+from kiln.artifact_store.stats import merge_counters, persist_counters
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.request import CompileRequest
+from kiln.workers.pipeline import CompileFailure, test_delay
 
 from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from compiler import debug
-from compiler.compiled_graph import CompiledGraph, load
-from compiler.driver import DEFAULT_TARGETS
-from compiler.request import CompileRequest
+from kiln.compiler import debug
+from kiln.compiler.compiled_graph import CompiledGraph, load
+from kiln.compiler.driver import DEFAULT_TARGETS
+from kiln.compiler.request import CompileRequest
 
 from .client import CompileResult, client_for
 from .config import KilnConfig

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from compiler.debug import debug_enabled
+from kiln.compiler.debug import debug_enabled
 
 DEFAULT_FARM_TIMEOUT = 300.0
 

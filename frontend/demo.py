@@ -1,7 +1,7 @@
 """The README's main job: compile the seed example and show each stage's result.
 
-    python -m frontend.demo          the compiler's stages on the seed example
-    python -m frontend.demo farm     the whole path: a cold compile through the farm
+    python -m kiln.frontend.demo          the compiler's stages on the seed example
+    python -m kiln.frontend.demo farm     the whole path: a cold compile through the farm
                                      (KILN_FARM, default an embedded Ray), then a second
                                      process that hits the store and compiles nothing
 """
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from compiler import debug
-from compiler.decompositions import trace_aten
-from compiler.driver import lower_and_schedule
-from compiler.interpreter import run_graph
-from compiler.memory import describe
+from kiln.compiler import debug
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import lower_and_schedule
+from kiln.compiler.interpreter import run_graph
+from kiln.compiler.memory import describe
 
 
 def seed_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,8 @@ class TwoBlocks(torch.nn.Module):
 
 def farm_client() -> None:
     """One process of the farm demo: compile, run, check, print what happened."""
-    from frontend.client import _clients
-    from frontend.compile import observers
+    from kiln.frontend.client import _clients
+    from kiln.frontend.compile import observers
 
     keys: list[str] = []
 
@@ -108,7 +108,7 @@ def farm_client() -> None:
 
 
 def _run_client(env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "frontend.demo", "farm-client"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.demo", "farm-client"], env=env,
                           stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.rstrip().splitlines()
     if proc.returncode != 0 or not lines:

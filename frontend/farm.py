@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from artifact_store import user_cache_dir
-from compiler.compiled_graph import CompiledGraph
-from compiler.request import CompileRequest
-from workers.pipeline import CompileFailure, KernelCache, compile_inprocess
+from kiln.artifact_store import user_cache_dir
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.request import CompileRequest
+from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
 
 log = logging.getLogger("kiln.farm")
 
@@ -169,7 +169,7 @@ class RayFarm:
         try:
             import ray
 
-            from workers.coordinator import get_farm_actor
+            from kiln.workers.coordinator import get_farm_actor
         except ImportError as e:
             raise FarmUnavailable(f"Ray is not installed here ({e}); pip install ray") from e
 
@@ -230,8 +230,8 @@ class RayFarm:
             raise self._classify(e, key) from None
 
     def _classify(self, error: Exception, key: str) -> Exception:
-        from workers.coordinator import root_cause
-        from workers.pipeline import FarmVersionMismatch
+        from kiln.workers.coordinator import root_cause
+        from kiln.workers.pipeline import FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):

@@ -16,13 +16,13 @@ from typing import Any
 
 import msgpack
 
-from compiler.versions import (
+from kiln.compiler.versions import (
     SOURCE_SUFFIXES,
     hash_source_tree,
     kiln_version,
     versions,
 )
-from frontend.serialize import (
+from kiln.frontend.serialize import (
     GRAPH_FORMAT_VERSION,
     REQUEST_FORMAT_VERSION,
     CompileRequest,

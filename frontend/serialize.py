@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from compiler.request import (
+from kiln.compiler.request import (
     GRAPH_FORMAT_VERSION,
     NON_OUTPUT_OPTIONS,
     REQUEST_FORMAT_VERSION,
@@ -66,7 +66,7 @@ def make_request(
         else:
             raise SerializationError(f"input {i} is a {type(x).__name__}, not a tensor")
     if versions is None:
-        from frontend.keys import versions as current_versions  # keys imports this module
+        from kiln.frontend.keys import versions as current_versions  # keys imports this module
 
         versions = current_versions()
     return CompileRequest(

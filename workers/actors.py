@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from compiler.codegen.kernel_spec import KernelSpec
-from compiler.kernel_compile import KernelBinary
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.kernel_compile import KernelBinary
 
 from . import autotune
 from .pipeline import (

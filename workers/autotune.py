@@ -11,8 +11,8 @@ import logging
 import math
 import os
 
-from compiler.codegen.kernel_spec import KernelSpec
-from compiler.kernel_compile import KernelBinary
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.kernel_compile import KernelBinary
 
 log = logging.getLogger("kiln.autotune")
 
@@ -46,8 +46,8 @@ def benchmark(spec: KernelSpec, binaries: list[KernelBinary]) -> list[float]:
         return fake_timings(binaries)
     import torch
 
-    from compiler.autotune import scratch_args, time_launch
-    from compiler.runtime.triton_launcher import TritonLauncher
+    from kiln.compiler.autotune import scratch_args, time_launch
+    from kiln.compiler.runtime.triton_launcher import TritonLauncher
 
     device = torch.device("cuda", torch.cuda.current_device())
     args = scratch_args(spec, device)

@@ -27,10 +27,10 @@ from typing import Any
 
 import ray
 
-from compiler.compiled_graph import CompiledGraph
-from compiler.kernel_compile import KernelBinary
-from compiler.request import CompileRequest
-from compiler.versions import compiler_dir, versions
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.request import CompileRequest
+from kiln.compiler.versions import compiler_dir, versions
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
 from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs

@@ -23,12 +23,12 @@ from typing import Any
 
 import msgpack
 
-from compiler.codegen.kernel_spec import KernelSpec
-from compiler.compiled_graph import CompiledGraph
-from compiler.errors import KilnCompileError
-from compiler.kernel_compile import KernelBinary, compile_kernel
-from compiler.request import CompileRequest, canonical
-from compiler.versions import versions
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.errors import KilnCompileError
+from kiln.compiler.kernel_compile import KernelBinary, compile_kernel
+from kiln.compiler.request import CompileRequest, canonical
+from kiln.compiler.versions import versions
 
 log = logging.getLogger("kiln.workers")
 
@@ -104,8 +104,8 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
     ``extra_options`` reach the compiler but not the key: debug folders and logs only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compiler.driver import compile_graph
-    from compiler.request import deserialize_graph, fake_tensor_from_meta
+    from kiln.compiler.driver import compile_graph
+    from kiln.compiler.request import deserialize_graph, fake_tensor_from_meta
 
     request = CompileRequest.from_bytes(request_bytes)
     check_versions(request)
@@ -129,8 +129,8 @@ def warm_up() -> None:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compiler.decompositions import trace_aten
-    from compiler.driver import DEFAULT_TARGETS, compile_graph
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.compiler.driver import DEFAULT_TARGETS, compile_graph
 
     versions()
     try:
@@ -260,7 +260,7 @@ def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | No
     target = request.target
     start = time.perf_counter()
     if local_autotune(request):
-        from compiler.autotune import autotune_graph
+        from kiln.compiler.autotune import autotune_graph
 
         autotune_graph(compiled, target)
         chosen = dict(compiled.binaries)

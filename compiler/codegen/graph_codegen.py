@@ -17,7 +17,7 @@ from .wrapper import WrapperCodegen
 WRAPPER_HEADER = """# Kiln wrapper for graph {name}: {kernels} kernel(s), {buffers} buffer(s)
 import torch
 
-from compiler.runtime.wrapper_runtime import (
+from kiln.compiler.runtime.wrapper_runtime import (
     align_input,
     as_layout,
     empty_strided,

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from compiler.decompositions import trace_aten
-from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.interpreter import run_graph
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import ScheduledGraph, lower_and_schedule
+from kiln.compiler.interpreter import run_graph
 
 # (rtol, atol) per dtype for pointwise chains. The interpreter, like the code generators,
 # computes reduced-precision values in fp32 and rounds once; eager rounds after every op.

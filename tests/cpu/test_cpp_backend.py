@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.compiled_graph import CompiledGraph, load
-from compiler.decompositions import trace_aten
-from compiler.driver import compile_graph
+from kiln.compiler.compiled_graph import CompiledGraph, load
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
 from tests.numerics_cases import (
     ALL_CASES,
     Case,
@@ -42,7 +42,7 @@ from tests.numerics_cases import (
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """No KILN_* settings from the shell; a fresh store; compiles in this process. The
     kernel cache (under the user cache folder) is kept, so kernels compile once."""
-    from frontend.client import reset_clients
+    from kiln.frontend.client import reset_clients
 
     for name in [n for n in __import__("os").environ if n.startswith("KILN_")]:
         if name != "KILN_CACHE_DIR":
@@ -385,7 +385,7 @@ def test_op_backward(name: str, fn: Callable[..., Any],
 
 def test_missing_compiler_falls_back_to_eager_with_one_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from frontend.backend import KilnFallbackWarning
+    from kiln.frontend.backend import KilnFallbackWarning
 
     monkeypatch.setenv("KILN_CXX", str(tmp_path / "no-such-g++"))
     fn = lambda a, b: (a * b).cos().sum(-1) + 7.25  # noqa: E731  (a kernel no test shares)
@@ -402,14 +402,14 @@ def test_missing_compiler_falls_back_to_eager_with_one_warning(
 
 
 def _spec(source: str, name: str = "kiln_test_kernel") -> Any:
-    from compiler.codegen.kernel_spec import KernelSpec
+    from kiln.compiler.codegen.kernel_spec import KernelSpec
 
     return KernelSpec(name, "cpp", "pointwise", source, ("in_ptr0", "out_ptr0"))
 
 
 def test_compile_error_names_the_kernel() -> None:
-    from compiler.codegen.cpp.build import compile_cpp
-    from compiler.errors import KilnCompileError
+    from kiln.compiler.codegen.cpp.build import compile_cpp
+    from kiln.compiler.errors import KilnCompileError
 
     bad = '#include "kiln_prelude.h"\nextern "C" void kiln_bad_kernel(float* p) { p[0] = q; }\n'
     with pytest.raises(KilnCompileError) as info:
@@ -422,7 +422,7 @@ def test_a_kernel_compiles_once_per_source_flags_and_isa(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import uuid
 
-    from compiler.codegen.cpp import build
+    from kiln.compiler.codegen.cpp import build
 
     builds: list[str] = []
     real = build._build
@@ -447,8 +447,8 @@ def test_a_kernel_compiles_once_per_source_flags_and_isa(
 
 def test_shipped_binaries_load_without_a_compiler(monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
-    from compiler.codegen.cpp.build import DEFAULT_ISA
-    from compiler.compiled_graph import CompiledGraph as Graph
+    from kiln.compiler.codegen.cpp.build import DEFAULT_ISA
+    from kiln.compiler.compiled_graph import CompiledGraph as Graph
 
     fn = lambda x: torch.softmax(x * 3, -1)  # noqa: E731
     args = [rand(5, 77)]
@@ -474,7 +474,7 @@ def test_a_launcher_without_a_binary_compiles_on_the_spot() -> None:
 
 def test_a_binary_for_an_isa_the_host_lacks_is_rebuilt(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    from compiler.codegen.cpp import build
+    from kiln.compiler.codegen.cpp import build
 
     fn = lambda x: x.abs() + 1  # noqa: E731
     args = [rand(6, 10)]

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from compiler.compiled_graph import CompiledGraph, load
-from compiler.decompositions import trace_aten
-from compiler.driver import compile_graph
+from kiln.compiler.compiled_graph import CompiledGraph, load
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
 
 
 def seed(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-from compiler.decompositions import kiln_decompositions
-from compiler.driver import lower_and_schedule
-from compiler.interpreter import run_graph
+from kiln.compiler.decompositions import kiln_decompositions
+from kiln.compiler.driver import lower_and_schedule
+from kiln.compiler.interpreter import run_graph
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 B, D = 6, 12

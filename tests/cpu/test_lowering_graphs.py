@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-from compiler.decompositions import kiln_decompositions, trace_aten
-from compiler.driver import lower_and_schedule
-from compiler.errors import LoweringError, MalformedGraphError
-from compiler.interpreter import run_graph
-from compiler.ir.extern import ExternKernel, FallbackKernel
+from kiln.compiler.decompositions import kiln_decompositions, trace_aten
+from kiln.compiler.driver import lower_and_schedule
+from kiln.compiler.errors import LoweringError, MalformedGraphError
+from kiln.compiler.interpreter import run_graph
+from kiln.compiler.ir.extern import ExternKernel, FallbackKernel
 
 Draw = Callable[..., torch.Tensor]
 

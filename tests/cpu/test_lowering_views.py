@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler.interpreter import run_graph
+from kiln.compiler.interpreter import run_graph
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int32)
 SHAPE = (4, 6, 5)

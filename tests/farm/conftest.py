@@ -27,24 +27,22 @@ def _snapshot_sources() -> Path:
     refuse it). FARM_TEST_LIVE_TREE=1 runs the live tree instead."""
     if os.environ.get("FARM_TEST_LIVE_TREE") == "1":
         return _ROOT
-    dest = Path(tempfile.mkdtemp(prefix="kiln-farm-src-"))
-    for package in ("compiler", "workers", "frontend", "artifact_store"):
-        shutil.copytree(_ROOT / package, dest / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(_ROOT / "pyproject.toml", dest)
+    import kiln
+
+    dest = kiln.snapshot_sources(_ROOT, tempfile.mkdtemp(prefix="kiln-farm-src-"))
     atexit.register(shutil.rmtree, dest, True)
     return dest
 
 
 os.environ["FARM_TEST_SRC"] = str(_snapshot_sources())
-if "compiler" not in sys.modules:
+if "kiln.compiler" not in sys.modules:
     sys.path.insert(0, os.environ["FARM_TEST_SRC"])
 
 from farm_helpers import BUCKET, RayHead, free_port  # noqa: E402
 
-from compiler.versions import versions  # noqa: E402
-from frontend.client import reset_clients  # noqa: E402
-from frontend.farm import RayFarm  # noqa: E402
+from kiln.compiler.versions import versions  # noqa: E402
+from kiln.frontend.client import reset_clients  # noqa: E402
+from kiln.frontend.farm import RayFarm  # noqa: E402
 
 
 @pytest.fixture(scope="session")

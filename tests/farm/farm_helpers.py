@@ -25,10 +25,10 @@ HELPERS = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from artifact_store import Artifact  # noqa: E402
-from compiler.decompositions import trace_aten  # noqa: E402
-from compiler.request import CompileRequest, TensorMeta  # noqa: E402
-from frontend.serialize import make_request  # noqa: E402
+from kiln.artifact_store import Artifact  # noqa: E402
+from kiln.compiler.decompositions import trace_aten  # noqa: E402
+from kiln.compiler.request import CompileRequest, TensorMeta  # noqa: E402
+from kiln.frontend.serialize import make_request  # noqa: E402
 
 CUDA_TARGET = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 BUCKET = "kiln-farm-test"
@@ -104,7 +104,7 @@ def failing_lowering_request() -> CompileRequest:
     (eager ATen would refuse to trace it, so it is built by hand)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compiler.request import fake_tensor_from_meta
+    from kiln.compiler.request import fake_tensor_from_meta
 
     meta = TensorMeta((8,), (1,), "float32", "cuda", 0)
     mode = FakeTensorMode()

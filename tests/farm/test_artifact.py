@@ -7,10 +7,10 @@ from pathlib import Path
 
 from farm_helpers import RayHead, cuda_request, python_env, run_python
 
-from artifact_store import open_store
-from frontend.artifact import WRAPPER_BLOB, from_artifact, to_artifact
-from frontend.keys import PART_NAMES, compute_key
-from workers.pipeline import compile_inprocess
+from kiln.artifact_store import open_store
+from kiln.frontend.artifact import WRAPPER_BLOB, from_artifact, to_artifact
+from kiln.frontend.keys import PART_NAMES, compute_key
+from kiln.workers.pipeline import compile_inprocess
 
 
 def test_artifact_round_trip_through_the_store(tmp_path: Path) -> None:
@@ -40,8 +40,8 @@ def test_artifact_round_trip_through_the_store(tmp_path: Path) -> None:
 AUTOTUNE_CLIENT = """
 import json
 from farm_helpers import cuda_request
-from frontend.client import KilnClient
-from frontend.config import KilnConfig
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(cuda_request(shapes=((16, 32), (32, 32))))
 compiled = result.compiled

@@ -25,18 +25,18 @@ from farm_helpers import (
     run_python,
 )
 
-from frontend.client import KilnClient, KilnFarmWarning
-from frontend.config import KilnConfig
-from frontend.farm import RayFarm
-from frontend.keys import compute_key
-from workers.pipeline import CompileFailure
+from kiln.frontend.client import KilnClient, KilnFarmWarning
+from kiln.frontend.config import KilnConfig
+from kiln.frontend.farm import RayFarm
+from kiln.frontend.keys import compute_key
+from kiln.workers.pipeline import CompileFailure
 
 # A client in a fresh process: compiles the helpers' request and prints what it got.
 CLIENT = """
 import json
 from farm_helpers import blob_digests, cuda_request
-from frontend.client import KilnClient
-from frontend.config import KilnConfig
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
 request = cuda_request(shapes={shapes!r})
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(request)
@@ -152,8 +152,8 @@ def test_compile_error_falls_back_to_eager_with_one_warning(farm: RayFarm,
                                                             ray_cluster: RayHead) -> None:
     import torch
 
-    from compiler.decompositions import trace_aten
-    from frontend.backend import KilnFallbackWarning, compile_aten_graph
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.frontend.backend import KilnFallbackWarning, compile_aten_graph
 
     x = torch.randn(4, 2)
     gm = trace_aten(complex_model, [x])
@@ -213,7 +213,7 @@ def test_published_artifacts_survive_a_farm_outage(farm: RayFarm, ray_cluster: R
 
 def test_threads_of_one_client_share_one_compile(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import workers.pipeline as pipeline
+    import kiln.workers.pipeline as pipeline
 
     calls = []
     real = pipeline.compile_sources

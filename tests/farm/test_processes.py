@@ -8,7 +8,7 @@ from pathlib import Path
 
 from farm_helpers import RayHead, free_port, python_env, run_python, s3_env
 
-from frontend.farm import RayFarm
+from kiln.frontend.farm import RayFarm
 
 # torch.compile of a small model on CPU (Triton's interpreter runs the kernels); prints
 # the client's counters and Kiln's warnings. {patch} may forbid the compiler.
@@ -27,13 +27,14 @@ with warnings.catch_warnings(record=True) as caught:
     compiled = torch.compile(model, backend="kiln", options={{"cpu_backend": "triton-interpret"}})
     out = compiled(x, w)
 torch.testing.assert_close(out, model(x, w), rtol=1e-4, atol=1e-4)
-from frontend.client import _clients
+from kiln.frontend.client import _clients
 print(json.dumps({{"counters": [c.counters.snapshot() for c in _clients.values()],
                   "warnings": [str(w.message) for w in caught if "kiln" in str(w.message)]}}))
 """
 
 NO_COMPILER = """
-import compiler.driver, compiler.kernel_compile, workers.pipeline
+import kiln.compiler.driver, kiln.compiler.kernel_compile, kiln.workers.pipeline
+from kiln import compiler, workers
 
 def _compiler_ran(*args, **kwargs):
     raise AssertionError("the compiler ran on a cache hit")
@@ -51,9 +52,9 @@ import json
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from farm_helpers import CUDA_TARGET, layer_model
-from compiler.decompositions import trace_aten
-from frontend.compile import build_request, compile_request
-from frontend.config import KilnConfig
+from kiln.compiler.decompositions import trace_aten
+from kiln.frontend.compile import build_request, compile_request
+from kiln.frontend.config import KilnConfig
 
 args = [torch.randn(16, 32), torch.randn(32, 32)]
 gm = trace_aten(layer_model, args)

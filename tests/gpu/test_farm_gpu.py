@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("ray")
 
-from compiler.decompositions import trace_aten  # noqa: E402
-from frontend.compile import build_request, compile_request  # noqa: E402
-from frontend.config import KilnConfig  # noqa: E402
+from kiln.compiler.decompositions import trace_aten  # noqa: E402
+from kiln.frontend.compile import build_request, compile_request  # noqa: E402
+from kiln.frontend.config import KilnConfig  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.compiled_graph import load
-from compiler.decompositions import trace_aten
-from compiler.driver import compile_graph
+from kiln.compiler.compiled_graph import load
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
 from tests.numerics_cases import (
     ALL_CASES,
     Case,
@@ -56,7 +56,7 @@ def test_case_matches_eager_on_gpu(item: tuple[Case, torch.dtype]) -> None:
 
 @pytest.mark.gpu
 def test_binaries_launch_without_jit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from compiler.runtime import triton_launcher
+    from kiln.compiler.runtime import triton_launcher
 
     args = [torch.randn(64, 128, device="cuda") for _ in range(3)]
     fn = lambda a, b, c: ((a + b) * c.relu()).sum(dim=-1)  # noqa: E731

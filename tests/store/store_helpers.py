@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the tests run from a checkout, installed or not
     sys.path.insert(0, str(ROOT))
 
-from artifact_store import Artifact  # noqa: E402
+from kiln.artifact_store import Artifact  # noqa: E402
 
 BUCKET = "kiln-test"
-STORE_LOGGER = "artifact_store"
+STORE_LOGGER = "kiln.artifact_store"
 
 
 def free_port() -> int:
@@ -74,7 +74,7 @@ def concurrency_worker(
 ) -> dict[str, Any]:
     """Publish and read `keys` (shared with other workers) for `rounds` rounds; report
     what came back. Runs in a spawned process."""
-    from artifact_store import open_store
+    from kiln.artifact_store import open_store
 
     store = open_store(url, storage_options=options, local_cache=False,
                        signing_key=signing_key, stats_file=False)
@@ -104,7 +104,7 @@ def reader_worker(url: str, options: dict[str, Any], keys: list[str], seconds: f
     first hit (writers may start later than this reader), at most a minute in all."""
     import time
 
-    from artifact_store import open_store
+    from kiln.artifact_store import open_store
 
     store = open_store(url, storage_options=options, local_cache=False,
                        signing_key=signing_key, stats_file=False, read_only=True)

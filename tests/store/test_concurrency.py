@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from store_helpers import concurrency_worker, reader_worker, round_artifact
 
-from artifact_store import open_store
+from kiln.artifact_store import open_store
 
 SHARED = ["5" * 64, "6" * 64]
 KEY = "farm-secret"

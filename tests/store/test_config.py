@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from artifact_store import ConfigError, StoreConfig, default_stats_file, open_store
-from artifact_store.config import parse_size
+from kiln.artifact_store import ConfigError, StoreConfig, default_stats_file, open_store
+from kiln.artifact_store.config import parse_size
 
 
 def test_defaults_live_under_xdg_cache_home(clean_env: Path) -> None:

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from store_helpers import make_artifact, store_warnings
 
-from artifact_store import Store, open_store
+from kiln.artifact_store import Store, open_store
 
 KEY = "a" * 64
 

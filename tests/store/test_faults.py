@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from store_helpers import free_port, make_artifact, s3_options, store_warnings
 
-from artifact_store import open_store
+from kiln.artifact_store import open_store
 
 KEY = "a" * 64
 
@@ -187,7 +187,7 @@ def test_full_local_tier_does_not_block_the_store(
 def test_each_outage_is_reported_once_and_recovery_noticed(
     flaky: type[FlakyFileSystem], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level("INFO", logger="artifact_store")
+    caplog.set_level("INFO", logger="kiln.artifact_store")
     store = open_store(f"flakyfs://kiln-{uuid.uuid4().hex}", local_cache=False)
     assert store.primary is not None
     store.primary.health.cooldown_s = 0.05
@@ -232,8 +232,8 @@ def test_unexpected_errors_never_reach_the_caller(
     def explode(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug deep inside")
 
-    monkeypatch.setattr("artifact_store.store.decode_manifest", explode)
-    monkeypatch.setattr("artifact_store.store.encode_manifest", explode)
+    monkeypatch.setattr("kiln.artifact_store.store.decode_manifest", explode)
+    monkeypatch.setattr("kiln.artifact_store.store.encode_manifest", explode)
     assert store.get(KEY) is None
     assert store.get_manifest(KEY) is None
     assert store.publish(make_artifact(key="b" * 64)) is False

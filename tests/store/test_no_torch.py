@@ -10,8 +10,8 @@ from store_helpers import ROOT
 
 PROGRAM = """
 import sys, tempfile
-import artifact_store
-from artifact_store import Artifact, open_store
+import kiln.artifact_store
+from kiln.artifact_store import Artifact, open_store
 store = open_store(tempfile.mkdtemp(), signing_key="hmac:k")
 assert store.publish(Artifact("ab" * 32, {"k": 1}, {"w.py": b"x"}))
 assert store.get("ab" * 32) is not None

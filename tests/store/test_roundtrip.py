@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from store_helpers import make_artifact, store_warnings
 
-from artifact_store import Artifact, open_store
+from kiln.artifact_store import Artifact, open_store
 
 
 def test_publish_get_round_trip(backend: tuple[str, dict[str, Any]]) -> None:

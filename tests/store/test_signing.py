@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from store_helpers import make_artifact, store_warnings
 
-from artifact_store import ConfigError, generate_ed25519_key, open_store, parse_keyring
-from artifact_store.signing import Verdict
+from kiln.artifact_store import ConfigError, generate_ed25519_key, open_store, parse_keyring
+from kiln.artifact_store.signing import Verdict
 
 BODY = b"manifest body bytes"
 
@@ -112,7 +112,7 @@ def test_ed25519_key_encodings(tmp_path: Path, ed25519_pair: tuple[str, str]) ->
 
 
 def test_ed25519_without_cryptography_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("artifact_store.signing.ed25519_available", lambda: False)
+    monkeypatch.setattr("kiln.artifact_store.signing.ed25519_available", lambda: False)
     with pytest.raises(ConfigError, match="cryptography"):
         parse_keyring("ed25519-pub:" + "00" * 32)
     store = open_store(signing_key="ed25519-pub:" + "00" * 32)  # fails closed, no exception

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from store_helpers import ROOT, make_artifact
 
-from artifact_store import open_store, read_stats, summarize
-from artifact_store.stats import latency_quantile, merge_counters, new_histogram, observe
+from kiln.artifact_store import open_store, read_stats, summarize
+from kiln.artifact_store.stats import latency_quantile, merge_counters, new_histogram, observe
 
 CHILD = """
 import sys
-from artifact_store import Artifact, open_store
+from kiln.artifact_store import Artifact, open_store
 store = open_store(sys.argv[1])
 store.publish(Artifact("b" * 64, {"child": True}, {"x": b"child blob"}))
 assert store.get("b" * 64) is not None

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 from store_helpers import make_artifact, store_warnings
 
-from artifact_store import Artifact, open_store
+from kiln.artifact_store import Artifact, open_store
 
 
 def key(i: int) -> str:

@@ -17,7 +17,7 @@ if "triton" not in sys.modules:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from compiler.runtime.kernel_files import interpreter_active
+    from kiln.compiler.runtime.kernel_files import interpreter_active
 
     if interpreter_active():
         return

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.compiled_graph import load
-from compiler.runtime import triton_launcher
+from kiln.compiler.compiled_graph import load
+from kiln.compiler.runtime import triton_launcher
 from tests.models import Block, assert_training_step_matches, mlp
 from tests.numerics_cases import rand
 from tests.triton_interp.helpers import assert_matches_eager, compile_fn
@@ -73,7 +73,7 @@ def test_second_call_compiles_and_imports_nothing(monkeypatch: pytest.MonkeyPatc
         raise AssertionError("compiled again on a second call")
 
     monkeypatch.setattr(triton_launcher, "import_source", fail)
-    monkeypatch.setattr("compiler.kernel_compile.compile_kernel", fail)
+    monkeypatch.setattr("kiln.compiler.kernel_compile.compile_kernel", fail)
     second = call([a.clone() for a in args])[0]
     torch.testing.assert_close(first, second)
 
@@ -94,7 +94,7 @@ def test_training_step_matches_eager(make: type, shape: tuple[int, ...]) -> None
 
 def test_kernel_compile_failure_falls_back_to_eager_with_one_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from compiler.codegen.cpp import build
+    from kiln.compiler.codegen.cpp import build
 
     def broken(spec: object, target: object) -> None:
         raise RuntimeError("g++: internal compiler error (injected)")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compiler.decompositions import trace_aten
-from compiler.driver import compile_graph
-from compiler.kernel_compile import compile_kernel
-from compiler.runtime.kernel_files import interpreter_active
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
+from kiln.compiler.kernel_compile import compile_kernel
+from kiln.compiler.runtime.kernel_files import interpreter_active
 from tests.numerics_cases import ALL_CASES, case_id, expand_cases
 
 SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}

@@ -9,10 +9,10 @@ from typing import Any
 import sympy
 import torch
 
-from compiler.decompositions import trace_aten
-from compiler.dependencies import MemoryDep, StarDep, WeakDep, canonical_vars, normalize_dep
-from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.dependencies import MemoryDep, StarDep, WeakDep, canonical_vars, normalize_dep
+from kiln.compiler.driver import ScheduledGraph, lower_and_schedule
+from kiln.compiler.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode
 
 c0, c1, c2 = canonical_vars(3)
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compiler.decompositions import trace_aten
-from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.ir.nodes import ComputedBuffer
-from compiler.scheduler import (
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import ScheduledGraph, lower_and_schedule
+from kiln.compiler.ir.nodes import ComputedBuffer
+from kiln.compiler.scheduler import (
     BaseSchedulerNode,
     ExternKernelSchedulerNode,
     FusedSchedulerNode,
@@ -269,8 +269,8 @@ def test_score_counts_each_shared_access_once_at_its_largest_size() -> None:
 
 _SCHEDULE_SCRIPT = """
 import torch, torch.nn.functional as F
-from compiler.decompositions import trace_aten
-from compiler.driver import lower_and_schedule
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import lower_and_schedule
 graphs = [
     (lambda x, w, b: F.layer_norm(x, (128,), w, b), [torch.randn(64, 128), torch.randn(128),
                                                       torch.randn(128)]),

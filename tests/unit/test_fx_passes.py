@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.fx_passes import fuse_attention
+from kiln.compiler.fx_passes import fuse_attention
 from tests.models import Block
 
 

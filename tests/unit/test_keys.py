@@ -21,9 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_aggregate
 
-import frontend.keys as keys
-from frontend.keys import KeyInfo, compute_key, diff_requests, explain_miss, hash_source_tree
-from frontend.serialize import (
+import kiln.frontend.keys as keys
+from kiln.frontend.keys import KeyInfo, compute_key, diff_requests, explain_miss, hash_source_tree
+from kiln.frontend.serialize import (
     CompileRequest,
     TensorMeta,
     deserialize_graph,
@@ -44,8 +44,8 @@ import torch._dynamo
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.proxy_tensor import make_fx
-from frontend.keys import compute_key
-from frontend.serialize import make_request
+from kiln.frontend.keys import compute_key
+from kiln.frontend.serialize import make_request
 
 def model(x, w):
     scale = torch.tensor([0.5, 2.0, float("inf")])
@@ -370,7 +370,7 @@ def test_versions_cover_kiln_compiler_torch_triton() -> None:
     found = keys.versions()
     assert set(found) == {"kiln", "compiler", "torch", "triton"}
     assert found["torch"] == str(torch.__version__)
-    import compiler
+    from kiln import compiler
 
     assert found["compiler"] == hash_source_tree(Path(compiler.__file__).parent)
     assert found["kiln"] not in (None, "")

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler.decompositions import trace_aten
-from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.memory import MemoryPlan, plan_memory
-from compiler.virtualized import V
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import ScheduledGraph, lower_and_schedule
+from kiln.compiler.memory import MemoryPlan, plan_memory
+from kiln.compiler.virtualized import V
 
 F32 = 4  # bytes
 

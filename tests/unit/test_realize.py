@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.fx as fx
 
-from compiler.decompositions import trace_aten
-from compiler.driver import ScheduledGraph, lower_and_schedule
-from compiler.errors import KilnCompileError, LoweringError, MalformedGraphError
-from compiler.graph import GraphLowering
-from compiler.ir.extern import ExternKernel, FallbackKernel, MultiOutput
-from compiler.ir.nodes import ComputedBuffer, Pointwise, Reduction
-from compiler.scheduler import ExternKernelSchedulerNode, SchedulerNode
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import ScheduledGraph, lower_and_schedule
+from kiln.compiler.errors import KilnCompileError, LoweringError, MalformedGraphError
+from kiln.compiler.graph import GraphLowering
+from kiln.compiler.ir.extern import ExternKernel, FallbackKernel, MultiOutput
+from kiln.compiler.ir.nodes import ComputedBuffer, Pointwise, Reduction
+from kiln.compiler.scheduler import ExternKernelSchedulerNode, SchedulerNode
 
 
 def compile_fn(fn: Callable[..., Any], *args: torch.Tensor) -> ScheduledGraph:

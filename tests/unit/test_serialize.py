@@ -17,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from frontend.serialize import (
+from kiln.frontend.serialize import (
     GRAPH_FORMAT_VERSION,
     CompileRequest,
     SerializationError,

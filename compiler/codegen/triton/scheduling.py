@@ -22,7 +22,7 @@ HEADER = """import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from compiler.runtime import triton_helpers as th
+from kiln.compiler.runtime import triton_helpers as th
 """
 
 KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red"}
