@@ -130,6 +130,10 @@ _PLUMBING = frozenset({"load", "store", "store_reduction", "constant", "index_ex
                        "to_dtype_bitcast"})
 
 
+_SCATTER_NAMES = {"atomic_add": "scatter_add", "atomic_max": "scatter_max",
+                  "atomic_min": "scatter_min"}
+
+
 @dataclass
 class RecordLoadStore(DefaultHandler[_Token]):
     """The recording ops handler: every load and store becomes a MemoryDep."""
@@ -154,7 +158,10 @@ class RecordLoadStore(DefaultHandler[_Token]):
         return _Token()
 
     def store(self, name: str, index: Expr, value: Any, mode: str | None = None) -> None:
-        self.writes.add(self._dep(name, index))
+        dep = self._dep(name, index)
+        self.writes.add(dep)
+        if mode is not None or dep.is_indirect():  # a scatter names its kernel
+            self._note(_SCATTER_NAMES.get(mode, "scatter"))
 
     def store_reduction(self, name: str, index: Expr, value: Any) -> None:
         # A reduction's output is indexed by its non-reduced variables only.

@@ -49,7 +49,7 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
     debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
-    graph = GraphLowering(gm, example_inputs, name)
+    graph = GraphLowering(gm, example_inputs, name, options)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
