@@ -8,7 +8,7 @@ import sympy
 
 from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
-from ...ir.nodes import ComputedBuffer
+from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
 from ...scheduler import BaseSchedulerNode, SchedulerNode
 from ...virtualized import V
@@ -122,7 +122,11 @@ def memory_order(node: BaseSchedulerNode, removed: set[str]) -> list[int] | None
     ranges = {tuple(int(r) for r in s.get_ranges()[0]) for s in subs}
     if len(ranges) != 1 or len(next(iter(ranges))) < 2:
         return None
+    # A scatter's loops are its source's, not its target's: they give no order.
+    subs = [s for s in subs if not isinstance(getattr(s.node, "data", None), Scatter)]
     stored = [s for s in subs if s.get_name() not in removed] or subs
+    if not stored:
+        return None
     stride = [int(v) for v in stored[-1].node.get_layout().stride]
     size = next(iter(ranges))
     order = sorted(range(len(size)), key=lambda d: (-stride[d] if size[d] != 1 else 0, d))
