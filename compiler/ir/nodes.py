@@ -459,10 +459,13 @@ def as_storage_and_layout(node: IRNode) -> tuple[Buffer, FixedLayout] | None:
     buf = storage.data
     size = node.get_size()
     idx = fresh_index_vars(len(size))
-    from .sym import linear_coefficients
+    from .sym import combine_div_mod, linear_coefficients, simplify_with_ranges
 
     base_layout = buf.get_layout()
     flat = base_layout.make_indexer()(list(reindex(idx)))
+    # A reshape of a contiguous range splits an index into div and mod parts that fold
+    # back into one affine term: (8, 64, 32) over (2, 4, 64, 32) needs no copy.
+    flat = combine_div_mod(simplify_with_ranges(sympy.expand(flat), dict(zip(idx, size))))
     lin = linear_coefficients(flat, idx)
     if lin is None:
         return None
