@@ -161,7 +161,7 @@ class RecordLoadStore(DefaultHandler[_Token]):
         dep = self._dep(name, index)
         self.writes.add(dep)
         if mode is not None or dep.is_indirect():  # a scatter names its kernel
-            self._note(_SCATTER_NAMES.get(mode, "scatter"))
+            self._note(_SCATTER_NAMES.get(mode or "", "scatter"))
 
     def store_reduction(self, name: str, index: Expr, value: Any) -> None:
         # A reduction's output is indexed by its non-reduced variables only.

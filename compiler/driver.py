@@ -97,7 +97,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         constant_names=list(sg.graph.constants), timings=sg.timings,
         stats={"kernels": len(kernels), "buffers": len(sg.memory.allocations),
                "peak_bytes": sg.memory.peak_bytes,
-               "fused_nodes": len(sg.scheduler.nodes)},
+               "fused_nodes": len(sg.scheduler.nodes),
+               # Inputs the wrapper writes in place (CUDA graphs copy them back).
+               "mutated_inputs": sorted(sg.graph.graph_input_names.index(n)
+                                        for n in sg.graph.mutated_inputs
+                                        if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:

@@ -238,7 +238,8 @@ def _handler_over(shape: tuple[int, ...], storages: dict[str, Tensor], reduction
     return syms, handler
 
 
-def evaluate_scatter(node: Scatter, layout: Layout, storages: dict[str, Tensor]) -> None:
+def evaluate_scatter(node: Scatter, layout: MutationLayout, storages: dict[str, Tensor]
+                     ) -> None:
     """Write a Scatter's values into its target's storage, as its kernel would."""
     shape = tuple(int(s) for s in node.get_size())
     syms, handler = _handler_over(shape, storages, 0)

@@ -60,7 +60,10 @@ def target_for(device: torch.device) -> dict[str, Any]:
 
 def request_options(config: KilnConfig) -> dict[str, Any]:
     """Options that reach the compiler and the key (autotuning changes chosen configs)."""
-    return {**config.compiler_options(), "autotune": config.autotune}
+    options = {**config.compiler_options(), "autotune": config.autotune}
+    if torch.are_deterministic_algorithms_enabled():
+        options["deterministic"] = True  # scatters run ATen's sorted kernels, not atomics
+    return options
 
 
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -84,6 +87,11 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     result = compile_request(request, config, name)
     loaded_at = time.perf_counter()
     fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    if config.cudagraphs:
+        from kiln.compiler.runtime.cudagraphs import cudagraphify
+
+        fn = cudagraphify(fn, result.compiled.device_type, example_inputs, name,
+                          result.compiled.stats.get("mutated_inputs", []))
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)

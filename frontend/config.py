@@ -27,6 +27,8 @@ class KilnConfig:
     debug: bool = False
     debug_dir: str | None = None
     autotune: bool = True
+    cudagraphs: bool = False  # a runtime choice: not a compiler option, not in the key
+    deterministic: bool = False  # scatters without atomics (a compiler option)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -52,6 +54,8 @@ class KilnConfig:
     def compiler_options(self) -> dict[str, Any]:
         """The options that reach the compiler (and so the cache key)."""
         opts: dict[str, Any] = {"cpu_backend": self.cpu_backend}
+        if self.deterministic:
+            opts["deterministic"] = True
         opts.update(self.extra)
         return opts
 
@@ -61,7 +65,7 @@ class KilnConfig:
 
 
 def _coerce(name: str, raw: Any) -> Any:
-    if name in ("require_signed", "autotune"):
+    if name in ("require_signed", "autotune", "cudagraphs", "deterministic"):
         return str(raw).lower() in ("1", "true", "yes", "on")
     if name == "farm_timeout":
         return float(raw)

@@ -13,8 +13,8 @@ import torch.nn as nn
 from kiln.compiler.compiled_graph import load
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph, lower_and_schedule
-from kiln.compiler.ir.extern import FallbackKernel
 from kiln.compiler.interpreter import run_graph
+from kiln.compiler.ir.extern import FallbackKernel
 from kiln.compiler.ir.nodes import ComputedBuffer, Scatter
 from tests.models import assert_training_step_matches
 from tests.numerics_cases import rand
