@@ -53,7 +53,9 @@ def target_for(device: torch.device) -> dict[str, Any]:
     """The compile target of a device: its GPU arch, or the CPU default."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32,
+                "sm_count": sms}
     cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
     return cpu
 

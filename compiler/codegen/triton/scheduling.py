@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import sympy
 
-from ...dependencies import MemoryDep
+from ...dependencies import MemoryDep, reduction_access_order
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
@@ -51,17 +51,8 @@ def is_outer_reduction(node: BaseSchedulerNode) -> bool:
         if not sub.is_reduction():
             continue
         assert isinstance(sub, SchedulerNode)
-        nx = len(sub.get_ranges()[0])
-        for dep in sub.read_writes.reads:
-            if not isinstance(dep, MemoryDep) or dep.is_indirect():
-                continue
-            r_last = dep.var_names[len(dep.size) - 1]
-            cr = dep.index.coeff(r_last)
-            cx = dep.index.coeff(dep.var_names[nx - 1]) if nx else 0
-            if cr == 1:
-                inner += 1
-            elif cx == 1:
-                outer += 1
+        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        inner, outer = inner + i, outer + o
     return outer > inner
 
 
