@@ -10,9 +10,9 @@ from typing import Any
 import sympy
 import torch
 
+from ..dependencies import extract_read_writes, reduction_access_order
 from ..ir.nodes import IRNode, Pointwise, Reduction, TensorBox
 from ..ir.sym import Expr, prod, unflatten_index
-from ..dependencies import extract_read_writes, reduction_access_order
 from ..virtualized import V, ops
 from .pointwise import to_dtype
 from .registry import register_lowering
