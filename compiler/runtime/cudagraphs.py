@@ -13,8 +13,11 @@ of the wrapper's ``call`` and replays them with one launch:
                from the graph's private memory pool (the static output pool).
     later      copy the non-static inputs in, replay. A static input at a new address (a
                parameter replaced, a batch that happened to reuse its predecessor's
-               memory) becomes non-static and the graph records again; after
-               ``MAX_RECORDINGS`` recordings it gives up and launches plainly.
+               memory) becomes non-static for good and the graph records again; a
+               non-static input at the same address two calls running (a backward's
+               saved tensors, once its forward replays from its pool) becomes static and
+               the graph records again; after ``MAX_RECORDINGS`` recordings it gives up
+               and launches plainly.
 
 Outputs are overwritten by the next replay of the same graph: clone an output that must
 outlive the next call (this also holds for tensors a forward saves for its backward:
@@ -64,26 +67,28 @@ def skip_reason(device_type: str, inputs: Sequence[Any]) -> str | None:
     return None
 
 
-def static_inputs(first: Sequence[int], second: Sequence[int]) -> list[bool]:
+def static_inputs(first: Sequence[Any], second: Sequence[Any]) -> list[bool]:
     """Inputs whose data pointer did not move between two calls: read in place."""
     return [a == b for a, b in zip(first, second)]
 
 
-def moved_static(recorded: Sequence[int], now: Sequence[int], static: Sequence[bool]
+def moved_static(recorded: Sequence[Any], now: Sequence[Any], static: Sequence[bool]
                  ) -> list[int]:
     """Static inputs at another address than at recording: the graph must record again,
     with them copied in from now on."""
     return [i for i, (a, b, s) in enumerate(zip(recorded, now, static)) if s and a != b]
 
 
-def _pointers(inputs: Sequence[Any]) -> list[int]:
-    return [x.data_ptr() if isinstance(x, torch.Tensor) else 0 for x in inputs]
+def _pointers(inputs: Sequence[Any]) -> list[Any]:
+    """Where each input lives: address and strides (what a recorded graph bakes in)."""
+    return [(x.data_ptr(), tuple(x.stride())) if isinstance(x, torch.Tensor) else None
+            for x in inputs]
 
 
 @dataclass
 class _Recording:
     graph: Any
-    pointers: list[int]  # of the inputs the graph reads (static ones: the caller's)
+    pointers: list[Any]  # of the inputs the graph reads (static ones: the caller's)
     inputs: list[torch.Tensor]  # what the graph reads: caller's tensors or own buffers
     outputs: Any
 
@@ -97,8 +102,9 @@ class CudaGraphRunner:
     mutated: list[int] = field(default_factory=list)  # inputs the graph writes in place
     calls: int = 0
     recordings: int = 0
-    first_pointers: list[int] = field(default_factory=list)
+    last_pointers: list[Any] = field(default_factory=list)
     static: list[bool] = field(default_factory=list)
+    demoted: set[int] = field(default_factory=set)  # moved once: never read in place again
     recording: _Recording | None = None
     plain_reason: str | None = None
 
@@ -108,18 +114,30 @@ class CudaGraphRunner:
         self.calls += 1
         if self.plain_reason is not None:
             return self.call(inputs)
+        now = _pointers(inputs)
+        last, self.last_pointers = self.last_pointers, now
         if self.calls <= WARMUP_CALLS:
-            self.first_pointers = _pointers(inputs)
             return self.call(inputs)
         if not self.static:
-            self.static = static_inputs(self.first_pointers, _pointers(inputs))
-        if self.recording is not None:
-            moved = moved_static(self.recording.pointers, _pointers(inputs), self.static)
-            if not moved:
-                return self._replay(inputs)
-            for i in moved:
-                self.static[i] = False
+            self.static = static_inputs(last, now)
+        elif not self._reclassify(last, now):
+            return self._replay(inputs)
         return self._record(inputs)
+
+    def _reclassify(self, last: list[Any], now: list[Any]) -> bool:
+        """Demote static inputs that moved (copied in from now on, for good); promote
+        inputs that stayed put for two calls since recording (the outputs of a forward
+        recorded after this backward was). True when the graph must record again."""
+        assert self.recording is not None
+        moved = moved_static(self.recording.pointers, now, self.static)
+        for i in moved:
+            self.static[i] = False
+            self.demoted.add(i)
+        settled = [i for i, (a, b) in enumerate(zip(last, now))
+                   if a == b and not self.static[i] and i not in self.demoted]
+        for i in settled:
+            self.static[i] = True
+        return bool(moved or settled)
 
     def _record(self, inputs: list[Any]) -> Any:
         if self.recordings >= MAX_RECORDINGS:

@@ -39,6 +39,7 @@ def test_skip_reasons() -> None:
 
 def test_static_inputs_and_moves() -> None:
     assert static_inputs([10, 20, 30], [10, 21, 30]) == [True, False, True]
+    assert static_inputs([(10, (1,))], [(10, (2,))]) == [False]  # same address, new strides
     static = [True, False, True]
     assert moved_static([10, 21, 30], [10, 99, 30], static) == []  # a batch moves: copied
     assert moved_static([10, 21, 30], [10, 21, 31], static) == [2]  # a parameter moved
@@ -82,6 +83,20 @@ def test_warm_up_record_replay_and_record_again() -> None:
     assert runner([new_weight, batches[4]]) == "recorded"  # the parameter moved
     assert runner.static == [False, False] and runner.recordings == 2
     assert runner([torch.ones(4), batches[5]]) == "replayed"
+
+
+def test_input_that_settles_is_read_in_place() -> None:
+    """A backward's saved tensor moves once (its forward starts replaying from its pool),
+    then stays: it is promoted to static and the graph records again, once."""
+    runner = _Recorder(_call, "g2")
+    saved = [torch.ones(4) for _ in range(3)]
+    runner([saved[0]])
+    runner([saved[1]])
+    assert runner([saved[2]]) == "recorded" and runner.static == [False]
+    assert runner([saved[2]]) == "recorded" and runner.static == [True]
+    assert runner([saved[2]]) == "replayed" and runner.recordings == 2
+    assert runner([saved[0]]) == "recorded" and runner.static == [False]  # moved: demoted
+    assert runner([saved[0]]) == "replayed"  # demoted for good: never promoted again
 
 
 def test_reduce_overhead_and_option_turn_cudagraphs_on() -> None:
