@@ -113,6 +113,8 @@ def workloads() -> list[Workload]:
     out.append(Workload("rms_norm 8192x4096 bf16",
                         lambda x: F.rms_norm(x, (4096,), w, eps=1e-6),
                         lambda: [rand(8192, 4096, dtype=bf)], 2 * 2 * 8192 * 4096))
+    out.append(Workload("layer_norm backward 8192x4096 bf16", layer_norm_backward,
+                        lambda: _ln_backward_inputs(8192, 4096, bf), 3 * 2 * 8192 * 4096))
     out.append(Workload("softmax 8192x8192 bf16", lambda x: torch.softmax(x, -1),
                         lambda: [rand(8192, 8192, dtype=bf)], 2 * 2 * 8192 * 8192))
     out.append(Workload("cross_entropy 4096x32000 bf16",
@@ -126,6 +128,20 @@ def workloads() -> list[Workload]:
     out += model_workloads()
     out += encoder_workloads()
     return out
+
+
+def layer_norm_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                        rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+    """Input, weight and bias gradients of a layer norm (the weight and bias ones are
+    column sums over all rows: split reductions)."""
+    return torch.ops.aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                                     [True, True, True])
+
+
+def _ln_backward_inputs(rows: int, cols: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    return [rand(rows, cols, dtype=dtype), x, mean, rstd, w, b]
 
 
 def model_workloads() -> list[Workload]:
