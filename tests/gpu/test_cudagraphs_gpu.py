@@ -14,15 +14,18 @@ from kiln.compiler.runtime.cudagraphs import CudaGraphRunner
 from tests.models import mlp
 
 
-def _runners() -> list[CudaGraphRunner]:
+def _runners(exclude: set[int] | None = None) -> list[CudaGraphRunner]:
+    """The CUDA-graph runners alive now (those not in ``exclude``, by id)."""
     import gc
 
-    return [o for o in gc.get_objects() if isinstance(o, CudaGraphRunner)]
+    return [o for o in gc.get_objects() if isinstance(o, CudaGraphRunner)
+            and id(o) not in (exclude or set())]
 
 
 @pytest.mark.gpu
 def test_reduce_overhead_inference_replays_and_matches_eager() -> None:
     torch._dynamo.reset()
+    before = {id(r) for r in _runners()}
     seed = lambda a, b, c: ((a + b) * c.relu()).sum(-1)  # noqa: E731
     fn = torch.compile(seed, backend="kiln", mode="reduce-overhead")
     with warnings.catch_warnings():
@@ -31,14 +34,15 @@ def test_reduce_overhead_inference_replays_and_matches_eager() -> None:
             args = [torch.randn(64, 128, device="cuda") for _ in range(3)]
             out = fn(*args).clone()
             torch.testing.assert_close(out, seed(*args), atol=1e-4, rtol=1e-4)
-    runner = [r for r in _runners() if r.recording is not None]
-    assert runner and runner[-1].recordings == 1 and runner[-1].static == [False] * 3
+    (runner,) = _runners(before)
+    assert runner.recording is not None and 1 <= runner.recordings <= 2
 
 
 @pytest.mark.gpu
 def test_reduce_overhead_training_steps_match_eager() -> None:
     torch.manual_seed(0)
     torch._dynamo.reset()
+    before = {id(r) for r in _runners()}
     model = mlp().cuda()
     ref = mlp().cuda()
     ref.load_state_dict(model.state_dict())
@@ -57,8 +61,10 @@ def test_reduce_overhead_training_steps_match_eager() -> None:
             torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-3)
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=n)
-    recorded = [r for r in _runners() if r.recording is not None]
+    recorded = [r for r in _runners(before) if r.recording is not None]
     assert len(recorded) >= 2  # forward and backward
+    # The backward reads the forward's saved tensors in place once they settle.
+    assert any(any(r.static) for r in recorded)
 
 
 @pytest.mark.gpu
