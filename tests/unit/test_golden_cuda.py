@@ -131,3 +131,54 @@ def test_scatter_reduce_amax_cubin() -> None:
     spec = next(k for k in compiled.kernels if "tl.atomic_max(" in k.source)
     assert spec.name == "triton_poi_fused_scatter_max_1"
     assert compile_kernel(spec, dict(spec.configs[0]), SM90).binary[:4] == b"\x7fELF"
+
+
+_B, _S, _D, _H = 8, 128, 256, 4
+
+
+def _encoder_layer(x: torch.Tensor, mask: torch.Tensor, *p: torch.Tensor) -> torch.Tensor:
+    wqkv, bqkv, wo, bo, w1, b1, w2, b2, g1, be1, g2, be2 = p
+    b, s, d = x.shape
+    q, k, v = (t.view(b, s, _H, d // _H).transpose(1, 2)
+               for t in F.linear(x, wqkv, bqkv).split(d, -1))
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    x = F.layer_norm(x + F.linear(y.transpose(1, 2).reshape(b, s, d), wo, bo), (d,), g1, be1)
+    return F.layer_norm(x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), (d,), g2, be2)
+
+
+def _encoder(layers: int) -> Callable[..., torch.Tensor]:
+    def encoder(x: torch.Tensor, keep: torch.Tensor, *p: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(
+            keep.logical_not(), float("-inf")).unsqueeze(1).unsqueeze(1)
+        for i in range(layers):
+            x = _encoder_layer(x, mask, *p[12 * i:12 * (i + 1)])
+        return x
+
+    return encoder
+
+
+def _encoder_launches(layers: int) -> tuple[CompiledGraph, int]:
+    d = _D
+    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
+              (d,), (d,), (d,), (d,)] * layers
+    with FakeTensorMode():
+        x = torch.empty(_B, _S, d, device="cuda", dtype=torch.float16)
+        keep = torch.empty(_B, _S, device="cuda", dtype=torch.bool)
+        params = [torch.empty(s, device="cuda", dtype=torch.float16) for s in shapes]
+    compiled = _compile(_encoder(layers), [x, keep, *params])
+    return compiled, compiled.wrapper_source.count(".run(")
+
+
+def test_encoder_layers_launches_and_mask_built_once() -> None:
+    """Launches grow by the same count per layer, the padding mask costs no kernel of its
+    own (it is read inside each softmax), and every matmul reads views, not copies. (With
+    no GPU, SDPA is in its math form here; on a GPU it is one attention call.)"""
+    one, per_layer = _encoder_launches(1)
+    two, launches = _encoder_launches(2)
+    assert launches == 2 * per_layer == 16, two.wrapper_source
+    softmax = [k for k in one.kernels if "exp" in k.name]
+    assert len(softmax) == 1 and "logical_not" in softmax[0].name  # the mask, fused
+    matmuls = [ln for ln in two.wrapper_source.splitlines() if "aten.bmm" in ln
+               or "aten.addmm" in ln]
+    assert len(matmuls) == 12
+    assert all(ln.count("reinterpret_tensor(") == 2 for ln in matmuls), matmuls
