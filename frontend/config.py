@@ -130,7 +130,7 @@ def parse_farm(raw: Any) -> str:
 
 
 def did_you_mean(name: str, known: Any) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
@@ -313,7 +313,7 @@ class KilnConfig:
     def store_kwargs(self) -> dict[str, Any]:
         """``open_store``'s arguments: every store setting, already checked."""
         stats_file: str | bool | None = self.stats_file
-        if stats_file is not None and stats_file.lower() in _OFF:
+        if self.stats_file is not None and self.stats_file.lower() in _OFF:
             stats_file = False
         require = self.require_signed
         return {"url": self.store, "local_cache": self.local_cache,

@@ -50,7 +50,8 @@ PART_DESCRIPTIONS = {
 # Versions live beside the compiler (workers check them); re-exported for callers here.
 __all__ = [
     "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo", "compute_key", "describe_differences",
-    "diff_requests", "explain_miss", "recorded_parts", "hash_source_tree", "key_parts", "kiln_version", "schema", "versions",
+    "diff_requests", "explain_miss", "recorded_parts", "hash_source_tree", "key_parts",
+    "kiln_version", "schema", "versions",
 ]
 
 
