@@ -300,10 +300,6 @@ def _side_of(ref: str, store: Store | None) -> tuple[dict[str, str], dict[str, A
     """(key parts, recorded parts) of one side of explain-miss: a request saved by
     KILN_DEBUG (its folder, request.msgpack or key.json), or a key (or prefix) in the
     store, whose manifest records the parts."""
-    from kiln.compiler.request import CompileRequest, SerializationError
-
-    from .keys import compute_key, recorded_parts
-
     path = Path(ref)
     if path.is_dir():
         path = path / "request.msgpack"
@@ -318,6 +314,10 @@ def _side_of(ref: str, store: Store | None) -> tuple[dict[str, str], dict[str, A
             return parts, {}
         path = beside
     if path.is_file():
+        from kiln.compiler.request import CompileRequest, SerializationError
+
+        from .keys import compute_key, recorded_parts
+
         try:
             request = CompileRequest.from_bytes(path.read_bytes())
         except (OSError, SerializationError, ValueError) as e:

@@ -153,9 +153,9 @@ def _example_inputs(shapes: list[tuple[int, ...]], dtype: str, device: str) -> l
 def build_model(args: argparse.Namespace) -> Any:
     """The target's model, run once eagerly on every shape set: a shape the model does
     not take is bad usage, said in one line before Dynamo traces anything."""
+    model = _user_code(args.target, load_entry(args.target))
     import torch
 
-    model = _user_code(args.target, load_entry(args.target))
     for shapes in args.shapes:
         try:
             with torch.no_grad():
