@@ -261,7 +261,6 @@ class RayFarm:
                           runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
         else:
             kwargs["address"] = address
-            use_auth_token()
         if address is None:
             try:
                 ray.init(**kwargs)
@@ -276,6 +275,7 @@ class RayFarm:
         """``ray.init`` to a cluster, with Ray's own output kept out of the terminal."""
         with ray_output_captured() as log_path:
             try:
+                use_auth_token()
                 ray.init(**kwargs)
                 return
             except Exception as e:
