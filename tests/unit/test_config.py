@@ -109,3 +109,15 @@ def test_option_problems_are_what_the_cli_refuses() -> None:
     assert option_problems({"cxx": "clang++"}) == [
         "option cxx is set by the environment only (KILN_CXX)"]
 
+
+
+def test_a_join_failure_names_its_cause_and_fix() -> None:
+    from kiln.frontend.farm import explain_join_failure
+
+    ray_said = ("gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: "
+                "RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
+    auth = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect"), ray_said)
+    assert "refused this client" in auth and "set RAY_AUTH_TOKEN" in auth
+    other = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect"), "")
+    assert other == ("cannot join the Ray cluster at 10.0.0.1:6379: ConnectionError: Failed "
+                     "to connect")
