@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -232,7 +233,13 @@ def find_artifact(store: Store, ref: str) -> Any:
     """The artifact a key (or unique prefix) names; CliError telling a missing artifact
     from a damaged, refused or unreadable one."""
     key = resolve_key(store, ref)
-    found = store.lookup(key)
+    store_log = logging.getLogger("kiln.artifact_store")
+    level = store_log.level
+    store_log.setLevel(logging.ERROR)  # the store's own warning would repeat ours
+    try:
+        found = store.lookup(key)
+    finally:
+        store_log.setLevel(level)
     if found.artifact is None:
         detail = "; ".join(d for kind, d in found.problems if kind == found.status)
         message = _LOOKUP_FAILURES[found.status]

@@ -125,3 +125,37 @@ def test_bad_settings_warn_once_and_never_reach_the_program(
     assert any("KILN_AUTOTUNE='banana'" in m and "default 1" in m for m in messages)
     assert any("unknown option 'cpu_bakend' (did you mean cpu_backend?)" in m
                for m in messages)
+
+
+def test_a_hit_that_fails_to_load_is_a_load_error_not_time_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.client import client_for, reset_clients
+    from kiln.frontend.config import KilnConfig
+
+    for name, value in _env(tmp_path, KILN_STATS_FILE="off").items():
+        if name.startswith("KILN_"):
+            monkeypatch.setenv(name, value)
+    reset_clients()
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="kiln")(x)  # a miss: compiled and published
+
+        def broken_load(*args: object) -> object:
+            raise OSError("cannot map the kernel library")
+
+        monkeypatch.setattr(kiln_compile, "load", broken_load)
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            out = torch.compile(model, backend="kiln")(x)  # a hit that does not load
+        torch.testing.assert_close(out, model(x))  # eager, loudly
+        (fallback,) = [str(w.message) for w in caught if w.category is kiln.KilnFallbackWarning]
+        assert "stage load" in fallback and "cannot map the kernel library" in fallback
+        counters = client_for(KilnConfig.resolve()).counters.snapshot()
+        assert counters["load_errors"] == 1 and counters["compiles"] == 1
+        assert counters.get("hits", 0) == 0 and counters.get("time_saved_s", 0) == 0
+    finally:
+        reset_clients()
