@@ -43,7 +43,7 @@ from kiln.artifact_store import (
 )
 
 from .cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, UsageError
-from .config import KilnConfig, option_problems
+from .config import KilnConfig
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -75,22 +75,6 @@ def parse_port(text: str) -> int:
     return int(text)
 
 
-# torch's dtype names (a fixed list: checking --dtype must not wait for `import torch`)
-DTYPES = ("float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8",
-          "int16", "short", "int32", "int", "int64", "long", "uint8", "bool",
-          "float8_e4m3fn", "float8_e5m2")
-
-
-def parse_dtype(text: str) -> str:
-    if text not in DTYPES:
-        from .config import did_you_mean
-
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a dtype Kiln takes{did_you_mean(text, DTYPES)} (one of "
-            f"{', '.join(DTYPES)})")
-    return text
-
-
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
@@ -99,7 +83,7 @@ def _config() -> KilnConfig:
     return KilnConfig.resolve()
 
 
-def open_cli_store(*, read_only: bool, must_exist: bool = True) -> Store:
+def open_cli_store(*, read_only: bool) -> Store:
     """The configured store, or CliError saying why it cannot be opened (a bad URL, a
     missing file system, a folder that does not exist)."""
     kwargs = _config().store_kwargs()
@@ -110,7 +94,7 @@ def open_cli_store(*, read_only: bool, must_exist: bool = True) -> Store:
     except ConfigError as e:
         raise CliError(f"cannot open the store: {e}") from None
     reason = store.unusable_reason()
-    if reason is not None and (must_exist or store.primary is None):
+    if reason is not None:
         raise CliError(f"cannot open the store: {reason} (KILN_STORE)")
     return store
 
@@ -447,39 +431,6 @@ def _warm_farm(address: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# precompile's argument types
-
-
-def parse_shapes(text: str) -> list[tuple[int, ...]]:
-    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input."""
-    try:
-        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
-    except ValueError:
-        shapes = []
-    if not shapes or any(n <= 0 for shape in shapes for n in shape):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input)")
-    return shapes
-
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """``NAME=VALUE`` (VALUE as JSON where it parses); unknown names and bad values are
-    refused with the config layer's message."""
-    name, sep, value = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
-    try:
-        parsed: Any = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value
-    option = (name.strip().lower(), parsed)
-    problems = option_problems(dict([option]))
-    if problems:
-        raise argparse.ArgumentTypeError(problems[0])
-    return option
-
-
-# ---------------------------------------------------------------------------------------
 # Parser.
 
 
@@ -498,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kiln", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_precompile_parser(sub, parse_shapes, parse_option, parse_dtype)
+    add_precompile_parser(sub)
     stats = sub.add_parser("stats", help="hits, misses, compiles, kernels, time saved")
     stats.add_argument("--json", action="store_true", help="one JSON object")
     stats.set_defaults(func=cmd_stats)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import runpy
 import sys
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cli_errors import CliError, UsageError
-from .config import KilnConfig, option_problems
+from .config import KilnConfig, did_you_mean, option_problems
 
 MODES = {"inference": ("inference",), "train": ("train",), "both": ("inference", "train")}
 
@@ -76,6 +77,53 @@ class Tally:
         self.bar.close()
         return {**self.counts, "shape_sets": shape_sets,
                 "seconds": round(time.perf_counter() - self.start, 3)}
+
+
+# ---------------------------------------------------------------------------------------
+# Argument types
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input."""
+    try:
+        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
+    except ValueError:
+        shapes = []
+    if not shapes or any(n <= 0 for shape in shapes for n in shape):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input)")
+    return shapes
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` (VALUE as JSON where it parses); unknown names and bad values are
+    refused with the config layer's message."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    try:
+        parsed: Any = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    option = (name.strip().lower(), parsed)
+    problems = option_problems(dict([option]))
+    if problems:
+        raise argparse.ArgumentTypeError(problems[0])
+    return option
+
+
+# torch's dtype names (a fixed list: checking --dtype must not wait for `import torch`)
+DTYPES = ("float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8",
+          "int16", "short", "int32", "int", "int64", "long", "uint8", "bool",
+          "float8_e4m3fn", "float8_e5m2")
+
+
+def parse_dtype(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype Kiln takes{did_you_mean(text, DTYPES)} (one of "
+            f"{', '.join(DTYPES)})")
+    return text
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,8 +325,6 @@ def unpublishable_reason(store: Any) -> str | None:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
-    import json
-
     is_script = check_arguments(args)
     options = dict(args.option or [])
     config = KilnConfig.resolve(options)
@@ -347,9 +393,7 @@ def _problems(summary: dict[str, Any], fallbacks: list[str], config: KilnConfig
     return problems
 
 
-def add_precompile_parser(sub: Any, parse_shapes: Callable[[str], Any],
-                          parse_option: Callable[[str], Any],
-                          parse_dtype: Callable[[str], str]) -> None:
+def add_precompile_parser(sub: Any) -> None:
     pre = sub.add_parser(
         "precompile", help="compile a model's graphs into the store ahead of time",
         description="TARGET is module:function (or file.py:function) returning a model, "
