@@ -219,24 +219,28 @@ class RayFarm:
         import ray
 
         actor = self.actor()
-        ref = actor.compile.remote(key, request.to_bytes(), delay)
+        # The farm recomputes the key from the bytes; ours only checks that we agree.
+        ref = actor.compile.remote(request.to_bytes(), delay, key)
         try:
-            return CompiledGraph.from_dict(ray.get(ref, timeout=timeout))
+            answer = ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(
                 f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
                 "compiling it for later clients") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
+        compiled = CompiledGraph.from_dict(answer["compiled"])
+        compiled.published_to = str(answer.get("published") or "")
+        return compiled
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
-        from kiln.workers.pipeline import FarmVersionMismatch
+        from kiln.workers.pipeline import FarmKeyMismatch, FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):
             return CompileFailure.wrap(cause, key)
-        if not isinstance(cause, FarmVersionMismatch):
+        if not isinstance(cause, (FarmVersionMismatch, FarmKeyMismatch)):
             with self._lock:
                 self._actor = None  # look the coordinator up again next time
         return FarmUnavailable(f"{type(cause).__name__}: {cause}")
