@@ -228,7 +228,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
     if args.action == "up":
         try:
             info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                            port=args.port)
+                                            port=args.port, host=args.host)
         except (OSError, RuntimeError, TimeoutError) as e:
             print(f"kiln farm up: {e}", file=sys.stderr)
             return EXIT_FAILED
@@ -236,6 +236,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
             _warm_farm(str(info["address"]))
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()})")
+        print(farm.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":
         stopped = farm.stop_local_cluster()
@@ -267,8 +268,9 @@ def _warm_farm(address: str) -> None:
     """Start the coordinator and its workers now, so the first miss finds them warm."""
     import ray
 
-    from .farm import RayFarm
+    from .farm import RayFarm, read_farm_file, use_farm_token
 
+    use_farm_token(read_farm_file() or {})
     actor = RayFarm(address).actor()
     ray.get(actor.wait_warm.remote(), timeout=300)
     ray.shutdown()
@@ -480,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     farm.add_argument("--num-cpus", type=int)
     farm.add_argument("--num-gpus", type=int)
     farm.add_argument("--port", type=int)
+    farm.add_argument("--host", help="up: the address other machines join the farm by "
+                      "(default: this machine only); Ray token auth is on either way")
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
     farm.add_argument("--json", action="store_true", help="status: the farm's counters")
     farm.set_defaults(func=cmd_farm)
