@@ -265,9 +265,15 @@ class KilnFarm:
 RemoteKilnFarm = ray.remote(KilnFarm)
 
 
-def get_farm_actor(graph_workers: int | None = None) -> Any:
-    """The cluster's coordinator for this Kiln: found by name, else created (detached)."""
-    return RemoteKilnFarm.options(  # type: ignore[attr-defined]
-        name=FARM_NAME, namespace=farm_namespace(), lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=-1, max_concurrency=10000,
-    ).remote(graph_workers)
+def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
+                   runtime_env: dict[str, Any] | None = None) -> Any:
+    """The cluster's coordinator for this Kiln: found by name, else created (detached).
+
+    ``runtime_env`` (for a farm started from Python; a deployed farm takes its store and
+    key from its image's environment) reaches the coordinator and every worker it starts."""
+    options: dict[str, Any] = {"name": name, "namespace": farm_namespace(),
+                               "lifetime": "detached", "get_if_exists": True, "num_cpus": 0,
+                               "max_restarts": -1, "max_concurrency": 10000}
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    return RemoteKilnFarm.options(**options).remote(graph_workers)  # type: ignore[attr-defined]
