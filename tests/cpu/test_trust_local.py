@@ -216,3 +216,22 @@ def test_signed_artifact_that_fails_to_load_is_quarantined_and_rebuilt(
     again = run_checked()  # the republished artifact loads: no warning
     assert not [w for w in again if issubclass(w.category, KilnRepairWarning)]
 
+
+
+def test_client_with_the_public_key_compiles_a_miss_but_does_not_publish(
+        env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every publishing client held the signing key, so any of them could forge for the
+    others. A client holding the public key uses what it compiled and publishes nothing."""
+    from kiln.artifact_store import ed25519_available, generate_ed25519_key
+
+    if not ed25519_available():
+        pytest.skip("needs cryptography")
+    private, public = generate_ed25519_key()
+    monkeypatch.setenv("KILN_SIGNING_KEY", public)
+    fresh_process(monkeypatch)
+    run_checked()
+    assert not (tmp_path / "store" / "ac").exists()  # nothing published
+    monkeypatch.setenv("KILN_SIGNING_KEY", private)  # a builder (precompile job)
+    fresh_process(monkeypatch)
+    run_checked()
+    assert [p for p in (tmp_path / "store" / "ac").rglob("*") if p.is_file()]
