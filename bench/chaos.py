@@ -111,6 +111,7 @@ class Chaos:
         self.graph_seed = 1000 * (os.getpid() % 1000)
         self.published: dict[str, int] = {}  # key -> graph seed, for the final read
         self.results: list[dict[str, Any]] = []
+        self.struck: dict[str, int] | None = None  # the coordinator's counters at a fault
 
     # -- the store ------------------------------------------------------------------
 
@@ -171,6 +172,8 @@ class Chaos:
     def farm_stats(self) -> dict[str, int]:
         import ray
 
+        if not ray.is_initialized():
+            return {}
         try:
             stats = ray.get(self.coordinator().stats.remote(), timeout=60)
         except Exception:
@@ -232,13 +235,14 @@ class Chaos:
     def scenario(self, name: str, graphs: list[int], delay: float = 0.0,
                  during: Any = None) -> dict[str, Any]:
         before = self.farm_stats()
+        self.struck = None
         start = time.perf_counter()
         jobs = self.run_clients(graphs, delay, during)
         wall = time.perf_counter() - start
         after = self.farm_stats()
         done = [j for j in jobs if "error" not in j]
         local = sum(1 for j in done if j["source"] == "local")
-        farm_compiles = max(0, after.get("graph_compiles", 0) - before.get("graph_compiles", 0))
+        farm_compiles = self.farm_compiles(before, after)
         keys = {j["key"] for j in done}
         for job in done:
             if job["published"]:
@@ -255,15 +259,35 @@ class Chaos:
         self.results.append(row)
         return row
 
+    def farm_compiles(self, before: dict[str, int], after: dict[str, int]) -> int:
+        """Graph compiles over the scenario, across a coordinator that restarted empty
+        (or died with the head) at the fault."""
+        if self.struck is None:
+            return max(0, after.get("graph_compiles", 0) - before.get("graph_compiles", 0))
+        done = self.struck.get("graph_compiles", 0) - before.get("graph_compiles", 0)
+        restarted = after.get("requests", 0) < self.struck.get("requests", 0)
+        return done + (after.get("graph_compiles", 0) if restarted else
+                       after.get("graph_compiles", 0) - self.struck.get("graph_compiles", 0))
+
+    def wait_inflight(self) -> None:
+        """Until the coordinator is compiling something (then a second more): the fault
+        must hit compiles in flight, not clients still starting."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.farm_stats().get("inflight", 0) == 0:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        self.struck = self.farm_stats()
+
     def kill_workers(self) -> None:
         import ray
 
-        time.sleep(self.args.delay / 2)
+        self.wait_inflight()
         for pid in ray.get(self.coordinator().worker_pids.remote(), timeout=60):
             os.kill(pid, signal.SIGKILL)
 
     def store_outage(self) -> None:
-        time.sleep(1.0)
+        self.wait_inflight()
+        self.struck = None  # the coordinator lives on
         self.s3.stop()
         time.sleep(self.args.delay + 8.0)  # past the compiles: their publishes fail
         self.start_store()
@@ -271,11 +295,15 @@ class Chaos:
     def kill_coordinator(self) -> None:
         import ray
 
-        time.sleep(self.args.delay / 2)
+        self.wait_inflight()
         ray.kill(self.coordinator(), no_restart=False)
 
     def kill_head(self) -> None:
-        time.sleep(self.args.delay / 2)
+        import ray
+
+        self.wait_inflight()
+        # A driver that loses the head is aborted by Ray 60 s later: leave first.
+        ray.shutdown()
         os.killpg(int(self.farm_info["pid"]), signal.SIGKILL)
 
     def artifacts_lost(self) -> dict[str, int]:
