@@ -256,6 +256,7 @@ def _farm_status(args: argparse.Namespace) -> int:
         if info is None:
             print(f"KILN_FARM={mode}: no farm is up (local clients start an embedded Ray)")
             return EXIT_FAILED
+        farm.use_farm_token(info)
         mode = str(info["address"])
     reason = farm.probe(mode)
     print(f"farm at {mode}: {'up' if reason is None else reason}")
