@@ -16,9 +16,12 @@ Scenarios, one after another on the same cluster and store:
 Each job is one graph (CPU target, C++ kernels): the client looks it up, has it compiled
 (farm, or itself when the farm fails), loads it, runs it on fresh random inputs and
 compares with eager. Reported per scenario: jobs completed, wrong results, compiles (the
-coordinator's graph compiles plus clients' local ones) against distinct keys, and how
-many artifacts the farm published. At the end every artifact published during the run is
-read back through a fresh public-key client: any that fails is an artifact lost.
+coordinator's graph compiles started, finished or not, plus clients' local ones) against
+distinct keys (`dup` is the excess), and how many artifacts the farm published. Clients
+hold only the public key: what they compile themselves (the farm gone) is used, not
+published, and compiled again by the next client that asks. At the end every artifact
+published during the run is read back through a fresh public-key client: any that fails
+is an artifact lost.
 
 Not covered: a disk filling up during a publish. This machine has no small filesystem
 to fill (no loop devices or tmpfs mounts without root, and /dev/shm is Ray's object
@@ -365,7 +368,8 @@ def main() -> None:
               f"{r['keys']:>6}{r['farm_compiles']:>6}{r['local_compiles']:>6}"
               f"{r['duplicate_compiles']:>5}{r['published']:>5}{r['wall_s']:>8}")
     print(f"artifacts published {summary['artifacts']['published']}, "
-          f"lost {summary['artifacts']['lost']}")
+          f"lost {summary['artifacts']['lost']}   (farm: graph compiles started on the farm; "
+          "local: compiled by clients)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
 
