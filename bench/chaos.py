@@ -11,7 +11,9 @@ Scenarios, one after another on the same cluster and store:
     kill-worker     5 clients mid-compile; the CompileWorker processes are SIGKILLed
     store-outage    5 clients mid-compile; the S3 server stops until they are done
     kill-coordinator 5 clients mid-compile; the KilnFarm actor is killed (restarts empty)
-    kill-head       5 clients mid-compile; the Ray head's process group is SIGKILLed
+    kill-head       5 clients mid-compile; the Ray head's process group is SIGKILLed (the
+                    clients then live 75 s more, as a user's program would: they must
+                    not be aborted by Ray for having joined the farm)
 
 Each job is one graph (CPU target, C++ kernels): the client looks it up, has it compiled
 (farm, or itself when the farm fails), loads it, runs it on fresh random inputs and
@@ -48,6 +50,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "kiln-chaos"
+SCENARIOS = ("same-key", "distinct-keys", "kill-worker", "store-outage", "kill-coordinator",
+             "kill-head")
 
 # One client process: builds its jobs' requests, compiles them on threads (one
 # KilnClient per job: separate clients, as separate machines would be), loads and runs
@@ -101,7 +105,11 @@ for i in range(len(built)):
     threads[-1].start()
 for t in threads:
     t.join()
-print(json.dumps(results))
+print(json.dumps(results), flush=True)
+# A user's program lives on after its graphs compiled: it must survive the farm's end.
+import time
+time.sleep(float(sys.argv[2]))
+print("ALIVE", flush=True)
 """
 
 
@@ -197,7 +205,7 @@ class Chaos:
         return env
 
     def run_clients(self, graphs: list[int], delay: float = 0.0,
-                    during: Any = None) -> list[dict[str, Any]]:
+                    during: Any = None, linger: float = 0.0) -> list[dict[str, Any]]:
         """One job per graph seed, spread over client processes; ``during`` runs once
         every process has built its requests (the jobs are then starting)."""
         per = self.args.clients_per_process
@@ -208,7 +216,8 @@ class Chaos:
         procs = []
         for chunk in chunks:
             jobs = [{"id": len(procs) * per + i, "graph": g} for i, g in enumerate(chunk)]
-            procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(jobs)],
+            procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(jobs),
+                                           str(linger)],
                                           env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         for proc in procs:
@@ -222,7 +231,7 @@ class Chaos:
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=1200)
             lines = [x for x in stdout.splitlines() if x.startswith("[")]
-            if proc.returncode != 0 or not lines:
+            if proc.returncode != 0 or not lines or "ALIVE" not in stdout:
                 out.append({"error": f"client process exited {proc.returncode}: "
                                      f"{stderr[-1500:]}"})
                 continue
@@ -236,11 +245,11 @@ class Chaos:
         return [self.graph_seed + i for i in range(n)]
 
     def scenario(self, name: str, graphs: list[int], delay: float = 0.0,
-                 during: Any = None) -> dict[str, Any]:
+                 during: Any = None, linger: float = 0.0) -> dict[str, Any]:
         before = self.farm_stats()
         self.struck = None
         start = time.perf_counter()
-        jobs = self.run_clients(graphs, delay, during)
+        jobs = self.run_clients(graphs, delay, during, linger)
         wall = time.perf_counter() - start
         after = self.farm_stats()
         done = [j for j in jobs if "error" not in j]
@@ -323,12 +332,22 @@ class Chaos:
         self.start_store()
         self.start_farm()
         n, delay = self.args.clients, self.args.delay
-        self.scenario("same-key", [self.new_graphs(1)[0]] * n, delay=delay)
-        self.scenario("distinct-keys", self.new_graphs(n))
-        self.scenario("kill-worker", self.new_graphs(5), delay, self.kill_workers)
-        self.scenario("store-outage", self.new_graphs(5), delay, self.store_outage)
-        self.scenario("kill-coordinator", self.new_graphs(5), delay, self.kill_coordinator)
-        self.scenario("kill-head", self.new_graphs(5), delay, self.kill_head)
+        plan = {
+            "same-key": lambda: self.scenario("same-key", [self.new_graphs(1)[0]] * n, delay),
+            "distinct-keys": lambda: self.scenario("distinct-keys", self.new_graphs(n)),
+            "kill-worker": lambda: self.scenario("kill-worker", self.new_graphs(5), delay,
+                                                 self.kill_workers),
+            "store-outage": lambda: self.scenario("store-outage", self.new_graphs(5), delay,
+                                                  self.store_outage),
+            "kill-coordinator": lambda: self.scenario("kill-coordinator", self.new_graphs(5),
+                                                      delay, self.kill_coordinator),
+            # Clients stay up 75 s after their jobs: Ray aborts a driver 60 s after its
+            # head is gone unless it left the cluster.
+            "kill-head": lambda: self.scenario("kill-head", self.new_graphs(5), delay,
+                                               self.kill_head, linger=75.0),
+        }
+        for name in self.args.scenarios.split(","):
+            plan[name]()
         summary = {"scenarios": self.results, "artifacts": self.artifacts_lost(),
                    "cpus": self.args.cpus, "clients_per_process": self.args.clients_per_process}
         return summary
@@ -354,6 +373,8 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=6.0,
                         help="seconds each farm compile waits (the window faults hit)")
     parser.add_argument("--json", help="write the summary here too")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma-separated, in order (kill-head last: it ends the farm)")
     args = parser.parse_args()
     chaos = Chaos(args)
     try:

@@ -241,6 +241,9 @@ class KilnClient:
         warnings.warn(f"kiln: the compile farm ({self.farm.description}) cannot compile: "
                       f"{reason}. This process compiles its graphs itself from now on.",
                       KilnFarmWarning, stacklevel=4)
+        release = getattr(self.farm, "release", None)
+        if release is not None:
+            release()
 
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}

@@ -284,6 +284,21 @@ class RayFarm:
 
         return dict(ray.get(self.actor().stats.remote(), timeout=self.connect_timeout))
 
+    def release(self) -> None:
+        """Leave the cluster, if Kiln joined it (never a connection the user made): Ray
+        aborts a driver a minute after its cluster's head is gone, and the user's program
+        with it. Called when a client gives the farm up."""
+        with self._lock:
+            if self.joined is None:
+                return
+            self.joined, self._actor = None, None
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception as e:  # leaving is best effort
+            log.debug("kiln farm: leaving Ray failed: %s", e)
+
 
 _farms: dict[str, Farm] = {}
 _farms_lock = threading.Lock()
