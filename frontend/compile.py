@@ -96,11 +96,21 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     client = client_for(config)
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
+    constants, device = graph_constants(gm), input_device(example_inputs)
     try:
-        fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+        fn = load(result.compiled, constants, device)
     except Exception as e:
-        client.loaded(result, ok=False)
-        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        if result.source != "hit":
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        # A stored artifact that verified but does not load: set aside and rebuilt.
+        client.counters.add(load_errors=1)
+        result = client.repair(request, name, e)
+        try:
+            fn = load(result.compiled, constants, device)
+        except Exception as again:
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(again).__name__}: {again}") from again
     client.loaded(result, ok=True)
     if config.cudagraphs:
         from kiln.compiler.runtime.cudagraphs import cudagraphify
