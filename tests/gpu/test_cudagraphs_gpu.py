@@ -18,7 +18,8 @@ def _runners(exclude: set[int] | None = None) -> list[CudaGraphRunner]:
     """The CUDA-graph runners alive now (those not in ``exclude``, by id)."""
     import gc
 
-    return [o for o in gc.get_objects() if isinstance(o, CudaGraphRunner)
+    # type(), not isinstance(): isinstance on a dead weakref proxy raises ReferenceError
+    return [o for o in gc.get_objects() if type(o) is CudaGraphRunner
             and id(o) not in (exclude or set())]
 
 
