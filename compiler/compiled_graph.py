@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .kernel_compile import KernelBinary
 
@@ -62,7 +63,8 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     device = device or _default_device(compiled.device_type)
     namespace: dict[str, Any] = {"DEVICE": device}
     for spec in compiled.kernels:
-        namespace[spec.name] = _launcher(compiled, spec, device)
+        with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
+            namespace[spec.name] = _launcher(compiled, spec, device)
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")

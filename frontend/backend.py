@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
+from kiln.compiler import trace
 from kiln.compiler.decompositions import kiln_decompositions
 
 from .config import KilnConfig
+from .trace import flush as flush_trace
+from .trace import start_recording, trace_path
 
 log = logging.getLogger("kiln.backend")
 _graph_ids = itertools.count()
@@ -34,6 +37,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     from torch._dynamo.backends.common import aot_autograd
 
     config = KilnConfig.resolve(options)
+    start_recording(config.debug)
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 
@@ -45,10 +49,13 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
         return compile_fn
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"),
-                        decompositions=kiln_decompositions(),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    with trace.span("AOTAutograd (compiles inside)", cat="client", model=model_id,
+                    nodes=len(gm.graph.nodes)):
+        return aot_autograd(fw_compiler=compiler("forward"),
+                            bw_compiler=compiler("backward"),
+                            inference_compiler=compiler("inference"),
+                            decompositions=kiln_decompositions(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -69,6 +76,43 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         _warn_eager(name, stage, f"{type(e).__name__}: {e}")
         log.debug("kiln compile failure for %s", name, exc_info=True)
         return make_boxed_func(gm.forward)
+
+
+class _DynamoSpans:
+    """Dynamo's whole compile of a frame (its trace, AOT, Kiln) as a span, through
+    torch's compile callbacks; registered when a timeline is asked for."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+
+    def start(self, *args: Any) -> None:
+        import threading
+
+        self.started[threading.get_ident()] = trace.now_us()
+
+    def end(self, *args: Any) -> None:
+        import threading
+
+        began = self.started.pop(threading.get_ident(), None)
+        if began is not None and trace.recording():
+            trace.complete("Dynamo compile of a frame", began, trace.now_us(), cat="client")
+            flush_trace()
+
+
+def _register_dynamo_spans() -> None:
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # a torch without compile callbacks: no Dynamo span
+        return
+    spans = _DynamoSpans()
+    callback_handler.register_start_callback(spans.start)
+    callback_handler.register_end_callback(spans.end)
+
+
+# torch.compile imports this module when it looks the backend up, before Dynamo starts.
+if trace_path() or KilnConfig.resolve().debug:
+    start_recording(True)
+    _register_dynamo_spans()
 
 
 def unsupported_reason(example_inputs: Sequence[Any]) -> str | None:

@@ -6,6 +6,7 @@
     kiln explain-miss A B                                which key part differs
     kiln gc [--max-age 7d] [--max-size 10G] [--dry-run]  collect the store
     kiln farm up|down|status                             a Ray farm on this machine
+    kiln trace summary PATH [--json]                     a KILN_TRACE timeline's critical path
 
 Every command reads the same ``KILN_*`` variables as the backend (``KILN_STORE``,
 ``KILN_FARM``, ...). Exit status: 0 on success, 1 when the command could not do its
@@ -59,7 +60,9 @@ def stats_summary(data: dict[str, Any]) -> dict[str, Any]:
                    **{name: tier.get("misses", 0) for name, tier in tiers.items()}},
     }
     for name in ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
-                 "compile_errors", "kernels_compiled", "compile_seconds", "time_saved_s"):
+                 "compile_errors", "kernels_compiled", "compile_seconds", "time_saved_s",
+                 "hits_autotuned", "autotune_publishes", "kernels_from_store",
+                 "farm_not_up"):
         summary[name] = client.get(name, 0)
     for name in ("publishes", "publish_failures", "integrity_failures", "signature_failures"):
         summary[name] = store.get(name, 0)
@@ -483,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
     farm.add_argument("--json", action="store_true", help="status: the farm's counters")
     farm.set_defaults(func=cmd_farm)
+    from .trace import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 

@@ -23,14 +23,16 @@ from typing import Any
 
 from kiln.artifact_store import Store, default_stats_file, open_store
 from kiln.artifact_store.stats import merge_counters, persist_counters
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, test_delay
+from kiln.workers.pipeline import CompileFailure, autotune_inprocess, test_delay
 
 from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
-from .farm import Farm, FarmUnavailable, InProcessFarm, farm_for
+from .farm import Farm, FarmNotUp, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
+from .tuning import BackgroundTuner
 
 log = logging.getLogger("kiln.client")
 
@@ -103,19 +105,22 @@ class KilnClient:
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())
         self._inflight: dict[str, Future[CompileResult]] = {}
+        self.tuner = BackgroundTuner()
         self._lock = threading.Lock()
 
     def compile(self, request: CompileRequest, name: str = "graph") -> CompileResult:
         """The compiled graph of ``request``: from the store, or compiled and published."""
         start = time.perf_counter()
-        key = compute_key(request)
+        with trace.span("hash request", cat="client", graph=name):
+            key = compute_key(request)
         hashed = time.perf_counter()
         result = self._lookup(key)
         if result is not None:
             result.timings.update(hash_s=hashed - start, total_s=time.perf_counter() - start)
             saved = max(0.0, result.recorded_compile_s - result.timings["total_s"])
             self.counters.add(graphs=1, hits=1, time_saved_s=saved,
-                              hit_seconds=result.timings["total_s"])
+                              hit_seconds=result.timings["total_s"],
+                              hits_autotuned=int(result.compiled.autotuned))
             return result
         with self._lock:
             future = self._inflight.get(key.key)
@@ -140,12 +145,15 @@ class KilnClient:
 
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
-        artifact = self.store.get(key.key)
+        with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
+            artifact = self.store.get(key.key)
+            found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:
             return None
         try:
-            compiled = from_artifact(artifact)
+            with trace.span("decode artifact", cat="client", key=key.key[:16]):
+                compiled = from_artifact(artifact)
         except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
             log.warning("kiln: artifact %s cannot be read (%s); compiling it again", key.key, e)
             return None
@@ -161,12 +169,33 @@ class KilnClient:
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)
-        published = self.store.publish(artifact)
+        with trace.span("publish", cat="client", key=key.key[:16]):
+            published = self.store.publish(artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
                           kernels_compiled=len(compiled.binaries), compile_seconds=wall,
                           publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
+        if compiled.stats.get("autotune_pending"):
+            self._tune_later(key, request, compiled, source, info)
         return CompileResult(compiled, key, source, timings)
+
+    def _tune_later(self, key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
+                    source: str, info: dict[str, Any]) -> None:
+        """Autotune in the background (the farm's GPUs, or this process's); the tuned
+        artifact then supersedes the heuristic one under the same key."""
+        def publish(tuned: CompiledGraph) -> None:
+            published = self.store.publish(to_artifact(key, request, tuned,
+                                                       {**info, "autotuned_after": True}))
+            self.counters.add(autotune_publishes=int(published))
+            self.counters.flush()
+
+        farm: Any = self.farm
+        if source == "farm" and hasattr(farm, "tuned"):
+            timeout = self.config.farm_timeout
+            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
+        elif source == "local":
+            self.tuner.submit(key.key, lambda: autotune_inprocess(
+                compiled, request.target, self.local.kernels), publish)
 
     def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
                            ) -> tuple[CompiledGraph, str]:
@@ -174,6 +203,8 @@ class KilnClient:
             try:
                 return self.farm.compile(key.key, request, timeout=self.config.farm_timeout,
                                          delay=test_delay()), "farm"
+            except FarmNotUp:  # the default with no farm up: compile here, at once
+                self.counters.add(farm_not_up=1)
             except FarmUnavailable as e:
                 self._give_up_farm(str(e))
             except CompileFailure:
@@ -188,7 +219,8 @@ class KilnClient:
         if self.config.debug:
             debug.update(debug="1", debug_dir=self.config.debug_dir)
         try:
-            return self.local.compile(key.key, request, debug_options=debug), "local"
+            with trace.span("local compile", cat="client", key=key.key[:16]):
+                return self.local.compile(key.key, request, debug_options=debug), "local"
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise

@@ -2,8 +2,11 @@
 
 - ``inprocess``: in this process, no Ray (``workers.pipeline.compile_inprocess``);
 - ``local`` (default): the cluster ``kiln farm up`` started, if its address file names
-  one that answers; else an embedded Ray started on the first miss with this machine's
-  CPUs (it lives as long as this process);
+  one that answers now; else the graph compiles in this process at once (``FarmNotUp``:
+  no warning, no wait for Ray to start). The farm file is checked again every
+  ``LOCAL_RECHECK_S``, so a farm brought up later serves the next misses;
+- ``embedded``: an embedded Ray started on the first miss with this machine's CPUs (it
+  lives as long as this process; its start-up is on that miss's path);
 - anything else is a Ray address (``host:port``, ``ray://host:port``, ``auto``): join it.
 
 A process already connected to Ray (``ray.init`` by the user) uses that connection. A
@@ -29,19 +32,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
 
 log = logging.getLogger("kiln.farm")
 
-INPROCESS, LOCAL = "inprocess", "local"
+INPROCESS, LOCAL, EMBEDDED = "inprocess", "local", "embedded"
+LOCAL_RECHECK_S = 10.0
 PROBE_TIMEOUT_S = 3.0
 RAY_CLIENT_PORT = 10001
 
 
 class FarmUnavailable(RuntimeError):
     """The farm cannot compile this graph now; the client compiles it itself."""
+
+
+class FarmNotUp(FarmUnavailable):
+    """``local`` mode and no farm is up: compile here, quietly (that is the default)."""
 
 
 class Farm(Protocol):
@@ -219,15 +228,34 @@ class RayFarm:
         import ray
 
         actor = self.actor()
-        ref = actor.compile.remote(key, request.to_bytes(), delay)
+        traced = trace.recording()
+        with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+            ref = actor.compile.remote(key, request.to_bytes(), delay, traced)
+            try:
+                result = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise FarmUnavailable(
+                    f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                    "compiling it for later clients") from None
+            except ray.exceptions.RayError as e:
+                raise self._classify(e, key) from None
+        trace.merge(result.pop("trace", None))
+        return CompiledGraph.from_dict(result)
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        """The graph the farm autotuned in the background after answering ``compile``
+        (None if it tuned nothing); waits for it."""
+        import ray
+
         try:
-            return CompiledGraph.from_dict(ray.get(ref, timeout=timeout))
+            result = ray.get(self.actor().tuned.remote(key), timeout=timeout)
+            if trace.recording():
+                trace.merge(ray.get(self.actor().tuning_trace.remote(), timeout=timeout))
         except ray.exceptions.GetTimeoutError:
-            raise FarmUnavailable(
-                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
-                "compiling it for later clients") from None
+            raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
+        return None if result is None else CompiledGraph.from_dict(result)
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
@@ -247,6 +275,50 @@ class RayFarm:
         return dict(ray.get(self.actor().stats.remote(), timeout=self.connect_timeout))
 
 
+class LocalFarm:
+    """``KILN_FARM=local``: the farm ``kiln farm up`` started, used only while it is up;
+    a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
+
+    def __init__(self) -> None:
+        self._ray: RayFarm | None = None
+        self._checked = -LOCAL_RECHECK_S
+        self._address: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def description(self) -> str:
+        return self._ray.description if self._ray else "the farm of `kiln farm up`"
+
+    def address(self) -> str | None:
+        """The address of the farm that is up now (checked every LOCAL_RECHECK_S)."""
+        with self._lock:
+            if self._ray is not None:
+                return self._ray.address
+            now = time.monotonic()
+            if now - self._checked >= LOCAL_RECHECK_S:
+                self._checked = now
+                info = read_farm_file()
+                found = str(info["address"]) if info else None
+                self._address = found if found and probe(found) is None else None
+            return self._address
+
+    def ray_farm(self) -> RayFarm:
+        address = self.address()
+        if address is None:
+            raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
+        with self._lock:
+            if self._ray is None:
+                self._ray = RayFarm(address)
+            return self._ray
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        return self.ray_farm().compile(key, request, timeout=timeout, delay=delay)
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        return self.ray_farm().tuned(key, timeout)
+
+
 _farms: dict[str, Farm] = {}
 _farms_lock = threading.Lock()
 
@@ -258,8 +330,12 @@ def farm_for(mode: str) -> Farm:
         if mode not in _farms:
             if mode.lower() == INPROCESS:
                 _farms[mode] = InProcessFarm()
+            elif mode.lower() == LOCAL:
+                _farms[mode] = LocalFarm()
+            elif mode.lower() == EMBEDDED:
+                _farms[mode] = RayFarm(None)
             else:
-                _farms[mode] = RayFarm(None if mode.lower() == LOCAL else mode)
+                _farms[mode] = RayFarm(mode)
         return _farms[mode]
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.request import CompileRequest
@@ -63,6 +64,7 @@ class KilnFarm:
 
     def __init__(self, graph_workers: int | None = None, kernel_cache_entries: int = 4096,
                  recent_entries: int = 64) -> None:
+        trace.set_process_name("farm coordinator")
         cpus = int(ray.cluster_resources().get("CPU", 1))
         count = graph_workers or default_graph_workers(cpus)
         self.workers = [CompileWorker.remote() for _ in range(count)]  # type: ignore[attr-defined]
@@ -72,6 +74,8 @@ class KilnFarm:
         self.recent_entries = recent_entries
         self.kernels: OrderedDict[str, Any] = OrderedDict()  # job key -> ObjectRef
         self.kernel_cache_entries = kernel_cache_entries
+        self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()
+        self.tuning_events: list[trace.Event] = []
         self.autotuners: list[Any] = []
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
@@ -105,10 +109,13 @@ class KilnFarm:
 
     # -- compiling --------------------------------------------------------------------
 
-    async def compile(self, key: str, request_bytes: bytes, delay: float = 0.0
-                      ) -> dict[str, Any]:
-        """The compiled graph of ``key`` (``CompiledGraph.to_dict()``); one compile however
-        many clients ask at once."""
+    async def compile(self, key: str, request_bytes: bytes, delay: float = 0.0,
+                      traced: bool = False) -> dict[str, Any]:
+        """The compiled graph of ``key`` (``CompiledGraph.to_dict()``, with heuristic
+        configs); one compile however many clients ask at once. ``traced``: the dict's
+        ``trace`` holds the spans of every process that worked on it. Where GPU
+        autotuners fit the target, ``stats["autotune_pending"]`` says tuning goes on in
+        the background: ``tuned(key)`` returns its result."""
         self.counters["requests"] += 1
         if key in self.recent:
             self.counters["recent_hits"] += 1
@@ -116,56 +123,115 @@ class KilnFarm:
             return self.recent[key]
         future = self.inflight.get(key)
         if future is None:
-            future = asyncio.ensure_future(self._compile(key, request_bytes, delay))
+            future = asyncio.ensure_future(self._compile(key, request_bytes, delay, traced))
             self.inflight[key] = future
             future.add_done_callback(functools.partial(self._done, key))
         else:
             self.counters["deduplicated"] += 1
         return await asyncio.shield(future)
 
+    async def tuned(self, key: str) -> dict[str, Any] | None:
+        """The autotuned graph of ``key`` once its background tuning ends; None if none
+        runs (no GPU of the target's arch, nothing to tune) or it failed."""
+        future = self.tuning.get(key)
+        if future is None:
+            return None
+        try:
+            return await asyncio.shield(future)
+        except Exception as e:  # tuning is an optimization: the heuristic artifact stays
+            log.warning("kiln farm: autotuning graph %s failed: %s", key[:16], e)
+            return None
+
     def _done(self, key: str, future: asyncio.Future[dict[str, Any]]) -> None:
         self.inflight.pop(key, None)
         if future.cancelled() or future.exception() is not None:
             self.counters["failures"] += 1
             return
-        self.recent[key] = future.result()
+        result = {k: v for k, v in future.result().items() if k != "trace"}
+        self.recent[key] = result
         while len(self.recent) > self.recent_entries:
             self.recent.popitem(last=False)
 
-    async def _compile(self, key: str, request_bytes: bytes, delay: float) -> dict[str, Any]:
+    async def _compile(self, key: str, request_bytes: bytes, delay: float, traced: bool
+                       ) -> dict[str, Any]:
         self.counters["graph_compiles"] += 1
+        timeline: list[trace.Event] | None = [] if traced else None
+        arrived = trace.now_us()
         try:
-            return await self._compile_graph(key, request_bytes, delay)
+            result = await self._compile_graph(key, request_bytes, delay, timeline)
         except ray.exceptions.RayTaskError as e:
             cause = root_cause(e)
             if isinstance(cause, CompileFailure):
                 raise CompileFailure.wrap(cause, key) from None
             raise
+        if timeline is not None:
+            timeline.append(trace.make_event("farm request", arrived, trace.now_us(),
+                                             cat="farm", key=key[:16]))
+            result["trace"] = timeline
+        return result
 
-    async def _compile_graph(self, key: str, request_bytes: bytes, delay: float
-                             ) -> dict[str, Any]:
+    async def _compile_graph(self, key: str, request_bytes: bytes, delay: float,
+                             timeline: list[trace.Event] | None) -> dict[str, Any]:
+        asked = trace.now_us()
         i = min(range(len(self.workers)), key=lambda j: self.load[j])
         self.load[i] += 1
         try:
-            sources = await self.workers[i].compile_sources.remote(request_bytes, key, delay)
+            sources = await self.workers[i].compile_sources.remote(
+                request_bytes, key, delay, timeline is not None)
         finally:
             self.load[i] -= 1
+        worker_events = sources.pop("trace", None) or []
+        if timeline is not None:
+            began = min((float(e["ts"]) for e in worker_events), default=asked)
+            timeline.append(trace.make_event("queue for a compile worker", asked, began,
+                                             cat="farm", worker=i))
+            timeline.extend(worker_events)
         compiled = CompiledGraph.from_dict(sources)
         request = CompileRequest.from_bytes(request_bytes)
+        fanned = trace.now_us()
+        start = time.perf_counter()
+        jobs = kernel_jobs(compiled, request.target)
+        results = await asyncio.gather(*(self._kernel(name, group, [], timeline)
+                                         for name, group in jobs.items()))
+        chosen = {name: binary for name, binary, _ in results}
+        finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
+        if timeline is not None:
+            timeline.append(trace.make_event("kernel fan-out", fanned, trace.now_us(),
+                                             cat="farm", kernels=len(jobs)))
         tuners = await self._autotuners_for(request) if request.options.get(
             "autotune", True) else []
+        if tuners and any(len(group) > 1 for group in
+                          kernel_jobs(compiled, request.target, autotune=True).values()):
+            compiled.stats["autotune_pending"] = True
+            self._start_tuning(key, compiled.to_dict(), request, tuners)
+        return compiled.to_dict()
+
+    def _start_tuning(self, key: str, heuristic: dict[str, Any], request: CompileRequest,
+                      tuners: list[Any]) -> None:
+        """Autotune in the background; the first answer does not wait for it."""
+        self.counters["autotune_started"] += 1
+        self.tuning[key] = asyncio.ensure_future(self._autotune(heuristic, request, tuners))
+        while len(self.tuning) > self.recent_entries:
+            self.tuning.popitem(last=False)
+
+    async def _autotune(self, heuristic: dict[str, Any], request: CompileRequest,
+                        tuners: list[Any]) -> dict[str, Any]:
+        compiled = CompiledGraph.from_dict(heuristic)
+        compiled.stats.pop("autotune_pending", None)
         start = time.perf_counter()
-        jobs = kernel_jobs(compiled, request.target, autotune=bool(tuners))
-        results = await asyncio.gather(*(self._kernel(name, group, tuners)
+        jobs = kernel_jobs(compiled, request.target, autotune=True)
+        results = await asyncio.gather(*(self._kernel(name, group, tuners, None)
                                          for name, group in jobs.items()))
         chosen = {name: binary for name, binary, _ in results}
         timed = {name: record for name, _, record in results if record is not None}
         finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
+        self.counters["autotuned_graphs"] += int(compiled.autotuned)
         return compiled.to_dict()
 
-    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any]
+    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any],
+                      timeline: list[trace.Event] | None
                       ) -> tuple[str, KernelBinary, list[dict[str, Any]] | None]:
-        outcomes = await asyncio.gather(*(self._binary(job) for job in jobs),
+        outcomes = await asyncio.gather(*(self._binary(job, timeline) for job in jobs),
                                         return_exceptions=True)
         if isinstance(outcomes[0], BaseException) and (len(jobs) == 1 or all(
                 isinstance(o, BaseException) for o in outcomes)):
@@ -174,19 +240,27 @@ class KilnFarm:
             return name, outcomes[0], None  # type: ignore[return-value]
         usable = [i for i, o in enumerate(outcomes) if not isinstance(o, BaseException)]
         binaries: list[KernelBinary] = [outcomes[i] for i in usable]  # type: ignore[misc]
-        tuner = tuners[self.counters["autotune_calls"] % len(tuners)]
+        index = self.counters["autotune_calls"] % len(tuners)
         self.counters["autotune_calls"] += 1
-        timings = await tuner.benchmark.remote(jobs[0].spec.to_dict(),
-                                               [b.to_dict() for b in binaries])
+        began = trace.now_us()
+        timings = await tuners[index].benchmark.remote(jobs[0].spec.to_dict(),
+                                                       [b.to_dict() for b in binaries])
+        self.tuning_events.append(trace.make_event(
+            "autotune benchmark", began, trace.now_us(), cat="autotune", kernel=name,
+            gpu=index, candidates=len(binaries)))
+        del self.tuning_events[:-4096]
         best, record = fastest([jobs[i] for i in usable], timings, binaries)
         self.counters["autotuned_kernels"] += 1
         return name, best, record
 
-    async def _binary(self, job: KernelJob) -> KernelBinary:
+    async def _binary(self, job: KernelJob, timeline: list[trace.Event] | None = None
+                      ) -> KernelBinary:
         """The binary of one job: compiled once per farm, shared by every graph."""
         ref = self.kernels.get(job.key)
+        fresh = ref is None
         if ref is None:
-            ref = compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target)
+            ref = compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target,
+                                             timeline is not None)
             self.counters["kernel_compiles"] += 1
             self.kernels[job.key] = ref
             while len(self.kernels) > self.kernel_cache_entries:
@@ -195,10 +269,17 @@ class KilnFarm:
             self.counters["kernel_cache_hits"] += 1
             self.kernels.move_to_end(job.key)
         try:
-            return KernelBinary.from_dict(await ref)
+            result = await ref
         except Exception:
             self.kernels.pop(job.key, None)  # the next request tries again
             raise
+        if fresh and timeline is not None:
+            timeline.extend(result.get("trace") or [])
+        return KernelBinary.from_dict(result)
+
+    async def tuning_trace(self) -> list[trace.Event]:
+        """The autotune benchmarks timed so far (each with its GPU), for timelines."""
+        return list(self.tuning_events)
 
     async def _autotuners_for(self, request: CompileRequest) -> list[Any]:
         """Autotuners whose GPU is the request's arch; none for a CPU target or farm."""
