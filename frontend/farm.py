@@ -289,6 +289,10 @@ class LocalFarm:
     def description(self) -> str:
         return self._ray.description if self._ray else "the farm of `kiln farm up`"
 
+    @property
+    def joined(self) -> str | None:
+        return self._ray.joined if self._ray else None
+
     def address(self) -> str | None:
         """The address of the farm that is up now (checked every LOCAL_RECHECK_S)."""
         with self._lock:
