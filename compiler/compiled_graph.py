@@ -94,12 +94,30 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -
         return TritonLauncher(spec, config, "interpret")
     binary = compiled.binaries.get(spec.name)
     if binary is not None and binary.binary and _arch_matches(binary, device):
+        static = _static_launcher(spec, binary)
+        if static is not None:
+            return static
         try:
             return TritonLauncher(spec, binary.config, "binary", binary)
         except Exception as e:  # a binary that will not load: JIT the source instead
             log.warning("kiln: kernel %s binary did not load (%s); using Triton's JIT",
                         spec.name, e)
     return TritonLauncher(spec, config, "jit")
+
+
+def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
+    """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch),
+    or None where it cannot take this kernel."""
+    from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
+    from .runtime.triton_launcher import TritonLauncher, launch_grid
+
+    try:
+        return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
+                                fallback=lambda: TritonLauncher(spec, binary.config, "binary",
+                                                                binary))
+    except StaticLaunchUnsupported as e:
+        log.debug("kiln: kernel %s uses Triton's launcher: %s", spec.name, e)
+        return None
 
 
 def _arch_matches(binary: KernelBinary, device: torch.device) -> bool:
