@@ -93,10 +93,15 @@ class Store:
 
     # Reads
 
-    def get(self, key: str) -> Artifact | None:
-        """The verified artifact for `key`, or None (a miss, whatever the reason)."""
-        found = self._lookup("get", key, with_blobs=True)
-        self._stats.count("hits" if found else "misses")
+    def get(self, key: str, *, kind: str = "") -> Artifact | None:
+        """The verified artifact for `key`, or None (a miss, whatever the reason).
+
+        `kind` (e.g. "kernel") counts the lookup as `<kind>_hits` / `<kind>_misses`
+        instead of the graph `hits` / `misses` that `kiln stats` reports."""
+        op = f"{kind}_get" if kind else "get"
+        found = self._lookup(op, key, with_blobs=True)
+        prefix = f"{kind}_" if kind else ""
+        self._stats.count(prefix + ("hits" if found else "misses"))
         if found is None:
             return None
         record, blobs = found

@@ -26,7 +26,14 @@ from kiln.artifact_store.stats import merge_counters, persist_counters
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, autotune_inprocess, test_delay
+from kiln.workers.kernel_store import KernelStore
+from kiln.workers.pipeline import (
+    CompileFailure,
+    KernelCache,
+    autotune_inprocess,
+    kernel_jobs,
+    test_delay,
+)
 
 from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
@@ -99,8 +106,16 @@ class KilnClient:
             config.store, local_cache=config.local_cache, signing_key=config.signing_key,
             require_signed=True if config.require_signed else None)
         self.farm = farm if farm is not None else farm_for(config.farm)
+        # Kernels compiled here are shared through the store, by content key.
+        self.kernel_store = KernelStore(self.store)
+        kernels = KernelCache(backing=self.kernel_store)
+        if isinstance(self.farm, InProcessFarm):
+            if farm is None:  # the process-wide one may serve clients of other stores
+                self.farm = InProcessFarm(kernels)
+            elif self.farm.kernels.backing is None:
+                self.farm.kernels.backing = self.kernel_store
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
-            else InProcessFarm()
+            else InProcessFarm(kernels)
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())
@@ -163,8 +178,17 @@ class KilnClient:
 
     def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str) -> CompileResult:
         start = time.perf_counter()
+        cache = self.local.kernels
+        compiles, from_store = cache.compiles, cache.store_hits
         compiled, source = self._compile_somewhere(key, request, name)
         wall = time.perf_counter() - start
+        if source == "local":
+            kernels = {"kernels_compiled": cache.compiles - compiles,
+                       "kernels_from_store": cache.store_hits - from_store}
+        else:
+            kernels = {"kernels_compiled": len(compiled.binaries)}
+            self.tuner.submit(key.key, lambda: self._share_kernels(compiled, request),
+                              lambda graph: None, label="share kernels")
         info = {"wall_s": wall, "mode": source, "farm": self.farm.description,
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
@@ -172,12 +196,20 @@ class KilnClient:
         with trace.span("publish", cat="client", key=key.key[:16]):
             published = self.store.publish(artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
-                          kernels_compiled=len(compiled.binaries), compile_seconds=wall,
-                          publishes=int(published))
+                          **kernels, compile_seconds=wall, publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         if compiled.stats.get("autotune_pending"):
             self._tune_later(key, request, compiled, source, info)
         return CompileResult(compiled, key, source, timings)
+
+    def _share_kernels(self, compiled: CompiledGraph, request: CompileRequest) -> None:
+        """Put the farm's binaries in the store by content key (in the background), so
+        that a graph compiled in process anywhere finds them."""
+        jobs = kernel_jobs(compiled, request.target)
+        for name, binary in compiled.binaries.items():
+            if name in jobs and binary.config == jobs[name][0].config:
+                self.kernel_store.put(jobs[name][0], binary)
+        return None
 
     def _tune_later(self, key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
                     source: str, info: dict[str, Any]) -> None:

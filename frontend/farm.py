@@ -68,8 +68,8 @@ class InProcessFarm:
 
     description = "this process"
 
-    def __init__(self) -> None:
-        self.kernels = KernelCache()
+    def __init__(self, kernels: KernelCache | None = None) -> None:
+        self.kernels = kernels or KernelCache()
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0, debug_options: dict[str, Any] | None = None

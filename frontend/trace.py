@@ -11,8 +11,9 @@ benchmark with its GPU. The file is rewritten after each graph (open it in Perfe
 The summary's critical path walks back from the last span to finish: at each point, the
 leaf span (one with no span nested in it) that ended last before it, in any process; a
 gap between two such leaves is the own time of the innermost span around it (Dynamo's
-tracing, AOTAutograd's). Time on that chain is where the wall clock went; "top stages" sums each span name's own
-time (its duration less its nested spans), which is where the CPU went.
+tracing, AOTAutograd's). Time on that chain is where the wall clock went; "top stages"
+sums each span name's own time (its duration less its nested spans), which is where the
+CPU went.
 """
 
 from __future__ import annotations

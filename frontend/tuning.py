@@ -44,23 +44,26 @@ class BackgroundTuner:
         self._lock = threading.Lock()
         atexit.register(self.wait, None)
 
-    def submit(self, key: str, tune: Tune, publish: Publish) -> None:
+    def submit(self, key: str, tune: Tune, publish: Publish,
+               label: str = "background autotune") -> None:
         """Run ``tune`` (which returns the tuned graph, or None); ``publish`` a graph
-        whose configs were timed."""
-        thread = threading.Thread(target=self._run, args=(key, tune, publish), daemon=True,
+        whose configs were timed. Other background work of a graph (``label`` says
+        what) runs here too, so that exit waits for it."""
+        thread = threading.Thread(target=self._run, args=(key, tune, publish, label),
+                                  daemon=True,
                                   name=f"kiln-autotune-{key[:8]}")
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
-    def _run(self, key: str, tune: Tune, publish: Publish) -> None:
+    def _run(self, key: str, tune: Tune, publish: Publish, label: str) -> None:
         try:
-            with trace.span("background autotune", cat="autotune", key=key[:16]):
+            with trace.span(label, cat="background", key=key[:16]):
                 tuned = tune()
             if tuned is not None and tuned.autotuned:
                 publish(tuned)
-        except Exception as e:  # tuning is an optimization; the first artifact stays
-            log.warning("kiln: background autotuning of graph %s failed: %s", key[:16], e)
+        except Exception as e:  # an optimization; the first artifact stays
+            log.warning("kiln: %s of graph %s failed: %s", label, key[:16], e)
 
     def pending(self) -> int:
         with self._lock:

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -227,14 +227,26 @@ def finish(compiled: CompiledGraph, chosen: dict[str, KernelBinary], *,
 # In-process: the same steps, one after another, with a process-wide kernel cache.
 
 
-class KernelCache:
-    """Binaries by job key, bounded (least recently used out); thread-safe."""
+class KernelBacking(Protocol):
+    """Where a cache looks before compiling (``workers.kernel_store.KernelStore``)."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def get(self, job: KernelJob) -> KernelBinary | None: ...
+
+    def put(self, job: KernelJob, binary: KernelBinary) -> bool: ...
+
+
+class KernelCache:
+    """Binaries by job key, bounded (least recently used out); thread-safe. With a
+    ``backing`` store, a kernel missing here is looked up there before it is compiled,
+    and what is compiled is put there (kernels shared across graphs and processes)."""
+
+    def __init__(self, max_entries: int = 4096, backing: KernelBacking | None = None) -> None:
         self.max_entries = max_entries
+        self.backing = backing
         self._entries: OrderedDict[str, KernelBinary] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
+        self.store_hits = 0
         self.compiles = 0
 
     def get_or_compile(self, job: KernelJob) -> KernelBinary:
@@ -243,12 +255,28 @@ class KernelCache:
                 self._entries.move_to_end(job.key)
                 self.hits += 1
                 return self._entries[job.key]
-        binary = compile_kernel(job.spec, job.config, job.target)
+        binary = self._from_backing(job)
+        if binary is None:
+            binary = compile_kernel(job.spec, job.config, job.target)
+            with self._lock:
+                self.compiles += 1
+            if self.backing is not None:
+                self.backing.put(job, binary)
         with self._lock:
-            self.compiles += 1
             self._entries[job.key] = binary
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+        return binary
+
+    def _from_backing(self, job: KernelJob) -> KernelBinary | None:
+        if self.backing is None:
+            return None
+        with trace.span("kernel store lookup", cat="kernel", kernel=job.spec.name) as info:
+            binary = self.backing.get(job)
+            info["hit"] = binary is not None
+        if binary is not None:
+            with self._lock:
+                self.store_hits += 1
         return binary
 
 
