@@ -37,7 +37,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     from torch._dynamo.backends.common import aot_autograd
 
     config = KilnConfig.resolve(options)
-    start_recording(config.debug)
+    if start_recording(config.debug):
+        register_dynamo_spans()
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 
@@ -99,20 +100,25 @@ class _DynamoSpans:
             flush_trace()
 
 
-def _register_dynamo_spans() -> None:
+_dynamo_spans = _DynamoSpans()
+
+
+def register_dynamo_spans() -> None:
+    """Time Dynamo's compiles (idempotent; ``torch._dynamo.reset()`` drops callbacks, so
+    the backend calls it again: frames compiled after a reset are timed from the next)."""
     try:
         from torch._dynamo.callback import callback_handler
     except ImportError:  # a torch without compile callbacks: no Dynamo span
         return
-    spans = _DynamoSpans()
-    callback_handler.register_start_callback(spans.start)
-    callback_handler.register_end_callback(spans.end)
+    if _dynamo_spans.start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_dynamo_spans.start)
+        callback_handler.register_end_callback(_dynamo_spans.end)
 
 
 # torch.compile imports this module when it looks the backend up, before Dynamo starts.
 if trace_path() or KilnConfig.resolve().debug:
     start_recording(True)
-    _register_dynamo_spans()
+    register_dynamo_spans()
 
 
 def unsupported_reason(example_inputs: Sequence[Any]) -> str | None:

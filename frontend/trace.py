@@ -18,6 +18,7 @@ CPU went.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -33,6 +34,7 @@ TRACE_ENV = "KILN_TRACE"
 # its workers): on the critical path, the work inside them counts, not the wait.
 WAITING_CATEGORIES = frozenset({"client", "farm", "kiln"})
 _write_lock = threading.Lock()
+_flush_at_exit = False
 
 
 def trace_path() -> str | None:
@@ -41,9 +43,13 @@ def trace_path() -> str | None:
 
 def start_recording(debug: bool = False) -> bool:
     """Turn recording on where ``KILN_TRACE`` (or a debug folder) asks; True if on."""
+    global _flush_at_exit
     if trace_path() or debug:
         trace.enable()
         trace.set_process_name("client")
+        if not _flush_at_exit:  # spans that end after the last graph (Dynamo's, AOT's)
+            _flush_at_exit = True
+            atexit.register(flush)
     return trace.recording()
 
 
@@ -171,11 +177,21 @@ def critical_path(spans: list[Span]) -> list[Span]:
     return path[::-1]
 
 
-def _gap_owner(spans: list[Span], start: float, end: float) -> str:
-    """The innermost span around a gap of the critical path (whose own time it is)."""
-    mid = (start + end) / 2
-    around = [s for s in spans if s.start <= mid <= s.end]
-    return f"{min(around, key=lambda s: s.dur).name} (own time)" if around else "idle"
+def _gap_owners(spans: list[Span], start: float, end: float) -> list[tuple[str, float]]:
+    """A gap of the critical path cut where spans begin or end, each piece the own time
+    of the innermost span around it (or idle): (stage, ms) pieces."""
+    cuts = sorted({start, end, *(t for s in spans for t in (s.start, s.end)
+                                 if start < t < end)})
+    pieces: list[tuple[str, float]] = []
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        around = [s for s in spans if s.start <= mid <= s.end]
+        name = f"{min(around, key=lambda s: s.dur).name} (own time)" if around else "idle"
+        if pieces and pieces[-1][0] == name:
+            pieces[-1] = (name, pieces[-1][1] + (b - a) / 1000.0)
+        else:
+            pieces.append((name, (b - a) / 1000.0))
+    return pieces
 
 
 def path_stages(spans: list[Span]) -> list[tuple[str, float]]:
@@ -186,7 +202,7 @@ def path_stages(spans: list[Span]) -> list[tuple[str, float]]:
     t = min(s.start for s in spans)
     for s in path:
         if s.start - t > 1.0:
-            steps.append((_gap_owner(spans, t, s.start), (s.start - t) / 1000.0))
+            steps += _gap_owners(spans, t, s.start)
         steps.append((s.name, max(0.0, s.end - max(s.start, t)) / 1000.0))
         t = max(t, s.end)
     return steps
