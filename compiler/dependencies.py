@@ -8,6 +8,8 @@ readers) and keeps nothing alive.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,8 +61,13 @@ class WeakDep:
 Dep = MemoryDep | StarDep | WeakDep
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_dep(dep: MemoryDep) -> MemoryDep:
     """Drop size-1 loops and merge adjacent loops that the index walks contiguously.
+
+    Memoized: deps are frozen and sympy expressions immutable, and fusion asks for the
+    same deps over and over (every candidate pair, every round); uncached, this was most
+    of the graph stage of a large graph.
 
     ``c1 + 128*c0`` over (64, 128) and ``c0`` over (8192,) are the same access; after
     normalization they compare equal, which is how fusion decides two nodes touch the
