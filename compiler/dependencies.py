@@ -9,7 +9,6 @@ readers) and keeps nothing alive.
 from __future__ import annotations
 
 import functools
-
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

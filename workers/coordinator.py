@@ -34,6 +34,7 @@ from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
+from .kernel_store import KernelStore
 from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
 
 log = logging.getLogger("kiln.farm")
@@ -72,7 +73,10 @@ class KilnFarm:
         self.inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.recent_entries = recent_entries
-        self.kernels: OrderedDict[str, Any] = OrderedDict()  # job key -> ObjectRef
+        self.kernels: OrderedDict[str, Any] = OrderedDict()  # job key -> future of a dict
+        self._kernels_store: KernelStore | None = None
+        self._kernels_store_checked = False
+        self._background: set[asyncio.Future[Any]] = set()
         self.kernel_cache_entries = kernel_cache_entries
         self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()
         self.tuning_events: list[trace.Event] = []
@@ -255,27 +259,66 @@ class KilnFarm:
 
     async def _binary(self, job: KernelJob, timeline: list[trace.Event] | None = None
                       ) -> KernelBinary:
-        """The binary of one job: compiled once per farm, shared by every graph."""
-        ref = self.kernels.get(job.key)
-        fresh = ref is None
-        if ref is None:
-            ref = compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target,
-                                             timeline is not None)
-            self.counters["kernel_compiles"] += 1
-            self.kernels[job.key] = ref
+        """The binary of one job: compiled once per farm (or found in the kernel store),
+        shared by every graph."""
+        pending = self.kernels.get(job.key)
+        fresh = pending is None
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_or_compile(job, timeline is not None))
+            self.kernels[job.key] = pending
             while len(self.kernels) > self.kernel_cache_entries:
                 self.kernels.popitem(last=False)
         else:
             self.counters["kernel_cache_hits"] += 1
             self.kernels.move_to_end(job.key)
         try:
-            result = await ref
+            result = await asyncio.shield(pending)
         except Exception:
             self.kernels.pop(job.key, None)  # the next request tries again
             raise
         if fresh and timeline is not None:
             timeline.extend(result.get("trace") or [])
         return KernelBinary.from_dict(result)
+
+    async def _fetch_or_compile(self, job: KernelJob, traced: bool) -> dict[str, Any]:
+        """The kernel store's binary for the job, else a kernel task's (then stored)."""
+        store = self._kernel_store()
+        if store is not None:
+            began = trace.now_us()
+            found = await asyncio.to_thread(store.get, job)
+            if found is not None:
+                self.counters["kernel_store_hits"] += 1
+                result = found.to_dict()
+                if traced:
+                    result["trace"] = [trace.make_event(
+                        "kernel store lookup", began, trace.now_us(), cat="farm",
+                        kernel=job.spec.name, hit=True)]
+                return result
+        self.counters["kernel_compiles"] += 1
+        result = await compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target,
+                                                  traced)
+        if store is not None:
+            binary = KernelBinary.from_dict(result)
+            self._background.add(asyncio.ensure_future(asyncio.to_thread(store.put, job,
+                                                                         binary)))
+            self._background = {t for t in self._background if not t.done()}
+        return dict(result)
+
+    def _kernel_store(self) -> KernelStore | None:
+        """The farm's own store (its environment's KILN_STORE, or the default), where
+        kernels are shared by content key; ``KILN_FARM_KERNEL_STORE=off`` turns it off."""
+        if self._kernels_store_checked:
+            return self._kernels_store
+        self._kernels_store_checked = True
+        if os.environ.get("KILN_FARM_KERNEL_STORE", "").lower() in ("off", "0", "false"):
+            return None
+        try:
+            from kiln.artifact_store import open_store
+
+            self._kernels_store = KernelStore(open_store())
+        except Exception as e:  # no store: the farm's memory still shares kernels
+            log.warning("kiln farm: no kernel store (%s)", e)
+        return self._kernels_store
 
     async def tuning_trace(self) -> list[trace.Event]:
         """The autotune benchmarks timed so far (each with its GPU), for timelines."""

@@ -1,17 +1,21 @@
 """The compile timeline through a real farm: one traced request brings back the spans of
 the coordinator, the compile worker's passes and each kernel compile with the process
-that ran it, and the critical path runs through the farm's work."""
+that ran it, and the critical path runs through the farm's work. And the farm's kernels
+shared through its store by content key."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from farm_helpers import cuda_request
+from farm_helpers import cuda_request, farm_stats
 
 from kiln.compiler import trace
-from kiln.frontend.farm import RayFarm
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
+from kiln.frontend.farm import InProcessFarm, RayFarm
 from kiln.frontend.keys import compute_key
 from kiln.frontend.trace import Span, critical_path
 
@@ -56,3 +60,24 @@ def test_a_traced_farm_compile_carries_every_process_spans(farm: RayFarm,
     trace.clear()
     farm.compile(compute_key(request).key, request)
     assert not [e for e in trace.events() if e["name"] == "kernel compile"]
+
+
+def test_the_farm_finds_kernels_in_its_store_by_content_key(
+        farm: RayFarm, session_cache: Path, tmp_path: Path) -> None:
+    """Kernels compiled elsewhere (here: a client compiling in process into the farm's
+    store) are not compiled again by a farm that never saw them."""
+    farm_store = session_cache / "workers" / "kiln" / "store"  # the cluster's XDG cache
+    local = KilnClient(KilnConfig.resolve({"store": str(farm_store), "farm": "inprocess"}),
+                       farm=InProcessFarm())
+    first = cuda_request(shapes=((8, 72), (72, 72)), options={"tag": "local"})
+    compiled = local.compile(first).compiled
+    assert local.counters.snapshot()["kernels_compiled"] == len(compiled.binaries) > 0
+    before = farm_stats(farm)
+    second = cuda_request(shapes=((8, 72), (72, 72)), options={"tag": "farm"})
+    again = farm.compile(compute_key(second).key, second)
+    after = farm_stats(farm)
+    assert after.get("kernel_store_hits", 0) - before.get("kernel_store_hits", 0) == \
+        len(compiled.binaries)
+    assert after.get("kernel_compiles", 0) == before.get("kernel_compiles", 0)
+    for name, binary in compiled.binaries.items():
+        assert again.binaries[name].binary == binary.binary
