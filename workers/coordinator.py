@@ -96,7 +96,11 @@ class KilnFarm:
         return {"pid": os.getpid(), "graph_workers": len(self.workers),
                 "cpus": resources.get("CPU", 0), "gpus": resources.get("GPU", 0),
                 "versions": versions(), "compiler": str(compiler_dir()),
-                "since": self.started}
+                "since": self.started, "kernel_store": self.kernel_store_url()}
+
+    def kernel_store_url(self) -> str | None:
+        store = self._kernel_store()
+        return None if store is None else store.store.url
 
     async def wait_warm(self) -> int:
         """Wait until the workers and kernel processes have imported the compiler."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from farm_helpers import cuda_request, farm_stats
@@ -62,12 +61,14 @@ def test_a_traced_farm_compile_carries_every_process_spans(farm: RayFarm,
     assert not [e for e in trace.events() if e["name"] == "kernel compile"]
 
 
-def test_the_farm_finds_kernels_in_its_store_by_content_key(
-        farm: RayFarm, session_cache: Path, tmp_path: Path) -> None:
+def test_the_farm_finds_kernels_in_its_store_by_content_key(farm: RayFarm) -> None:
     """Kernels compiled elsewhere (here: a client compiling in process into the farm's
     store) are not compiled again by a farm that never saw them."""
-    farm_store = session_cache / "workers" / "kiln" / "store"  # the cluster's XDG cache
-    local = KilnClient(KilnConfig.resolve({"store": str(farm_store), "farm": "inprocess"}),
+    import ray
+
+    farm_store = ray.get(farm.actor().ping.remote())["kernel_store"]
+    assert farm_store
+    local = KilnClient(KilnConfig.resolve({"store": farm_store, "farm": "inprocess"}),
                        farm=InProcessFarm())
     first = cuda_request(shapes=((8, 72), (72, 72)), options={"tag": "local"})
     compiled = local.compile(first).compiled
