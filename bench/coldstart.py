@@ -165,8 +165,9 @@ class Bench:
                        KILN_FARM="local", KILN_FARM_FILE=str(m / "no-farm.json"))
         elif mode in ("kiln_default", "kiln_farm"):
             folder = m / f"{mode}{tag}"
+            # Exit waits for background tuning (not timed) rather than cut it short.
             env.update(self.caches(folder, fresh=True), KILN_STORE=str(folder / "store"),
-                       KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="0",
+                       KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="900",
                        KILN_FARM_FILE=str(farm_file or m / "no-farm.json"))
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
@@ -332,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:
-        print(RESULT + json.dumps(child(*args.child, args.device, args.smoke)), flush=True)
+        model, mode = args.child
+        print(RESULT + json.dumps(child(model, mode, args.device, args.smoke)), flush=True)
         return 0
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))

@@ -24,7 +24,7 @@ class Case:
     name: str
     module: nn.Module
     inputs: tuple[Any, ...]
-    step: Callable[[nn.Module], list[torch.Tensor]]
+    step: Callable[[Any], list[torch.Tensor]]  # the module, or torch.compile's wrapper
     tol: dict[str, float]
     note: str = ""
 
@@ -175,7 +175,8 @@ def encoder_train(device: str, smoke: bool) -> Case:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = m(ids, labels)
         loss.backward()
-        grads = [p.grad for p in (m.embed.weight, m.head.weight) if p.grad is not None]
+        grads = [p.grad for p in (module.embed.weight, module.head.weight)
+                 if p.grad is not None]
         return [loss.detach(), *grads]
 
     tol = _tol(torch.bfloat16 if autocast else torch.float32, loose=True)
