@@ -256,7 +256,7 @@ def _farm_status(args: argparse.Namespace) -> int:
     if mode.lower() in (farm.LOCAL, farm.INPROCESS):
         info = farm.read_farm_file()
         if info is None:
-            print(f"KILN_FARM={mode}: no farm is up (local clients start an embedded Ray)")
+            print(f"KILN_FARM={mode}: no farm is up (local clients compile in process)")
             return EXIT_FAILED
         mode = str(info["address"])
     reason = farm.probe(mode)
