@@ -213,7 +213,19 @@ def compiled(w: Workload, backend: str) -> tuple[Callable[..., Any], float]:
     with _grad(w):
         fn(*args)
     torch.cuda.synchronize()
-    return fn, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if backend == "kiln":
+        # The first output came from heuristic configs; runtime is measured with what
+        # background autotuning chose: wait for it, then load the tuned artifacts (a hit).
+        from kiln.frontend.client import wait_for_background
+
+        wait_for_background(900)
+        torch._dynamo.reset()
+        fn = torch.compile(w.fn, backend=backend, dynamic=False)
+        with _grad(w):
+            fn(*args)
+        torch.cuda.synchronize()
+    return fn, seconds
 
 
 class _grad:

@@ -282,6 +282,15 @@ def client_for(config: KilnConfig) -> KilnClient:
         return _clients[ident]
 
 
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Wait until every client's background work (autotuning and its publish, kernel
+    sharing) is done; True if none is left. Benchmarks that time runtime call it, then
+    compile again to load the tuned artifacts."""
+    with _clients_lock:
+        clients = list(_clients.values())
+    return all([client.tuner.wait(timeout) for client in clients])
+
+
 def reset_clients() -> None:
     """Forget every client (tests, and `kiln` commands that change the environment)."""
     with _clients_lock:
