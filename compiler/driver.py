@@ -48,7 +48,8 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
-    debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
+    debug.write_debug_file(folder, "fx_graph.txt",
+                           lambda: gm.print_readable(print_output=False))
     graph = GraphLowering(gm, example_inputs, name)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
@@ -58,7 +59,8 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             # 2. Layouts: every buffer whose strides are still free becomes contiguous.
             graph.finalize_layouts()
         timings["lowering"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_pre_fusion.txt", debug.ir_str(graph.buffers))
+        debug.write_debug_file(folder, "ir_pre_fusion.txt",
+                               lambda: debug.ir_str(graph.buffers))
         t = time.perf_counter()
         with trace.span("scheduling and fusion", cat="compiler", graph=name):
             # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes out.
@@ -66,14 +68,14 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             # 4. Fusion: vertical and horizontal, by score, never making a cycle.
             scheduler.fuse_nodes()
         timings["scheduling"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str())
+        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str)
         t = time.perf_counter()
         with trace.span("memory plan", cat="compiler", graph=name):
             # 5. Memory plan: last uses, in-kernel buffers, reuse, peak estimate.
             memory = plan_memory(scheduler)
         timings["memory_plan"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "schedule.txt",
-                               scheduler.debug_str() + "\n\n" + describe(memory, scheduler.nodes))
+        debug.write_debug_file(folder, "schedule.txt", lambda: scheduler.debug_str() + "\n\n"
+                               + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
 
 
