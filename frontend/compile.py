@@ -30,6 +30,12 @@ from .trace import write_trace
 log = logging.getLogger("kiln.compile")
 
 
+class LoadFailure(RuntimeError):
+    """A compiled graph (a hit, or just compiled) that could not be loaded here."""
+
+    stage = "load"
+
+
 def graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Tensor constants of ``gm`` by the names the compiler gives them (in node order)."""
     out: dict[str, torch.Tensor] = {}
@@ -61,8 +67,9 @@ def target_for(device: torch.device) -> dict[str, Any]:
 
 
 def request_options(config: KilnConfig) -> dict[str, Any]:
-    """Options that reach the compiler and the key (autotuning changes chosen configs)."""
-    return {**config.compiler_options(), "autotune": config.autotune}
+    """Options that reach the compiler and the key: those that change compiled code
+    (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs)."""
+    return config.compiler_options()
 
 
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -85,11 +92,17 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     with trace.span("serialize request", cat="client", graph=name):
         request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
-    result = compile_request(request, config, name)
+    client = client_for(config)
+    result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
-    with trace.span("load graph", cat="client", graph=name, source=result.source,
-                    kernels=len(result.compiled.kernels)):
-        fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    try:
+        with trace.span("load graph", cat="client", graph=name, source=result.source,
+                        kernels=len(result.compiled.kernels)):
+            fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    except Exception as e:
+        client.loaded(result, ok=False)
+        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+    client.loaded(result, ok=True)
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
