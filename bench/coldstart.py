@@ -195,6 +195,9 @@ class Bench:
                 f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env))
+            if problems:  # what Kiln said about it (a farm given up, a fallback)
+                said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
+                problems += said[-3:]
             row.update(ok=not problems, problem="; ".join(problems))
         if env.get("KILN_TRACE") and Path(env["KILN_TRACE"]).exists():
             row["trace"] = env["KILN_TRACE"]
