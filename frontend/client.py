@@ -2,7 +2,15 @@
 
     key = compute_key(request)
     store.get(key)       hit  -> CompiledGraph from the artifact (no compiler runs)
-                         miss -> farm.compile(key, request) -> store.publish -> CompiledGraph
+                         miss -> farm.compile(request) -> CompiledGraph
+                                 (the farm, a builder, publishes it signed itself)
+                              -> or compile here -> store.publish, only if this process
+                                 is a builder (a key that signs, or an unsigned store)
+
+Roles as in Bazel remote execution: builders (farm workers, precompile jobs holding the
+private key) compile, sign and publish; clients holding only the public key verify and
+read. An artifact that verifies but does not load is quarantined, compiled again and
+republished where this process may publish (``repair``), with one warning.
 
 Threads of one process asking for the same key wait for one compile (across processes,
 the farm's coordinator de-duplicates). A farm that is unreachable, dies or is slower than
@@ -22,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.artifact_store import Store, default_stats_file, open_store
+from kiln.artifact_store import Artifact, Store, default_stats_file, open_store
 from kiln.artifact_store.stats import merge_counters, persist_counters
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
@@ -36,7 +44,7 @@ from kiln.workers.pipeline import (
     test_delay,
 )
 
-from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
+from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
 from .farm import Farm, FarmNotUp, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
@@ -50,6 +58,10 @@ FLUSH_INTERVAL_S = 5.0
 
 class KilnFarmWarning(UserWarning):
     """The farm could not compile; this process compiles its graphs itself."""
+
+
+class KilnRepairWarning(UserWarning):
+    """A stored artifact did not load: it is quarantined and the graph compiled again."""
 
 
 @dataclass
@@ -184,9 +196,9 @@ class KilnClient:
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)
-        except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
-            log.warning("kiln: artifact %s cannot be read (%s); compiling it again", key.key, e)
+        except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
+            self._set_aside(key.key, f"{type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         return CompileResult(compiled, key, "hit", timings,
@@ -210,7 +222,7 @@ class KilnClient:
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)
         with trace.span("publish", cat="client", key=key.key[:16]):
-            published = self.store.publish(artifact)
+            published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
                           **kernels, compile_seconds=wall, publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
@@ -233,6 +245,8 @@ class KilnClient:
         """Autotune in the background (the farm's GPUs, or this process's); the tuned
         artifact then supersedes the heuristic one under the same key."""
         def publish(tuned: CompiledGraph) -> None:
+            if not self.store.can_publish:  # a reader: the farm publishes what it tunes
+                return
             published = self.store.publish(to_artifact(key, request, tuned,
                                                        {**info, "autotuned_after": True}))
             self.counters.add(autotune_publishes=int(published))
@@ -245,6 +259,33 @@ class KilnClient:
         elif source == "local":
             self.tuner.submit(key.key, lambda: autotune_inprocess(
                 compiled, request.target, self.local.kernels), publish)
+
+    def _publish(self, key: KeyInfo, compiled: CompiledGraph, artifact: Artifact) -> bool:
+        """Publish where this process is a builder and the farm did not already."""
+        if compiled.published_to and compiled.published_to == self.store.url:
+            return True
+        if not self.store.can_publish:
+            log.debug("kiln: not publishing %s: this client only verifies and reads %s",
+                      key.key, self.store.url)
+            return False
+        return self.store.publish(artifact)
+
+    def repair(self, request: CompileRequest, name: str, error: BaseException
+               ) -> CompileResult:
+        """An artifact that verified but failed to load: set it aside, compile the graph
+        again (locally or on the farm) and republish it where this process may."""
+        key = compute_key(request)
+        self._set_aside(key.key, f"{type(error).__name__}: {error}")
+        result = self._compile_miss(key, request, name)
+        result.source = f"repaired ({result.source})"
+        return result
+
+    def _set_aside(self, key: str, reason: str) -> None:
+        self.counters.add(repairs=1)
+        warnings.warn(f"kiln: the stored artifact {key} passed its checks but does not load "
+                      f"({reason}); it is quarantined and the graph compiled again",
+                      KilnRepairWarning, stacklevel=4)
+        self.store.quarantine(key, reason)
 
     def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
                            ) -> tuple[CompiledGraph, str]:
@@ -283,6 +324,9 @@ class KilnClient:
         warnings.warn(f"kiln: the compile farm ({self.farm.description}) cannot compile: "
                       f"{reason}. This process compiles its graphs itself from now on.",
                       KilnFarmWarning, stacklevel=4)
+        release = getattr(self.farm, "release", None)
+        if release is not None:
+            release()
 
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}

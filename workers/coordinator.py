@@ -1,9 +1,12 @@
 """``KilnFarm``: the farm's one named, detached coordinator actor.
 
 Every client of a cluster calls the same ``KilnFarm`` (found by name), which is what lets
-it de-duplicate: a key already in flight is not compiled again, its waiters share the
-one result; a key finished a moment ago is answered from a small recent-results list
-(the client that asked first may not have published it yet). For each graph it asks a
+it de-duplicate. A caller sends request bytes, never a key: the coordinator recomputes
+the key from them (a caller naming another graph's key is refused), and, where the farm
+is a builder (its own ``KILN_STORE`` and private ``KILN_SIGNING_KEY``), publishes the
+signed artifact itself before answering (``workers.publish``). A key already in flight
+is not compiled again, its waiters share the one result; a key finished a moment ago is
+answered from a small recent-results list. For each graph it asks a
 ``CompileWorker`` for kernel sources, fans the kernels out as Ray tasks (one per unique
 kernel source, config and target, remembered across graphs and requests, so identical
 kernels compile once), has ``Autotuner`` actors time the candidates where the cluster has
@@ -30,13 +33,15 @@ import ray
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
 from .kernel_store import KernelStore
-from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
+from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
+from .publish import FarmPublisher
 
 log = logging.getLogger("kiln.farm")
 
@@ -85,6 +90,7 @@ class KilnFarm:
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
+        self.publisher = FarmPublisher()
         self.started = time.time()
         # Start the workers' processes now: the first miss should not pay for imports.
         self._warming = [w.warm.remote() for w in self.workers]
@@ -119,23 +125,29 @@ class KilnFarm:
 
     # -- compiling --------------------------------------------------------------------
 
-    async def compile(self, key: str, request_bytes: bytes, delay: float = 0.0,
-                      traced: bool = False) -> dict[str, Any]:
-        """The compiled graph of ``key`` (``CompiledGraph.to_dict()``, with heuristic
-        configs); one compile however many clients ask at once. ``traced``: the dict's
-        ``trace`` holds the spans of every process that worked on it. Where GPU
-        autotuners fit the target, ``stats["autotune_pending"]`` says tuning goes on in
-        the background: ``tuned(key)`` returns its result."""
+    async def compile(self, request_bytes: bytes, delay: float = 0.0,
+                      expected_key: str | None = None, traced: bool = False
+                      ) -> dict[str, Any]:
+        """``{"key", "compiled", "published"}`` for a request: its recomputed key, the
+        ``CompiledGraph.to_dict()`` (heuristic configs) and the store URL the farm
+        published it to ("" if not). One compile however many clients ask at once.
+        ``expected_key`` is what the caller computed: a mismatch is refused, never stored
+        under either key. ``traced``: ``trace`` holds the spans of every process that
+        worked on it. Where GPU autotuners fit the target, ``stats["autotune_pending"]``
+        says tuning goes on in the background (the farm publishes the tuned artifact;
+        ``tuned(key)`` returns it)."""
         self.counters["requests"] += 1
-        if key in self.recent:
+        request, key = self._decode(request_bytes, expected_key)
+        if key.key in self.recent:
             self.counters["recent_hits"] += 1
-            self.recent.move_to_end(key)
-            return self.recent[key]
-        future = self.inflight.get(key)
+            self.recent.move_to_end(key.key)
+            return self.recent[key.key]
+        future = self.inflight.get(key.key)
         if future is None:
-            future = asyncio.ensure_future(self._compile(key, request_bytes, delay, traced))
-            self.inflight[key] = future
-            future.add_done_callback(functools.partial(self._done, key))
+            future = asyncio.ensure_future(self._compile(key, request, request_bytes, delay,
+                                                         traced))
+            self.inflight[key.key] = future
+            future.add_done_callback(functools.partial(self._done, key.key))
         else:
             self.counters["deduplicated"] += 1
         return await asyncio.shield(future)
@@ -152,6 +164,21 @@ class KilnFarm:
             log.warning("kiln farm: autotuning graph %s failed: %s", key[:16], e)
             return None
 
+    def _decode(self, request_bytes: bytes, expected_key: str | None
+                ) -> tuple[CompileRequest, KeyInfo]:
+        try:
+            request = CompileRequest.from_bytes(request_bytes)
+            key = compute_key(request)
+        except Exception as e:  # hostile or damaged bytes: the caller's error
+            self.counters["refused"] += 1
+            raise CompileFailure.wrap(e, expected_key or "") from None
+        if expected_key is not None and expected_key != key.key:
+            self.counters["refused"] += 1
+            raise FarmKeyMismatch(
+                f"the request's bytes hash to key {key.key}, not {expected_key}: the farm "
+                "computes every key itself and stores nothing under a key a caller names")
+        return request, key
+
     def _done(self, key: str, future: asyncio.Future[dict[str, Any]]) -> None:
         self.inflight.pop(key, None)
         if future.cancelled() or future.exception() is not None:
@@ -162,26 +189,42 @@ class KilnFarm:
         while len(self.recent) > self.recent_entries:
             self.recent.popitem(last=False)
 
-    async def _compile(self, key: str, request_bytes: bytes, delay: float, traced: bool
-                       ) -> dict[str, Any]:
+    async def _compile(self, key: KeyInfo, request: CompileRequest, request_bytes: bytes,
+                       delay: float, traced: bool = False) -> dict[str, Any]:
         self.counters["graph_compiles"] += 1
         timeline: list[trace.Event] | None = [] if traced else None
         arrived = trace.now_us()
+        start = time.perf_counter()
         try:
-            result = await self._compile_graph(key, request_bytes, delay, timeline)
+            compiled = await self._compile_graph(key, request_bytes, delay, timeline)
         except ray.exceptions.RayTaskError as e:
             cause = root_cause(e)
             if isinstance(cause, CompileFailure):
-                raise CompileFailure.wrap(cause, key) from None
+                raise CompileFailure.wrap(cause, key.key) from None
             raise
+        wall = time.perf_counter() - start
+        began = trace.now_us()
+        try:
+            published = await asyncio.to_thread(self.publisher.publish, key, request,
+                                                compiled, wall)
+        except Exception as e:  # the store's own faults are warnings; this is a bug
+            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
+            published = ""
+        self.counters["published" if published else "not_published"] += 1
+        result: dict[str, Any] = {"key": key.key, "compiled": compiled,
+                                  "published": published}
         if timeline is not None:
-            timeline.append(trace.make_event("farm request", arrived, trace.now_us(),
-                                             cat="farm", key=key[:16]))
+            now = trace.now_us()
+            timeline.append(trace.make_event("farm publish", began, now, cat="farm",
+                                             key=key.key[:16]))
+            timeline.append(trace.make_event("farm request", arrived, now, cat="farm",
+                                             key=key.key[:16]))
             result["trace"] = timeline
         return result
 
-    async def _compile_graph(self, key: str, request_bytes: bytes, delay: float,
+    async def _compile_graph(self, key_info: KeyInfo, request_bytes: bytes, delay: float,
                              timeline: list[trace.Event] | None) -> dict[str, Any]:
+        key = key_info.key
         asked = trace.now_us()
         i = min(range(len(self.workers)), key=lambda j: self.load[j])
         self.load[i] += 1
@@ -213,19 +256,20 @@ class KilnFarm:
         if tuners and any(len(group) > 1 for group in
                           kernel_jobs(compiled, request.target, autotune=True).values()):
             compiled.stats["autotune_pending"] = True
-            self._start_tuning(key, compiled.to_dict(), request, tuners)
+            self._start_tuning(key_info, compiled.to_dict(), request, tuners)
         return compiled.to_dict()
 
-    def _start_tuning(self, key: str, heuristic: dict[str, Any], request: CompileRequest,
+    def _start_tuning(self, key: KeyInfo, heuristic: dict[str, Any], request: CompileRequest,
                       tuners: list[Any]) -> None:
         """Autotune in the background; the first answer does not wait for it."""
         self.counters["autotune_started"] += 1
-        self.tuning[key] = asyncio.ensure_future(self._autotune(heuristic, request, tuners))
+        self.tuning[key.key] = asyncio.ensure_future(
+            self._autotune(key, heuristic, request, tuners))
         while len(self.tuning) > self.recent_entries:
             self.tuning.popitem(last=False)
 
-    async def _autotune(self, heuristic: dict[str, Any], request: CompileRequest,
-                        tuners: list[Any]) -> dict[str, Any]:
+    async def _autotune(self, key: KeyInfo, heuristic: dict[str, Any],
+                        request: CompileRequest, tuners: list[Any]) -> dict[str, Any]:
         compiled = CompiledGraph.from_dict(heuristic)
         compiled.stats.pop("autotune_pending", None)
         start = time.perf_counter()
@@ -236,7 +280,11 @@ class KilnFarm:
         timed = {name: record for name, _, record in results if record is not None}
         finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
         self.counters["autotuned_graphs"] += int(compiled.autotuned)
-        return compiled.to_dict()
+        tuned = compiled.to_dict()
+        if compiled.autotuned:  # the tuned artifact supersedes the first in the store
+            wall = time.perf_counter() - start
+            await asyncio.to_thread(self.publisher.publish, key, request, tuned, wall)
+        return tuned
 
     async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any],
                       timeline: list[trace.Event] | None
@@ -360,9 +408,15 @@ class KilnFarm:
 RemoteKilnFarm = ray.remote(KilnFarm)
 
 
-def get_farm_actor(graph_workers: int | None = None) -> Any:
-    """The cluster's coordinator for this Kiln: found by name, else created (detached)."""
-    return RemoteKilnFarm.options(  # type: ignore[attr-defined]
-        name=FARM_NAME, namespace=farm_namespace(), lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=-1, max_concurrency=10000,
-    ).remote(graph_workers)
+def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
+                   runtime_env: dict[str, Any] | None = None) -> Any:
+    """The cluster's coordinator for this Kiln: found by name, else created (detached).
+
+    ``runtime_env`` (for a farm started from Python; a deployed farm takes its store and
+    key from its image's environment) reaches the coordinator and every worker it starts."""
+    options: dict[str, Any] = {"name": name, "namespace": farm_namespace(),
+                               "lifetime": "detached", "get_if_exists": True, "num_cpus": 0,
+                               "max_restarts": -1, "max_concurrency": 10000}
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    return RemoteKilnFarm.options(**options).remote(graph_workers)  # type: ignore[attr-defined]
