@@ -143,15 +143,20 @@ class Store:
 
     # Reads
 
-    def get(self, key: str) -> Artifact | None:
-        """The verified artifact for `key`, or None (a miss, whatever the reason)."""
-        return self.lookup(key).artifact
+    def get(self, key: str, *, kind: str = "") -> Artifact | None:
+        """The verified artifact for `key`, or None (a miss, whatever the reason).
 
-    def lookup(self, key: str) -> Lookup:
+        `kind` (e.g. "kernel") counts the lookup as `<kind>_hits` / `<kind>_misses`
+        instead of the graph `hits` / `misses` that `kiln stats` reports."""
+        return self.lookup(key, kind=kind).artifact
+
+    def lookup(self, key: str, *, kind: str = "") -> Lookup:
         """`get`, telling a missing artifact from a damaged, refused or unreadable one."""
         outcome = Lookup()
-        found = self._lookup("get", key, with_blobs=True, outcome=outcome)
-        self._stats.count("hits" if found else "misses")
+        op = f"{kind}_get" if kind else "get"
+        found = self._lookup(op, key, with_blobs=True, outcome=outcome)
+        prefix = f"{kind}_" if kind else ""
+        self._stats.count(prefix + ("hits" if found else "misses"))
         if found is not None:
             record, blobs = found
             outcome.artifact = Artifact(key=key, manifest=record.meta, blobs=blobs or {})

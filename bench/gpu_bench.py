@@ -334,6 +334,18 @@ def compiled(w: Workload, backend: str) -> tuple[Callable[..., Any], float]:
     fallbacks = [str(c.message) for c in caught if issubclass(c.category, KilnFallbackWarning)]
     if fallbacks:
         raise RuntimeError(f"kiln fell back to eager: {fallbacks[0]}")
+    if backend == "kiln":
+        # The first output came from heuristic configs; runtime is measured with what
+        # background autotuning chose: wait for it, then load the tuned artifacts (a hit).
+        from kiln.frontend.client import wait_for_background
+
+        wait_for_background(900)
+        torch._dynamo.reset()
+        fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=w.mode)
+        with _grad(w):
+            fn(*args)
+            fn(*args)
+        torch.cuda.synchronize()
     return fn, secs
 
 

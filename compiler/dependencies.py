@@ -8,6 +8,7 @@ readers) and keeps nothing alive.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,8 +60,13 @@ class WeakDep:
 Dep = MemoryDep | StarDep | WeakDep
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_dep(dep: MemoryDep) -> MemoryDep:
     """Drop size-1 loops and merge adjacent loops that the index walks contiguously.
+
+    Memoized: deps are frozen and sympy expressions immutable, and fusion asks for the
+    same deps over and over (every candidate pair, every round); uncached, this was most
+    of the graph stage of a large graph.
 
     ``c1 + 128*c0`` over (64, 128) and ``c0`` over (8192,) are the same access; after
     normalization they compare equal, which is how fusion decides two nodes touch the
@@ -71,7 +77,7 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
     var_list = list(dep.var_names[: len(sizes)])
     for v, s in zip(list(var_list), list(sizes)):
         if s == 1:
-            index = index.subs(v, 0)
+            index = index.xreplace({v: 0})
     keep = [(v, s) for v, s in zip(var_list, sizes) if s != 1]
     merged: list[tuple[Expr, Expr]] = []  # (expression of the loop, size)
     for v, s in keep:
@@ -80,12 +86,13 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
             c_prev, c_cur = index.coeff(pv), index.coeff(v)
             if c_prev != 0 and c_prev == c_cur * s and not index.has(FloorDiv, ModularIndexing):
                 new = sympy.Symbol(f"m{len(merged)}", integer=True, nonnegative=True)
-                index = sympy.expand(index.subs({pv: 0, v: 0}) + c_cur * new)
+                index = sympy.expand(index.xreplace({pv: 0, v: 0}) + c_cur * new)
                 merged[-1] = (new, ps * s)
                 continue
         merged.append((v, s))
     canon = canonical_vars(len(merged))
-    index = sympy.expand(index.subs({v: c for (v, _), c in zip(merged, canon)}, simultaneous=True))
+    # xreplace, not subs: symbols for symbols, all at once, without subs's pattern search
+    index = sympy.expand(index.xreplace({v: c for (v, _), c in zip(merged, canon)}))
     return MemoryDep(dep.name, index, canon, tuple(s for _, s in merged))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import debug
+from . import debug, trace
 from .codegen.cpp.build import DEFAULT_ISA
 from .codegen.simd import SIMDScheduling
 from .compiled_graph import CompiledGraph
@@ -48,29 +48,34 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
-    debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
+    debug.write_debug_file(folder, "fx_graph.txt",
+                           lambda: gm.print_readable(print_output=False))
     graph = GraphLowering(gm, example_inputs, name, options, target)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
-        # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
-        graph.run()
-        # 2. Layouts: every buffer whose strides are still free becomes contiguous.
-        graph.finalize_layouts()
+        with trace.span("lowering", cat="compiler", graph=name):
+            # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
+            graph.run()
+            # 2. Layouts: every buffer whose strides are still free becomes contiguous.
+            graph.finalize_layouts()
         timings["lowering"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_pre_fusion.txt", debug.ir_str(graph.buffers))
+        debug.write_debug_file(folder, "ir_pre_fusion.txt",
+                               lambda: debug.ir_str(graph.buffers))
         t = time.perf_counter()
-        # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes removed.
-        scheduler = Scheduler(graph.buffers, backend=SIMDScheduling())
-        # 4. Fusion: vertical and horizontal, by score, never making a cycle.
-        scheduler.fuse_nodes()
+        with trace.span("scheduling and fusion", cat="compiler", graph=name):
+            # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes out.
+            scheduler = Scheduler(graph.buffers, backend=SIMDScheduling())
+            # 4. Fusion: vertical and horizontal, by score, never making a cycle.
+            scheduler.fuse_nodes()
         timings["scheduling"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str())
+        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str)
         t = time.perf_counter()
-        # 5. Memory plan: last uses, in-kernel buffers, reuse, peak estimate.
-        memory = plan_memory(scheduler)
+        with trace.span("memory plan", cat="compiler", graph=name):
+            # 5. Memory plan: last uses, in-kernel buffers, reuse, peak estimate.
+            memory = plan_memory(scheduler)
         timings["memory_plan"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "schedule.txt",
-                               scheduler.debug_str() + "\n\n" + describe(memory, scheduler.nodes))
+        debug.write_debug_file(folder, "schedule.txt", lambda: scheduler.debug_str() + "\n\n"
+                               + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
 
 
@@ -84,7 +89,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     options = dict(options or {})
     sg = lower_and_schedule(gm, example_inputs, name, options, target)
     t = time.perf_counter()
-    with V.set_graph_handler(sg.graph):
+    with V.set_graph_handler(sg.graph), trace.span("codegen", cat="compiler", graph=name):
         # 6. Code generation: a kernel per fused node, then the wrapper.
         source, kernels = generate_code(sg, options)
     sg.timings["codegen"] = time.perf_counter() - t

@@ -7,6 +7,7 @@ ranked by ``score_fusion_memory`` (bytes the merge saves) and refused by
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
@@ -101,6 +102,19 @@ def _dep_str(dep: Dep) -> str:
     if isinstance(dep, MemoryDep):
         return f"MemoryDep({dep.name}, {dep.index}, {list(dep.size)})"
     return f"{type(dep).__name__}({dep.name})"
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _accesses(read_writes: ReadWrites) -> dict[tuple[str, Expr], int]:
+    """Each normalized memory access of a node, with its largest size in elements (the
+    node's read_writes are frozen: fusion scores every candidate pair from this cache)."""
+    out: dict[tuple[str, Expr], int] = {}
+    for dep in read_writes.reads | read_writes.writes:
+        if isinstance(dep, MemoryDep):
+            d = normalize_dep(dep)
+            numel = int(d.numel()) if d.numel().is_Integer else 1
+            out[(d.name, d.index)] = max(out.get((d.name, d.index), 0), numel)
+    return out
 
 
 class SchedulerNode(BaseSchedulerNode):
@@ -406,10 +420,14 @@ class Scheduler:
             self._refresh_ancestors(fused)
 
     def _refresh_ancestors(self, fused: FusedSchedulerNode) -> None:
+        # In place: every node owns its set, and copying each descendant's whole set on
+        # every fusion made this quadratic in the graph's length.
         names = fused.get_names()
         for n in self.nodes:
-            if n.ancestors & names:
-                n.ancestors = (n.ancestors | fused.ancestors | names) - n.get_names()
+            if n is not fused and not n.ancestors.isdisjoint(names):
+                n.ancestors |= fused.ancestors
+                n.ancestors |= names
+                n.ancestors -= n.get_names()
 
     def get_possible_fusions(self) -> list[tuple[BaseSchedulerNode, BaseSchedulerNode]]:
         """Pairs of nodes touching a common buffer, best score first."""
@@ -438,20 +456,12 @@ class Scheduler:
 
     def score_fusion_memory(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> int:
         """Elements of memory traffic the fusion saves: accesses the two nodes share."""
-        deps1 = {normalize_dep(d) for d in node1.read_writes.reads | node1.read_writes.writes
-                 if isinstance(d, MemoryDep)}
-        deps2 = {normalize_dep(d) for d in node2.read_writes.reads | node2.read_writes.writes
-                 if isinstance(d, MemoryDep)}
-        common = {(d.name, d.index) for d in deps1} & {(d.name, d.index) for d in deps2}
+        deps1 = _accesses(node1.read_writes)
+        deps2 = _accesses(node2.read_writes)
+        common = deps1.keys() & deps2.keys()
         # Per shared access, the larger of its sizes (a reduction's output is written once per
         # row and read once per element by an epilogue): a max, so set order never matters.
-        saved: dict[tuple[str, Expr], int] = {}
-        for d in deps1 | deps2:
-            key = (d.name, d.index)
-            if key in common:
-                numel = int(d.numel()) if d.numel().is_Integer else 1
-                saved[key] = max(saved.get(key, 0), numel)
-        return sum(saved.values())
+        return sum(max(deps1[key], deps2[key]) for key in common)
 
     def can_fuse(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         if node1 is node2:

@@ -6,6 +6,7 @@
     kiln explain-miss A B                                which key parts differ, in words
     kiln gc [--max-age 7d] [--max-size 10G] [--dry-run]  collect the store
     kiln farm up|down|status [--json]                    a Ray farm on this machine
+    kiln trace summary PATH [--json]                     a KILN_TRACE timeline's critical path
     kiln --version
 
 Every command reads the same ``KILN_*`` variables as the backend (``KILN_STORE``,
@@ -122,7 +123,8 @@ def resolve_key(store: Store, ref: str) -> str:
 
 CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
                    "compile_errors", "load_errors", "kernels_compiled", "compile_seconds",
-                   "time_saved_s")
+                   "time_saved_s", "hits_autotuned", "autotune_publishes",
+                   "kernels_from_store", "farm_not_up")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -481,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
     farm.add_argument("--json", action="store_true", help="status: one JSON object")
     farm.set_defaults(func=cmd_farm)
+    from .trace import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 

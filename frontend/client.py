@@ -32,14 +32,23 @@ from typing import Any
 
 from kiln.artifact_store import Artifact, Store, default_stats_file, open_store
 from kiln.artifact_store.stats import merge_counters, persist_counters
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, test_delay
+from kiln.workers.kernel_store import KernelStore
+from kiln.workers.pipeline import (
+    CompileFailure,
+    KernelCache,
+    autotune_inprocess,
+    kernel_jobs,
+    test_delay,
+)
 
 from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
-from .farm import Farm, FarmUnavailable, InProcessFarm, farm_for
+from .farm import Farm, FarmNotUp, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
+from .tuning import BackgroundTuner
 
 log = logging.getLogger("kiln.client")
 
@@ -109,12 +118,21 @@ class KilnClient:
         self.config = config
         self.store = store if store is not None else open_store(**config.store_kwargs())
         self.farm = farm if farm is not None else farm_for(config.farm)
+        # Kernels compiled here are shared through the store, by content key.
+        self.kernel_store = KernelStore(self.store)
+        kernels = KernelCache(backing=self.kernel_store)
+        if isinstance(self.farm, InProcessFarm):
+            if farm is None:  # the process-wide one may serve clients of other stores
+                self.farm = InProcessFarm(kernels)
+            elif self.farm.kernels.backing is None:
+                self.farm.kernels.backing = self.kernel_store
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
-            else InProcessFarm()
+            else InProcessFarm(kernels)
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())
         self._inflight: dict[str, Future[CompileResult]] = {}
+        self.tuner = BackgroundTuner()
         self._lock = threading.Lock()
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
@@ -124,7 +142,8 @@ class KilnClient:
         A caller that loads the result passes ``count_hit=False`` and reports the load
         with :meth:`loaded` (a hit that fails to load is an error, not time saved)."""
         start = time.perf_counter()
-        key = compute_key(request)
+        with trace.span("hash request", cat="client", graph=name):
+            key = compute_key(request)
         hashed = time.perf_counter()
         result = self._lookup(key)
         if result is not None:
@@ -163,16 +182,20 @@ class KilnClient:
         if result.source == "hit":
             total = result.timings.get("total_s", 0.0)
             saved = max(0.0, result.recorded_compile_s - total)
-            self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total)
+            self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total,
+                              hits_autotuned=int(result.compiled.autotuned))
 
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
-        artifact = self.store.get(key.key)
+        with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
+            artifact = self.store.get(key.key)
+            found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:
             return None
         try:
-            compiled = from_artifact(artifact)
+            with trace.span("decode artifact", cat="client", key=key.key[:16]):
+                compiled = from_artifact(artifact)
         except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
             self._set_aside(key.key, f"{type(e).__name__}: {e}")
@@ -183,19 +206,59 @@ class KilnClient:
 
     def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str) -> CompileResult:
         start = time.perf_counter()
+        cache = self.local.kernels
+        compiles, from_store = cache.compiles, cache.store_hits
         compiled, source = self._compile_somewhere(key, request, name)
         wall = time.perf_counter() - start
+        if source == "local":
+            kernels = {"kernels_compiled": cache.compiles - compiles,
+                       "kernels_from_store": cache.store_hits - from_store}
+        else:
+            kernels = {"kernels_compiled": len(compiled.binaries)}
+            self.tuner.submit(key.key, lambda: self._share_kernels(compiled, request),
+                              lambda graph: None, label="share kernels")
         info = {"wall_s": wall, "mode": source, "farm": self.farm.description,
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)
-        published = self._publish(key, compiled, artifact)
+        with trace.span("publish", cat="client", key=key.key[:16]):
+            published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
-                          kernels_compiled=len(compiled.binaries), compile_seconds=wall,
-                          publishes=int(published))
+                          **kernels, compile_seconds=wall, publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
+        if compiled.stats.get("autotune_pending"):
+            self._tune_later(key, request, compiled, source, info)
         return CompileResult(compiled, key, source, timings, published_bytes=nbytes)
+
+    def _share_kernels(self, compiled: CompiledGraph, request: CompileRequest) -> None:
+        """Put the farm's binaries in the store by content key (in the background), so
+        that a graph compiled in process anywhere finds them."""
+        jobs = kernel_jobs(compiled, request.target)
+        for name, binary in compiled.binaries.items():
+            if name in jobs and binary.config == jobs[name][0].config:
+                self.kernel_store.put(jobs[name][0], binary)
+        return None
+
+    def _tune_later(self, key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
+                    source: str, info: dict[str, Any]) -> None:
+        """Autotune in the background (the farm's GPUs, or this process's); the tuned
+        artifact then supersedes the heuristic one under the same key."""
+        def publish(tuned: CompiledGraph) -> None:
+            if not self.store.can_publish:  # a reader: the farm publishes what it tunes
+                return
+            published = self.store.publish(to_artifact(key, request, tuned,
+                                                       {**info, "autotuned_after": True}))
+            self.counters.add(autotune_publishes=int(published))
+            self.counters.flush()
+
+        farm: Any = self.farm
+        if source == "farm" and hasattr(farm, "tuned"):
+            timeout = self.config.farm_timeout
+            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
+        elif source == "local":
+            self.tuner.submit(key.key, lambda: autotune_inprocess(
+                compiled, request.target, self.local.kernels), publish)
 
     def _publish(self, key: KeyInfo, compiled: CompiledGraph, artifact: Artifact) -> bool:
         """Publish where this process is a builder and the farm did not already."""
@@ -230,6 +293,8 @@ class KilnClient:
             try:
                 return self.farm.compile(key.key, request, timeout=self.config.farm_timeout,
                                          delay=test_delay()), "farm"
+            except FarmNotUp:  # the default with no farm up: compile here, at once
+                self.counters.add(farm_not_up=1)
             except FarmUnavailable as e:
                 self._give_up_farm(str(e))
             except CompileFailure:
@@ -244,7 +309,8 @@ class KilnClient:
         if self.config.debug:
             debug.update(debug="1", debug_dir=self.config.debug_dir)
         try:
-            return self.local.compile(key.key, request, debug_options=debug), "local"
+            with trace.span("local compile", cat="client", key=key.key[:16]):
+                return self.local.compile(key.key, request, debug_options=debug), "local"
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise
@@ -275,6 +341,15 @@ def client_for(config: KilnConfig) -> KilnClient:
         if ident not in _clients:
             _clients[ident] = KilnClient(config)
         return _clients[ident]
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Wait until every client's background work (autotuning and its publish, kernel
+    sharing) is done; True if none is left. Benchmarks that time runtime call it, then
+    compile again to load the tuned artifacts."""
+    with _clients_lock:
+        clients = list(_clients.values())
+    return all([client.tuner.wait(timeout) for client in clients])
 
 
 def reset_clients() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler import debug
+from kiln.compiler import debug, trace
 from kiln.compiler.compiled_graph import CompiledGraph, load
 from kiln.compiler.driver import DEFAULT_TARGETS
 from kiln.compiler.request import CompileRequest
@@ -24,6 +24,8 @@ from kiln.compiler.request import CompileRequest
 from .client import CompileResult, client_for
 from .config import KilnConfig
 from .serialize import make_request
+from .trace import flush as flush_trace
+from .trace import write_trace
 
 log = logging.getLogger("kiln.compile")
 
@@ -91,14 +93,18 @@ def compile_request(request: CompileRequest, config: KilnConfig, name: str = "gr
 def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                      config: KilnConfig, name: str) -> Callable[..., Any]:
     start = time.perf_counter()
-    request = build_request(gm, example_inputs, config)
+    began_us = trace.now_us()
+    with trace.span("serialize request", cat="client", graph=name):
+        request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
     client = client_for(config)
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
     constants, device = graph_constants(gm), input_device(example_inputs)
     try:
-        fn = load(result.compiled, constants, device)
+        with trace.span("load graph", cat="client", graph=name, source=result.source,
+                        kernels=len(result.compiled.kernels)):
+            fn = load(result.compiled, constants, device)
     except Exception as e:
         if result.source != "hit":
             client.loaded(result, ok=False)
@@ -120,7 +126,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
-    _debug_dump(config, name, request, result)
+    _debug_dump(config, name, request, result, began_us)
     if "output_code" in config.logs.split(","):
         print(f"# ==== kiln output code: graph {name} (key {result.key.key}, "
               f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
@@ -128,6 +134,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
               result.source, 1000 * (done - start),
               ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in result.timings.items()))
     _notify(name, result)
+    flush_trace()
     return fn
 
 
@@ -150,7 +157,7 @@ def output_code(compiled: CompiledGraph) -> str:
 
 
 def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
-                result: CompileResult) -> None:
+                result: CompileResult, began_us: float) -> None:
     """With ``KILN_DEBUG``: the request and its key parts (for ``kiln explain-miss``) and
     the output code, whichever way the graph came (a hit, the farm, this process); the
     compiler's own IR dumps are written where it ran in this process."""
@@ -162,6 +169,10 @@ def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
     folder = debug.debug_dir(f"{name}_request", options)
     (folder / "request.msgpack").write_bytes(request.to_bytes())
     (folder / "output_code.py").write_text(output_code(result.compiled) + "\n")
+    if trace.recording():
+        # This graph's spans: those that began since its compile did.
+        write_trace(folder / "trace.json",
+                    [e for e in trace.events() if float(e.get("ts", 0)) >= began_us])
     (folder / "key.json").write_text(json.dumps(
         {"key": result.key.key, "parts": result.key.parts, "source": result.source,
          "timings": result.timings}, indent=2) + "\n")

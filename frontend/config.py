@@ -31,7 +31,7 @@ from kiln.artifact_store.config import (
 )
 
 DEFAULT_FARM_TIMEOUT = 300.0
-FARM_MODES = ("local", "inprocess", "auto")
+FARM_MODES = ("local", "inprocess", "embedded", "auto")
 CPU_BACKENDS = ("cpp", "triton-interpret")
 LOG_NAMES = ("output_code",)
 
@@ -116,13 +116,14 @@ def parse_logs(raw: Any) -> str:
 
 
 def parse_farm(raw: Any) -> str:
-    """``local``, ``inprocess``, ``auto``, or a Ray address ``[ray://]host:port``."""
+    """``local``, ``inprocess``, ``embedded``, ``auto``, or a Ray address
+    ``[ray://]host:port``."""
     text = str(raw).strip()
     if text.lower() in FARM_MODES:
         return text.lower()
     host, sep, port = text.removeprefix("ray://").rpartition(":")
     if not sep:
-        raise ValueError(f"expected local, inprocess, or a Ray address host:port"
+        raise ValueError(f"expected local, inprocess, embedded, or a Ray address host:port"
                          f"{did_you_mean(text.lower(), FARM_MODES)}")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError("expected a Ray address host:port with a port from 1 to 65535")
@@ -185,6 +186,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cache_dir", parse_text, None, "kernel sources and binaries cache",
             env_only=True),
     Setting("farm_file", parse_text, None, "address file of `kiln farm up`", env_only=True),
+    Setting("trace", parse_text, None, "compile timeline (Chrome trace JSON) path",
+            env_only=True),
+    Setting("autotune_exit_wait", parse_text, "120",
+            "seconds a process waits at exit for background tuning", env_only=True),
+    Setting("static_launcher", parse_flag, True,
+            "launch cubins with torch's static CUDA launcher", env_only=True),
+    Setting("farm_kernel_store", parse_text, None,
+            "on a farm: off stops kernel sharing through its store", env_only=True),
 )}
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.

@@ -2,8 +2,11 @@
 
 - ``inprocess``: in this process, no Ray (``workers.pipeline.compile_inprocess``);
 - ``local`` (default): the cluster ``kiln farm up`` started, if its address file names
-  one that answers; else an embedded Ray started on the first miss with this machine's
-  CPUs (it lives as long as this process);
+  one that answers now; else the graph compiles in this process at once (``FarmNotUp``:
+  no warning, no wait for Ray to start). The farm file is checked again every
+  ``LOCAL_RECHECK_S``, so a farm brought up later serves the next misses;
+- ``embedded``: an embedded Ray started on the first miss with this machine's CPUs (it
+  lives as long as this process; its start-up is on that miss's path);
 - anything else is a Ray address (``host:port``, ``ray://host:port``, ``auto``): join it.
 
 A process already connected to Ray (``ray.init`` by the user) uses that connection. A
@@ -33,19 +36,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
 
 log = logging.getLogger("kiln.farm")
 
-INPROCESS, LOCAL = "inprocess", "local"
+INPROCESS, LOCAL, EMBEDDED = "inprocess", "local", "embedded"
+LOCAL_RECHECK_S = 10.0
 PROBE_TIMEOUT_S = 3.0
 RAY_CLIENT_PORT = 10001
 
 
 class FarmUnavailable(RuntimeError):
     """The farm cannot compile this graph now; the client compiles it itself."""
+
+
+class FarmNotUp(FarmUnavailable):
+    """``local`` mode and no farm is up: compile here, quietly (that is the default)."""
 
 
 class Farm(Protocol):
@@ -63,8 +72,8 @@ class InProcessFarm:
 
     description = "this process"
 
-    def __init__(self) -> None:
-        self.kernels = KernelCache()
+    def __init__(self, kernels: KernelCache | None = None) -> None:
+        self.kernels = kernels or KernelCache()
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0, debug_options: dict[str, Any] | None = None
@@ -322,19 +331,37 @@ class RayFarm:
         import ray
 
         actor = self.actor()
-        # The farm recomputes the key from the bytes; ours only checks that we agree.
-        ref = actor.compile.remote(request.to_bytes(), delay, key)
-        try:
-            answer = ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise FarmUnavailable(
-                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
-                "compiling it for later clients") from None
-        except ray.exceptions.RayError as e:
-            raise self._classify(e, key) from None
+        traced = trace.recording()
+        with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+            # The farm recomputes the key from the bytes; ours only checks that we agree.
+            ref = actor.compile.remote(request.to_bytes(), delay, key, traced)
+            try:
+                answer = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise FarmUnavailable(
+                    f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                    "compiling it for later clients") from None
+            except ray.exceptions.RayError as e:
+                raise self._classify(e, key) from None
+        trace.merge(answer.pop("trace", None))
         compiled = CompiledGraph.from_dict(answer["compiled"])
         compiled.published_to = str(answer.get("published") or "")
         return compiled
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        """The graph the farm autotuned in the background after answering ``compile``
+        (None if it tuned nothing); waits for it. The farm publishes it too."""
+        import ray
+
+        try:
+            result = ray.get(self.actor().tuned.remote(key), timeout=timeout)
+            if trace.recording():
+                trace.merge(ray.get(self.actor().tuning_trace.remote(), timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
+        except ray.exceptions.RayError as e:
+            raise self._classify(e, key) from None
+        return None if result is None else CompiledGraph.from_dict(result)
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
@@ -371,11 +398,11 @@ def farm_status(mode: str) -> dict[str, Any]:
     status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
                               "counters": dict.fromkeys(FARM_COUNTERS, 0)}
     address = mode
-    if mode.lower() in (LOCAL, INPROCESS):
+    if mode.lower() in (LOCAL, INPROCESS, EMBEDDED):
         info = read_farm_file()
         if info is None:
-            status["reason"] = (f"no farm is up (KILN_FARM={mode}: local clients compile in "
-                                "process or start an embedded Ray; `kiln farm up` starts one)")
+            status["reason"] = (f"no farm is up (KILN_FARM={mode}: clients compile in "
+                                "process; `kiln farm up` starts one)")
             return status
         use_farm_token(info)
         address = str(info["address"])
@@ -405,6 +432,54 @@ def farm_status(mode: str) -> dict[str, Any]:
             log.debug("kiln farm: leaving Ray failed: %s", e)
 
 
+class LocalFarm:
+    """``KILN_FARM=local``: the farm ``kiln farm up`` started, used only while it is up;
+    a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
+
+    def __init__(self) -> None:
+        self._ray: RayFarm | None = None
+        self._checked = -LOCAL_RECHECK_S
+        self._address: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def description(self) -> str:
+        return self._ray.description if self._ray else "the farm of `kiln farm up`"
+
+    @property
+    def joined(self) -> str | None:
+        return self._ray.joined if self._ray else None
+
+    def address(self) -> str | None:
+        """The address of the farm that is up now (checked every LOCAL_RECHECK_S)."""
+        with self._lock:
+            if self._ray is not None:
+                return self._ray.address
+            now = time.monotonic()
+            if now - self._checked >= LOCAL_RECHECK_S:
+                self._checked = now
+                info = read_farm_file()
+                found = str(info["address"]) if info else None
+                self._address = found if found and probe(found) is None else None
+            return self._address
+
+    def ray_farm(self) -> RayFarm:
+        address = self.address()
+        if address is None:
+            raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
+        with self._lock:
+            if self._ray is None:
+                self._ray = RayFarm(address)
+            return self._ray
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        return self.ray_farm().compile(key, request, timeout=timeout, delay=delay)
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        return self.ray_farm().tuned(key, timeout)
+
+
 _farms: dict[str, Farm] = {}
 _farms_lock = threading.Lock()
 
@@ -416,8 +491,12 @@ def farm_for(mode: str) -> Farm:
         if mode not in _farms:
             if mode.lower() == INPROCESS:
                 _farms[mode] = InProcessFarm()
+            elif mode.lower() == LOCAL:
+                _farms[mode] = LocalFarm()
+            elif mode.lower() == EMBEDDED:
+                _farms[mode] = RayFarm(None)
             else:
-                _farms[mode] = RayFarm(None if mode.lower() == LOCAL else mode)
+                _farms[mode] = RayFarm(mode)
         return _farms[mode]
 
 

@@ -24,6 +24,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def launch_grid(spec: KernelSpec, config: dict[str, Any]) -> tuple[int, int, int]:
+    """The grid of a generated kernel: one program per XBLOCK elements of x."""
+    return (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
+
+
 class TritonLauncher:
     """``run(*tensors)`` launches the kernel over its grid with its chosen config."""
 
@@ -32,7 +37,7 @@ class TritonLauncher:
         self.spec = spec
         self.config = dict(config)
         self.mode = mode  # "interpret", "binary" or "jit"
-        self.grid = (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
+        self.grid = launch_grid(spec, config)
         self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
         self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
         self._fn: Any = None
