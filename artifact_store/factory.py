@@ -68,11 +68,11 @@ def open_store(
         config = StoreConfig(url="", local_cache=None, require_signed=True, read_only=True)
         return Store(config, primary=None, cache=None, keyring=Keyring(),
                      stats=StoreStats(None), disabled_reason=str(exc))
-    if not keyring and not is_private_store(config.url):
-        warn_unsigned(config.url)
     stats = StoreStats(config.stats_file)
     cache = _open_tier(config, CACHE, strict) if config.local_cache else None
     primary = _open_tier(config, PRIMARY, strict, has_cache=cache is not None)
+    if primary is not None and not keyring and not is_private_store(config.url):
+        warn_unsigned(config.url)
     _describe_fallbacks(primary, cache)
     if cache is not None:
         cache.bound = LruBound(
@@ -91,12 +91,13 @@ def warn_unsigned(url: str) -> None:
         return
     _warned_unsigned.add(url)
     logging.getLogger("kiln.trust").warning(
-        "Kiln: the artifact store %s is shared but no KILN_SIGNING_KEY is set: anyone who "
-        "can write to it can make this process run their code (artifacts are Python and "
-        "shared objects that Kiln loads), and nothing this process publishes can be told "
-        "from a forgery. Give builders (farm, precompile jobs) KILN_SIGNING_KEY=ed25519:"
-        "<private>, clients KILN_SIGNING_KEY=ed25519-pub:<public> and KILN_REQUIRE_SIGNED=1 "
-        "(see infra/README.md); an unsigned store is for one user's own cache only",
+        "Kiln: the artifact store %s is shared (others can write it) but no "
+        "KILN_SIGNING_KEY is set: anyone who can write to it can make this process run "
+        "their code (artifacts are Python and shared objects that Kiln loads), and nothing "
+        "this process publishes can be told from a forgery. Give builders (farm, precompile "
+        "jobs) KILN_SIGNING_KEY=ed25519:<private>, clients KILN_SIGNING_KEY=ed25519-pub:"
+        "<public> and KILN_REQUIRE_SIGNED=1 (see infra/README.md); an unsigned store is for "
+        "a folder only you can write",
         redact_url(url),
     )
 

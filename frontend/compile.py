@@ -30,6 +30,13 @@ from .trace import write_trace
 log = logging.getLogger("kiln.compile")
 
 
+# Errors that say a verified artifact is itself broken (its wrapper does not parse, names
+# something that is not there): it is quarantined and rebuilt. Others (a library this
+# machine cannot map, a device error) are this machine's: a load error, eager, no repair.
+ARTIFACT_DEFECTS = (SyntaxError, AttributeError, NameError, KeyError, TypeError, ValueError,
+                    ImportError, IndexError)
+
+
 class LoadFailure(RuntimeError):
     """A compiled graph (a hit, or just compiled) that could not be loaded here."""
 
@@ -106,7 +113,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                         kernels=len(result.compiled.kernels)):
             fn = load(result.compiled, constants, device)
     except Exception as e:
-        if result.source != "hit":
+        if result.source != "hit" or not isinstance(e, ARTIFACT_DEFECTS):
             client.loaded(result, ok=False)
             raise LoadFailure(f"{type(e).__name__}: {e}") from e
         # A stored artifact that verified but does not load: set aside and rebuilt.

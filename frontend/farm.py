@@ -47,6 +47,7 @@ INPROCESS, LOCAL, EMBEDDED = "inprocess", "local", "embedded"
 LOCAL_RECHECK_S = 10.0
 PROBE_TIMEOUT_S = 3.0
 RAY_CLIENT_PORT = 10001
+RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 
 class FarmUnavailable(RuntimeError):
@@ -287,6 +288,10 @@ class RayFarm:
         return actor
 
     def _init_ray(self, ray: Any) -> None:
+        # Ray aborts a driver whose cluster's head has been unreachable for a minute; a
+        # user's program that Kiln joined to a farm must outlive the farm (the client
+        # gives the farm up, compiles itself, and leaves Ray: ``release``).
+        os.environ.setdefault(RECONNECT_ENV, str(7 * 24 * 3600))
         address = self.address
         if address is None:  # local: `kiln farm up`'s cluster if it answers
             info = read_farm_file()

@@ -67,7 +67,7 @@ def test_farm_signs_and_publishes_clients_with_the_public_key_only_read(
     builder._actor = get_farm_actor(1, name="KilnFarmBuilder",
                                     runtime_env={"env_vars": builder_env})
     ray.get(builder._actor.wait_warm.remote(), timeout=300)
-    for name, value in {**store_env, "KILN_SIGNING_KEY": public, "KILN_FARM": "unused",
+    for name, value in {**store_env, "KILN_SIGNING_KEY": public, "KILN_FARM": "inprocess",
                         "KILN_LOCAL_CACHE": "off"}.items():
         monkeypatch.setenv(name, value)
     client = KilnClient(KilnConfig.resolve(), farm=builder)

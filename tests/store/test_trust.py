@@ -68,14 +68,22 @@ def test_unsigned_shared_store_warns_once_per_process(
     assert store.can_publish  # unsigned: no roles to tell apart, as the warning says
 
 
-def test_private_stores_do_not_warn(monkeypatch: pytest.MonkeyPatch, clean_env: Any,
-                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_private_stores_do_not_warn_a_shared_folder_does(
+        monkeypatch: pytest.MonkeyPatch, clean_env: Any, tmp_path: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(store_factory, "_warned_unsigned", set())
     with caplog.at_level(logging.WARNING, logger=TRUST_LOGGER):
         default = open_store(stats_file=False)  # under the user's own cache
         open_store("memory://kiln-private", stats_file=False)
+        open_store(tmp_path / "mine", stats_file=False)  # a folder only this user writes
     assert not [r for r in caplog.records if r.name == TRUST_LOGGER]
     assert default.can_publish
+    shared = tmp_path / "team"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger=TRUST_LOGGER):
+        open_store(shared, stats_file=False)
+    assert len([r for r in caplog.records if r.name == TRUST_LOGGER]) == 1
 
 
 @needs_ed25519
