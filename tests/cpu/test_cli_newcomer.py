@@ -69,7 +69,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     assert filled.returncode == 0, filled.stderr[-3000:]
     assert "published 2 artifacts" in filled.stdout
     world.keys = sorted(p.name for p in (root / "store" / "ac").rglob("*") if p.is_file())
-    world.key_json = str(next((root / "debug").rglob("key.json")))
+    # a key.json of the first key, so that explain-miss against the second differs
+    world.key_json = str(next(p for p in sorted((root / "debug").rglob("key.json"))
+                              if world.keys[1] not in p.read_text()))
     yield world
 
 
