@@ -24,6 +24,7 @@ from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .runtime.kernel_files import write_source
 from .scheduler import Scheduler
+from .sizevars import SizeVars, SymbolRange, size_symbol
 from .virtualized import V
 
 DEFAULT_TARGETS: dict[str, dict[str, Any]] = {
@@ -43,13 +44,17 @@ class ScheduledGraph:
 
 
 def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                       name: str = "graph", options: dict[str, Any] | None = None
-                       ) -> ScheduledGraph:
-    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
+                       name: str = "graph", options: dict[str, Any] | None = None,
+                       symbols: Sequence[SymbolRange] = ()) -> ScheduledGraph:
+    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan.
+
+    ``symbols`` are the ranges of the size symbols ``s0, s1, ...`` of a graph with
+    dynamic shapes (its inputs' sizes are sympy expressions over them)."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
     debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
-    graph = GraphLowering(gm, example_inputs, name)
+    sizevars = SizeVars({size_symbol(i): r for i, r in enumerate(symbols)})
+    graph = GraphLowering(gm, example_inputs, name, sizevars)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
@@ -77,12 +82,13 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   options: dict[str, Any] | None = None, name: str = "graph",
                   target: dict[str, Any] | None = None,
-                  compile_kernels: bool = True) -> CompiledGraph:
+                  compile_kernels: bool = True,
+                  symbols: Sequence[SymbolRange] = ()) -> CompiledGraph:
     """Stages 1 to 6: a graph to wrapper and kernel sources (and, in-process, binaries)."""
     from .codegen.graph_codegen import generate_code
 
     options = dict(options or {})
-    sg = lower_and_schedule(gm, example_inputs, name, options)
+    sg = lower_and_schedule(gm, example_inputs, name, options, symbols)
     t = time.perf_counter()
     with V.set_graph_handler(sg.graph):
         # 6. Code generation: a kernel per fused node, then the wrapper.

@@ -41,7 +41,8 @@ PART_NAMES = ("schema", "graph", "inputs", "options", "versions", "target")
 PART_DESCRIPTIONS = {
     "schema": "request/artifact format versions (a Kiln upgrade changed the format)",
     "graph": "the ATen graph: ops, arguments, node order, output metadata or constant values",
-    "inputs": "input shapes, strides, dtypes, device types or storage offsets",
+    "inputs": "input shapes, strides, dtypes, device types or storage offsets (or symbolic "
+              "sizes and their ranges)",
     "options": "output-affecting compile options",
     "versions": "Kiln version, compiler/ sources, torch or triton version",
     "target": "compile target: GPU backend, arch or warp size; CPU ISA level",
@@ -80,7 +81,7 @@ def key_parts(request: CompileRequest) -> list[tuple[str, bytes]]:
     return [
         ("schema", _pack(canonical(schema()))),
         ("graph", request.graph),
-        ("inputs", _pack([m.to_wire() for m in request.inputs])),
+        ("inputs", _pack(request.inputs_wire())),
         ("options", _pack(canonical(request.options, "options"))),
         ("versions", _pack(canonical(request.versions, "versions"))),
         ("target", _pack(canonical(request.target, "target"))),
@@ -141,6 +142,8 @@ def diff_requests(a: CompileRequest, b: CompileRequest) -> list[str]:
     for i, (ma, mb) in enumerate(zip(a.inputs, b.inputs)):
         if ma != mb:
             lines.append(f"inputs[{i}]: {ma} vs {mb}")
+    if a.symbols != b.symbols:
+        lines.append(f"symbols: ranges {a.symbols} vs {b.symbols}")
     lines += _diff_mapping("options", a.options, b.options)
     lines += _diff_mapping("versions", a.versions, b.versions)
     lines += _diff_mapping("target", a.target, b.target)

@@ -104,7 +104,8 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
             else:
                 base, spec = kernels[i]
                 # Identical kernels share one definition; each call passes its own buffers.
-                wrapper.kernel_call(node, namer.name(base, spec), spec.arg_buffers)
+                wrapper.kernel_call(node, namer.name(base, spec),
+                                    spec.arg_buffers + spec.size_args)
             wrapper.free(node)
         inputs = list(graph.graph_input_names)
         header = WRAPPER_HEADER.format(name=graph.name, kernels=len(namer.by_source),

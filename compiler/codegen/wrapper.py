@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 
 from ..ir.extern import ExternKernel, FallbackKernel, MultiOutput, _TensorSlot, fill_template
@@ -15,7 +16,7 @@ from ..ir.nodes import Buffer, ComputedBuffer, InputBuffer, IRNode, ReinterpretV
 from ..memory import MemoryPlan
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
-from .common import IndentedBuffer
+from .common import IndentedBuffer, IndexPrinter
 from .kernel_spec import KernelSpec
 
 
@@ -27,13 +28,23 @@ class WrapperCode:
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
 
 
+_PRINTER = IndexPrinter()
+
+
+def py_size(value: Any) -> str:
+    """A size as Python source: a literal, or an expression over ``s0, s1, ...``."""
+    return _PRINTER.print(sympy.sympify(value))
+
+
 def size_str(values: Any) -> str:
-    items = [str(int(v)) for v in values]
+    items = [py_size(v) for v in values]
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def value_str(value: Any) -> str:
     """A Python literal for an extern kernel's constant argument."""
+    if isinstance(value, sympy.Expr):
+        return py_size(value)
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, torch.device):
@@ -73,7 +84,7 @@ class WrapperCodegen:
         if isinstance(node, ReinterpretView):
             lay = node.layout
             return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
-                    f"{size_str(lay.stride)}, {int(lay.offset)})")
+                    f"{size_str(lay.stride)}, {py_size(lay.offset)})")
         assert isinstance(node, Buffer)
         return node.get_name()
 
@@ -182,6 +193,8 @@ class WrapperCodegen:
             if input_names:
                 code.writeline(f"{', '.join(input_names)}, = args")
             code.writeline("args.clear()")
+            for symbol, source in V.graph.symbol_sources.items():
+                code.writeline(f"{symbol.name} = {source}")
         code.splice(self.lines)
         with code.indent():
             code.writeline(f"return ({''.join(self._output_ref(o) + ', ' for o in outputs)})")
