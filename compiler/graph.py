@@ -35,8 +35,8 @@ from .ir.nodes import (
 from .ir.sym import sympify_tuple
 from .lowering import lowerings
 from .lowering.symbolic import SYMBOLIC_OPS
-from .request import SymbolicTensor
-from .sizevars import SizeVars
+
+from .sizevars import SizeVars, SymbolicTensor
 from .virtualized import V
 
 log = logging.getLogger("kiln.graph")

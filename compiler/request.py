@@ -33,7 +33,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .sizevars import SymbolRange
+from .sizevars import SymbolicTensor, SymbolRange
 from .symwire import (
     SymbolicSizeError,
     SymbolTable,
@@ -258,23 +258,9 @@ def symint_meta(x: torch.SymInt, symbols: SymbolTable) -> SymIntMeta:
     return SymIntMeta(sympy.sympify(sizes[0]))
 
 
-class SymbolicTensor:
-    """What a worker knows of a tensor with symbolic sizes (no FakeTensor: no hints)."""
-
-    def __init__(self, meta: TensorMeta) -> None:
-        self.meta = meta
-        self.shape = meta.shape
-        self.dtype = meta.torch_dtype
-        self.device = torch.device(meta.device_type)
-
-    def stride(self) -> tuple[Any, ...]:
-        return self.meta.stride
-
-    def storage_offset(self) -> Any:
-        return self.meta.storage_offset
-
-    def dim(self) -> int:
-        return len(self.shape)
+def symbolic_tensor(meta: TensorMeta) -> SymbolicTensor:
+    return SymbolicTensor(meta.shape, meta.stride, meta.torch_dtype,
+                          torch.device(meta.device_type), meta.storage_offset)
 
 
 def compiler_input(meta: InputMeta, fake_mode: FakeTensorMode) -> Any:
@@ -283,7 +269,7 @@ def compiler_input(meta: InputMeta, fake_mode: FakeTensorMode) -> Any:
     if isinstance(meta, SymIntMeta):
         return meta.expr
     if meta.is_symbolic:
-        return SymbolicTensor(meta)
+        return symbolic_tensor(meta)
     return fake_tensor_from_meta(meta, fake_mode)
 
 
@@ -462,7 +448,7 @@ def _decode_val(wire: Any, fake_mode: FakeTensorMode, nsymbols: int = 0) -> Any:
     tag, body = wire
     if tag == "tensor":
         meta = TensorMeta.from_wire(body, nsymbols)
-        return SymbolicTensor(meta) if meta.is_symbolic else fake_tensor_from_meta(meta,
+        return symbolic_tensor(meta) if meta.is_symbolic else fake_tensor_from_meta(meta,
                                                                                    fake_mode)
     if tag == "symint":
         return decode_expr(body, nsymbols)

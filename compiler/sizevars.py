@@ -16,8 +16,9 @@ with no symbols: every decision is then exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -25,6 +26,25 @@ from .ir.sym import Expr
 
 # The hint of an unbounded size: big enough that heuristics pick the general kernels.
 UNBOUNDED_HINT = 8192
+
+
+class SymbolicTensor:
+    """What a worker knows of a tensor with symbolic sizes (a FakeTensor would need
+    values): sizes, strides and offset over ``s0, s1, ...``, dtype and device."""
+
+    def __init__(self, shape: Sequence[Any], stride: Sequence[Any], dtype: Any, device: Any,
+                 offset: Any = 0) -> None:
+        self.shape, self._stride = tuple(shape), tuple(stride)
+        self.dtype, self.device, self._offset = dtype, device, offset
+
+    def stride(self) -> tuple[Any, ...]:
+        return self._stride
+
+    def storage_offset(self) -> Any:
+        return self._offset
+
+    def dim(self) -> int:
+        return len(self.shape)
 
 
 def size_symbol(index: int) -> sympy.Symbol:
@@ -95,6 +115,26 @@ class SizeVars:
             values[s] = r.upper
         return int(_evaluate(expr, values))
 
+    def lower_bound(self, expr: Expr | int) -> int | None:
+        """The smallest value of ``expr`` over the admitted sizes (a polynomial with
+        non-negative coefficients); None when unknown."""
+        expr = sympy.expand(sympy.sympify(expr))
+        if expr.is_Integer:
+            return int(expr)
+        if not _monotone(expr):
+            return None
+        values = {s: self.ranges[s].lower if s in self.ranges else 0
+                  for s in expr.free_symbols}
+        return int(_evaluate(expr, values))
+
+    def statically_known_geq(self, a: Expr | int, bound: Expr | int) -> bool:
+        """True only when ``a >= bound`` for every admitted size."""
+        diff = sympy.expand(sympy.sympify(a) - sympy.sympify(bound))
+        if diff.is_Integer:
+            return int(diff) >= 0
+        lb = self.lower_bound(diff)
+        return lb is not None and lb >= 0
+
     def statically_known_leq(self, a: Expr | int, bound: int) -> bool:
         """True only when ``a <= bound`` for every admitted size."""
         ub = self.upper_bound(a)
@@ -107,8 +147,11 @@ class SizeVars:
 
 
 def _monotone(expr: Expr) -> bool:
-    """A sum of products of symbols and powers with non-negative coefficients only."""
+    """A constant plus products of symbols and powers with non-negative coefficients:
+    its extremes over boxes of sizes are at the boxes' corners."""
     for term in sympy.Add.make_args(expr):
+        if term.is_Integer:
+            continue
         coeff, rest = term.as_coeff_Mul()
         if coeff < 0:
             return False

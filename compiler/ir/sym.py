@@ -38,6 +38,11 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(int(base) // int(divisor))
         if isinstance(base, FloorDiv):
             return FloorDiv(base.args[0], base.args[1] * divisor)
+        if not isinstance(divisor, sympy.Integer):
+            # A symbolic divisor: exact when the quotient is a polynomial (32*s0 // s0).
+            num, den = sympy.fraction(sympy.cancel(base / divisor))
+            if den == 1 and _integer_polynomial(num):
+                return num
         if isinstance(divisor, sympy.Integer) and isinstance(base, sympy.Add):
             # Terms that are multiples of the divisor come out of the division exactly.
             exact, rest = [], []
@@ -56,6 +61,10 @@ class FloorDiv(sympy.Function):
             if isinstance(coeff, sympy.Integer) and int(coeff) % int(divisor) == 0:
                 return (coeff / divisor) * rest
         return None
+
+
+def _integer_polynomial(expr: Expr) -> bool:
+    return all(term.as_coeff_Mul()[0].is_Integer for term in sympy.Add.make_args(expr))
 
 
 class ModularIndexing(sympy.Function):
