@@ -246,8 +246,9 @@ def render(kernel: TritonKernel) -> str:
         if kernel.index_dtype == "tl.int64":
             pid += ".to(tl.int64)"
         code.writeline(f"xoffset = {pid} * XBLOCK")
-        if kernel.is_reduction and not kernel.dynamic:
-            code.writeline(f"rnumel = {kernel.rnumel}")
+        if kernel.is_reduction:
+            if not kernel.dynamic:
+                code.writeline(f"rnumel = {kernel.rnumel}")
             code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
             code.writeline("xmask = xindex < xnumel")
             if kernel.looped:
