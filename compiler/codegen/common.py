@@ -159,7 +159,7 @@ class IndexPrinter:
             return f"({self._paren(expr.args[0])} // {self._paren(expr.args[1])})"
         if isinstance(expr, ModularIndexing):
             base, div, mod = expr.args
-            inner = self._paren(base) if div == 1 else f"({self._paren(base)} // {div})"
+            inner = self._paren(base) if div == 1 else f"({self._paren(base)} // {self._paren(div)})"
             return f"({inner} % {self._paren(mod)})"
         if isinstance(expr, sympy.Pow) and expr.args[1].is_Integer and expr.args[1] > 0:
             return "*".join([self._paren(expr.args[0])] * int(expr.args[1]))
@@ -283,6 +283,7 @@ def combine_div_mod(expr: Expr) -> Expr:
 
     Loops that could not be merged for every access (a broadcast bias reads only the
     inner one) still give full accesses of this shape; folding makes them plain again.
+    ``c``, ``d`` and ``m`` may be sizes of a graph with dynamic shapes.
     """
     changed = True
     while changed and isinstance(expr, sympy.Add):
@@ -290,15 +291,15 @@ def combine_div_mod(expr: Expr) -> Expr:
         terms = list(expr.args)
         mods = []
         for t in terms:
-            coeff, rest = t.as_coeff_Mul()
+            coeff, rest = _split_function(t)
             if isinstance(rest, ModularIndexing):
                 mods.append((t, coeff, rest))
         for t, coeff, mod in mods:
             base, div, m = mod.args
             partner_rest = FloorDiv(base, div * m)
             for u in terms:
-                c2, r2 = u.as_coeff_Mul()
-                if u is not t and r2 == partner_rest and c2 == coeff * m:
+                c2, r2 = _split_function(u)
+                if u is not t and r2 == partner_rest and sympy.expand(c2 - coeff * m) == 0:
                     others = [x for x in terms if x is not t and x is not u]
                     expr = sympy.Add(*others, coeff * FloorDiv(base, div))
                     changed = True
@@ -306,3 +307,15 @@ def combine_div_mod(expr: Expr) -> Expr:
             if changed:
                 break
     return expr
+
+
+def _split_function(term: Expr) -> tuple[Expr, Expr | None]:
+    """``term`` as (coefficient, its one FloorDiv/ModularIndexing factor, if any)."""
+    coeff: Expr = sympy.Integer(1)
+    func: Expr | None = None
+    for factor in sympy.Mul.make_args(term):
+        if isinstance(factor, (FloorDiv, ModularIndexing)) and func is None:
+            func = factor
+        else:
+            coeff = coeff * factor
+    return coeff, func

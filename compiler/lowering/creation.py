@@ -144,7 +144,8 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: torch.dtype | N
     if end is None:
         start, end = 0, start
     if dtype is None:
-        is_int = all(isinstance(v, int) for v in (start, end, step))
+        is_int = all(isinstance(v, int) or (isinstance(v, sympy.Expr) and v.is_integer)
+                     for v in (start, end, step))
         dtype = torch.int64 if is_int else torch.get_default_dtype()
     if isinstance(end, sympy.Expr) and not end.is_Integer:  # a symbolic length
         if not (isinstance(start, int) and step == 1 and
