@@ -106,6 +106,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                "fused_nodes": len(sg.scheduler.nodes)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
+    if sg.graph.sizevars.is_dynamic():
+        compiled.stats["dynamic"] = dynamic_stats(sg.graph.sizevars)
     if compile_kernels:
         chosen: dict[str, Any] = dict(target or DEFAULT_TARGETS.get(device_type) or {})
         if _can_autotune(options, chosen):
@@ -118,6 +120,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             compile_all(compiled, chosen)
     _log_output_code(options, compiled)
     return compiled
+
+
+def dynamic_stats(sizevars: SizeVars) -> dict[str, Any]:
+    """What an artifact records of its size symbols: their ranges, and the size bucket
+    (each symbol's hint, rounded up to a power of two) its kernel configs were chosen for."""
+    from .codegen.common import next_power_of_2
+
+    symbols = {s.name: [sizevars.ranges[s].lower, sizevars.ranges[s].upper]
+               for s in sizevars.symbols}
+    bucket = {s.name: next_power_of_2(sizevars.size_hint(s)) for s in sizevars.symbols}
+    return {"symbols": symbols, "bucket": bucket}
 
 
 def _can_autotune(options: dict[str, Any], target: dict[str, Any]) -> bool:

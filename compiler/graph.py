@@ -35,7 +35,6 @@ from .ir.nodes import (
 from .ir.sym import sympify_tuple
 from .lowering import lowerings
 from .lowering.symbolic import SYMBOLIC_OPS
-
 from .sizevars import SizeVars, SymbolicTensor
 from .virtualized import V
 

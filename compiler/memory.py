@@ -9,8 +9,8 @@ import sympy
 from .dependencies import MemoryDep
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout, MutationLayout
-from .ir.sym import Expr
 from .ir.nodes import Buffer, ComputedBuffer, InputBuffer
+from .ir.sym import Expr
 from .scheduler import BaseSchedulerNode, Scheduler
 from .virtualized import V
 

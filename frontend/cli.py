@@ -278,14 +278,45 @@ def _warm_farm(address: str) -> None:
 # precompile
 
 
-def parse_shapes(text: str) -> list[tuple[int, ...]]:
-    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input."""
+Dim = int | tuple[int, int]  # a size, or a dynamic size's (min, max)
+
+
+def parse_shapes(text: str) -> list[tuple[Dim, ...]]:
+    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input. A dimension ``1-64`` is
+    dynamic over that range: ``1-64x128`` compiles once for every batch from 1 to 64."""
     try:
-        return [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
+        return [tuple(_parse_dim(n) for n in part.split("x")) for part in text.split(",")
+                if part]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input)"
+            f"{text!r}: expected shapes such as 8x128, 8x128,128x64 (one per input) or "
+            "1-64x128 (a dynamic range)"
         ) from None
+
+
+def _parse_dim(text: str) -> Dim:
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        return int(text)
+    low, high = int(lo), int(hi)
+    if not 0 <= low <= high:
+        raise ValueError(text)
+    return (low, high)
+
+
+def _size(dim: Dim) -> int:
+    """The example size of a dimension: a range's smallest size Dynamo keeps symbolic
+    (it specializes 0 and 1)."""
+    return dim if isinstance(dim, int) else min(max(dim[0], 2), dim[1])
+
+
+def _mark_ranges(tensors: list[Any], shapes: list[tuple[Dim, ...]]) -> None:
+    import torch
+
+    for t, shape in zip(tensors, shapes):
+        for d, dim in enumerate(shape):
+            if not isinstance(dim, int):
+                torch._dynamo.mark_dynamic(t, d, min=dim[0], max=dim[1])
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -351,13 +382,17 @@ def load_entry(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]
 
 
-def _example_inputs(shapes: list[tuple[int, ...]], dtype: str, device: str) -> list[Any]:
+def _example_inputs(shapes: list[tuple[Dim, ...]], dtype: str, device: str) -> list[Any]:
     import torch
 
     torch_dtype = getattr(torch, dtype)
+    sizes = [tuple(_size(d) for d in s) for s in shapes]
     if torch_dtype.is_floating_point:
-        return [torch.randn(*s, dtype=torch_dtype, device=device) for s in shapes]
-    return [torch.randint(0, 2, s, dtype=torch_dtype, device=device) for s in shapes]
+        out = [torch.randn(*s, dtype=torch_dtype, device=device) for s in sizes]
+    else:
+        out = [torch.randint(0, 2, s, dtype=torch_dtype, device=device) for s in sizes]
+    _mark_ranges(out, shapes)
+    return out
 
 
 def _run_entry(args: argparse.Namespace, options: dict[str, Any], progress: Progress) -> None:
@@ -366,7 +401,9 @@ def _run_entry(args: argparse.Namespace, options: dict[str, Any], progress: Prog
     model = load_entry(args.target)()
     for shapes in args.shapes or []:
         torch._dynamo.reset()  # a fresh compile per shape set: no recompile limit
-        compiled = torch.compile(model, backend="kiln", options=options, dynamic=False)
+        ranges = any(not isinstance(d, int) for s in shapes for d in s)
+        compiled = torch.compile(model, backend="kiln", options=options,
+                                 dynamic=None if ranges else False)
         out = compiled(*_example_inputs(shapes, args.dtype, args.device))
         if args.train:
             flat = out if isinstance(out, (list, tuple)) else [out]
@@ -439,7 +476,8 @@ def add_precompile_parser(sub: Any) -> None:
                          "torch.compile using Kiln.")
     pre.add_argument("target")
     pre.add_argument("--shapes", nargs="+", type=parse_shapes, metavar="SHAPES",
-                     help="one input shape set each: 8x128 or 8x128,128 (one per input)")
+                     help="one input shape set each: 8x128 or 8x128,128 (one per input); "
+                     "a dimension MIN-MAX (1-64x128) is dynamic: one compile for the range")
     pre.add_argument("--dtype", default="float32")
     pre.add_argument("--device", default="cpu")
     pre.add_argument("--train", action="store_true", help="also compile the backward")

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.symwire import SymbolTable
 from kiln.compiler.request import (
     GRAPH_FORMAT_VERSION,
     NON_OUTPUT_OPTIONS,
@@ -32,6 +31,7 @@ from kiln.compiler.request import (
     serialize_graph,
     symint_meta,
 )
+from kiln.compiler.symwire import SymbolTable
 
 __all__ = [
     "GRAPH_FORMAT_VERSION",

@@ -106,7 +106,58 @@ def run_case(case: DynamicCase, options: dict[str, Any], sizes: Sequence[int] = 
                 warnings.simplefilter("error", KilnFallbackWarning)
                 out = compiled(*args)
             torch.testing.assert_close(out, case.fn(*args), **tolerance(case),
-                                       msg=lambda m: f"{case.name} at size {n}: {m}")
+                                       msg=lambda m, n=n: f"{case.name} at size {n}: {m}")
     finally:
         kiln_compile.compile_and_load = original
     return len(asked)
+
+
+# A model at 5 batch sizes and 5 sequence lengths (every pair's first call per size; the
+# tokens differ per call).
+MODEL_BATCHES = (2, 3, 5, 4, 7)
+MODEL_LENGTHS = (8, 11, 16, 29, 9)
+
+
+def run_decoder(options: dict[str, Any], seed: int = 0,
+                batches: Sequence[int] = MODEL_BATCHES,
+                lengths: Sequence[int] = MODEL_LENGTHS) -> dict[str, Any]:
+    """Call a small decoder-only transformer at every (batch, length) pair; outputs equal
+    eager's, no eager fallback. Returns Dynamo's graph count and the client's counters."""
+    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.client import client_for
+    from kiln.frontend.config import KilnConfig
+    from tests.models import Decoder
+
+    torch.manual_seed(seed)
+    model = Decoder().eval()
+    asked: list[str] = []
+    original = kiln_compile.compile_and_load
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        asked.append(args[-1])
+        return original(*args, **kwargs)
+
+    kiln_compile.compile_and_load = counting
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="kiln", options=options)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            for b in batches:
+                for s in lengths:
+                    ids = torch.randint(0, 97, (b, s), generator=g)
+                    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4,
+                                               atol=1e-4, msg=lambda m, b=b, s=s: f"{b}x{s}: {m}")
+    finally:
+        kiln_compile.compile_and_load = original
+    counters = client_for(KilnConfig.resolve(options)).counters.snapshot()
+    return {"asked": len(asked), "counters": counters}
+
+
+if __name__ == "__main__":  # the second process of the model test: prints its counts
+    import json
+    import sys
+
+    print(json.dumps(run_decoder(json.loads(sys.argv[1]))))

@@ -159,7 +159,8 @@ class IndexPrinter:
             return f"({self._paren(expr.args[0])} // {self._paren(expr.args[1])})"
         if isinstance(expr, ModularIndexing):
             base, div, mod = expr.args
-            inner = self._paren(base) if div == 1 else f"({self._paren(base)} // {self._paren(div)})"
+            inner = self._paren(base) if div == 1 else \
+                f"({self._paren(base)} // {self._paren(div)})"
             return f"({inner} % {self._paren(mod)})"
         if isinstance(expr, sympy.Pow) and expr.args[1].is_Integer and expr.args[1] > 0:
             return "*".join([self._paren(expr.args[0])] * int(expr.args[1]))

@@ -14,6 +14,7 @@ from typing import Any
 import sympy
 import torch
 
+from ..sizevars import SymbolicTensor
 from ..virtualized import V
 from .layout import FixedLayout, Layout, MultiOutputLayout, contiguous_strides
 from .nodes import (
@@ -25,7 +26,6 @@ from .nodes import (
     TensorBox,
     as_storage_and_layout,
 )
-from ..sizevars import SymbolicTensor
 from .sym import sympify_tuple
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch
 
 from ..ir.extern import ExternKernel, make_fallback_call

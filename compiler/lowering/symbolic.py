@@ -14,14 +14,13 @@ from typing import Any
 import sympy
 import torch
 
-from ..errors import LoweringError
 from ..ir.nodes import IRNode
 from ..ir.sym import Expr, FloorDiv, ModularIndexing
 
 
 def _size(value: Any) -> Expr:
     if isinstance(value, bool) or not isinstance(value, (int, sympy.Expr)):
-        raise LoweringError(f"size arithmetic on a {type(value).__name__} "
+        raise ValueError(f"size arithmetic on a {type(value).__name__} "
                             "(only integer sizes are supported)")
     return sympy.sympify(value)
 
@@ -47,7 +46,7 @@ def _non_negative(*values: Expr) -> None:
     # Kiln's FloorDiv and ModularIndexing mean Python's // and % for non-negative values.
     for v in values:
         if not (v.is_nonnegative or (v.is_Integer and int(v) >= 0)):
-            raise LoweringError(f"// or % of size {v}, which may be negative")
+            raise ValueError(f"// or % of size {v}, which may be negative")
 
 
 def _dim_of(x: IRNode, dim: int, sizes: Any) -> Expr:
