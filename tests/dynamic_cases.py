@@ -132,6 +132,7 @@ def run_decoder(options: dict[str, Any], seed: int = 0,
     torch.manual_seed(seed)
     model = Decoder().eval()
     asked: list[str] = []
+    keys: list[dict[str, str]] = []
     original = kiln_compile.compile_and_load
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -139,6 +140,7 @@ def run_decoder(options: dict[str, Any], seed: int = 0,
         return original(*args, **kwargs)
 
     kiln_compile.compile_and_load = counting
+    kiln_compile.observers.append(lambda name, result: keys.append(result.key.parts))
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="kiln", options=options)
@@ -152,8 +154,9 @@ def run_decoder(options: dict[str, Any], seed: int = 0,
                                                atol=1e-4, msg=lambda m, b=b, s=s: f"{b}x{s}: {m}")
     finally:
         kiln_compile.compile_and_load = original
+        kiln_compile.observers.pop()
     counters = client_for(KilnConfig.resolve(options)).counters.snapshot()
-    return {"asked": len(asked), "counters": counters}
+    return {"asked": len(asked), "counters": counters, "keys": keys}
 
 
 if __name__ == "__main__":  # the second process of the model test: prints its counts

@@ -113,7 +113,8 @@ def test_model_over_25_shapes_compiles_what_dynamo_asks_and_a_second_process_hit
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert second["asked"] == first["asked"], second
-    assert second["counters"].get("hits", 0) == second["asked"], second
+    assert second["keys"] == first["keys"], (first, second)
+    assert second["counters"].get("hits", 0) == second["asked"], (first, second)
     assert second["counters"].get("compiles", 0) == 0, second
 
 
