@@ -113,14 +113,26 @@ class WrapperCodegen:
             f"device=DEVICE, dtype={layout.dtype})")
 
     def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec,
-                    arg_buffers: tuple[str, ...]) -> None:
+                    arg_buffers: tuple[str, ...],
+                    guarded: list[tuple[int, KernelSpec, tuple[str, ...]]] | None = None
+                    ) -> None:
+        """Launch ``spec``; with ``guarded`` (row bound, kernel, arguments) variants, the
+        first whose bound holds for this call's row length runs instead."""
         for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
             buf = V.graph.name_to_buffer.get(name)
             if isinstance(buf, ComputedBuffer):
                 self.allocate(buf)
         self.kernels.setdefault(spec.name, spec)
-        args = ", ".join(arg_buffers)
-        self.lines.writeline(f"{spec.name}.run({args})")
+        if not guarded:
+            self.lines.writeline(f"{spec.name}.run({', '.join(arg_buffers)})")
+            return
+        rnumel = spec.size_args[1]
+        for k, (bound, variant, args) in enumerate(guarded):
+            self.kernels.setdefault(variant.name, variant)
+            self.lines.writeline(f"{'if' if k == 0 else 'elif'} {rnumel} <= {bound}:")
+            self.lines.writeline(f"    {variant.name}.run({', '.join(args)})")
+        self.lines.writeline("else:")
+        self.lines.writeline(f"    {spec.name}.run({', '.join(arg_buffers)})")
 
     def extern_call(self, node: ExternKernelSchedulerNode) -> None:
         buf = node.node

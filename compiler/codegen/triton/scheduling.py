@@ -68,15 +68,35 @@ def is_outer_reduction(node: BaseSchedulerNode) -> bool:
     return outer > inner
 
 
-def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, KernelSpec]:
+# A reduction over a symbolic row also gets persistent variants for rows up to these
+# lengths; the wrapper picks one at run time from the row's length (a guarded choice).
+PERSISTENT_BUCKETS = (1024, PERSISTENT_RNUMEL)
+
+
+def persistent_variants(node: BaseSchedulerNode, removed: set[str]
+                        ) -> list[tuple[int, tuple[str, KernelSpec]]]:
+    """(row bound, kernel) for each persistent variant of a looped reduction over a
+    symbolic row (none for static rows, outer reductions or bounded symbolic rows)."""
+    _, rnumel = (sympy.sympify(v) for v in node.group)
+    if rnumel.is_Integer or is_outer_reduction(node) or \
+            kernel_kind(rnumel) != "reduction":
+        return []
+    return [(bound, codegen_triton(node, removed, rbound=bound))
+            for bound in PERSISTENT_BUCKETS]
+
+
+def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | None = None
+                   ) -> tuple[str, KernelSpec]:
     """Source (named ``KERNEL_NAME``) and spec of the kernel for ``node``.
 
     Buffers in ``removed`` are kept in registers; if one cannot be (it is read in a later
     loop phase), ``UnforwardedBuffers`` names it and the caller retries with it stored.
+    ``rbound``: a persistent kernel for rows of at most that many elements (the caller
+    launches it only for such rows).
     """
     xnumel, rnumel = (sympy.sympify(v) for v in node.group)
     outer = rnumel != 1 and is_outer_reduction(node)
-    kind = kernel_kind(rnumel, outer)
+    kind = kernel_kind(rnumel, outer) if rbound is None else "persistent_reduction"
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
     order = memory_order(node, removed) if kind == "pointwise" else None
@@ -90,8 +110,11 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Ker
         raise UnforwardedBuffers(lost)
     ops = [op for sub in node.get_nodes() for op in sub.read_writes.op_names]
     source = render(kernel)
+    if rbound is not None:  # the same body as other buckets: named apart by its bound
+        source = source.replace("@triton.jit", f"# rows of at most {rbound}\n@triton.jit", 1)
     sizevars = V.graph.sizevars
-    rhint = sizevars.upper_bound(rnumel) if kind == "persistent_reduction" else None
+    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
+        else None
     xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
     spec = KernelSpec(
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
