@@ -54,13 +54,19 @@ _STATIC_REQUEST_FIELDS, _DYNAMIC_REQUEST_FIELDS = 7, 8
 NON_OUTPUT_OPTIONS = frozenset(
     {
         "store",
+        "store_options",
+        "store_timeout",
+        "store_read_only",
         "local_cache",
+        "local_cache_size",
         "farm",
         "farm_timeout",
         "signing_key",
         "require_signed",
+        "stats_file",
         "logs",
         "debug",
+        "debug_dir",
     }
 )
 

@@ -126,7 +126,7 @@ def test_precompile_a_range_compiles_once_forward_and_backward(tmp_path: Path) -
            "KILN_LOCAL_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests" / "farm")])}
     args = [sys.executable, "-m", "kiln.frontend.cli", "precompile", "cli_models:mlp",
-            "--shapes", "1-64x16", "--train", "--option", "cpu_backend=cpp", "--json"]
+            "--shapes", "1-64x16", "--mode", "train", "--option", "cpu_backend=cpp", "--json"]
     runs = []
     for _ in range(2):
         proc = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True,
@@ -139,7 +139,7 @@ def test_precompile_a_range_compiles_once_forward_and_backward(tmp_path: Path) -
 
 
 def test_parse_shapes_ranges() -> None:
-    from kiln.frontend.cli import parse_shapes
+    from kiln.frontend.precompile import parse_shapes
 
     assert parse_shapes("1-64x128,128") == [((1, 64), 128), (128,)]
     with pytest.raises(Exception, match="dynamic range"):
