@@ -4,6 +4,7 @@ kernels share one definition), extern calls, and the wrapper that ties them toge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import KilnCompileError
@@ -77,7 +78,7 @@ def codegen_kernels(sg: Any, backend: str) -> dict[int, tuple[str, KernelSpec]]:
     """A kernel for every fused node. A buffer a kernel cannot keep in registers (read
     in a later loop than the one that made it) is stored after all: the memory plan is
     redone with it allocated, and every kernel generated again against that plan."""
-    gen = codegen_triton
+    gen: Callable[[Any, set[str]], tuple[str, KernelSpec]] = codegen_triton
     if backend == "cpp":
         from .cpp.scheduling import codegen_cpp
 
