@@ -146,8 +146,6 @@ class ExternKernel(Buffer):
         inputs = [realize_input(x) for x in tensor_args]
         kwargs = kwargs or {}
         if _is_symbolic(inputs, (constant_args, kwargs)):
-            if out_variant is not None:
-                raise NotImplementedError("padded rows with symbolic sizes")
             out = symbolic_output(op, inputs)
         else:
             out = op(*[meta_tensor(x) for x in inputs], *constant_args, **kwargs)
@@ -162,9 +160,9 @@ class ExternKernel(Buffer):
 
 def padded_rows(layout: FixedLayout, multiple: int) -> FixedLayout:
     """A contiguous layout whose rows start every ``multiple`` elements (aligned rows)."""
-    size = [int(s) for s in layout.size]
-    row = -(-size[-1] // multiple) * multiple
-    stride = [1] * len(size)
+    size = [sympy.sympify(s) for s in layout.size]  # rows (size[-1]) are static
+    row = -(-int(size[-1]) // multiple) * multiple
+    stride: list[Any] = [1] * len(size)
     if len(size) >= 2:
         stride[-2] = row
         for d in range(len(size) - 3, -1, -1):
