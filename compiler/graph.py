@@ -48,9 +48,13 @@ class GraphLowering(torch.fx.Interpreter):
     """Lower ``gm`` (an ATen FX graph) for inputs shaped like ``example_inputs``."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 name: str = "graph", sizevars: SizeVars | None = None) -> None:
+                 name: str = "graph", options: dict[str, Any] | None = None,
+                 target: dict[str, Any] | None = None, sizevars: SizeVars | None = None
+                 ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.name = name
+        self.options = dict(options or {})  # compile options lowerings read (deterministic)
+        self.target = dict(target or {})  # the machine, where lowering depends on it (SMs)
         self.sizevars = sizevars or SizeVars()
         # size symbol -> how the wrapper reads it from the inputs (``arg0_1.size(0)``)
         self.symbol_sources: dict[sympy.Symbol, str] = {}

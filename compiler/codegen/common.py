@@ -11,7 +11,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..ir.sym import Expr, FloorDiv, ModularIndexing
+from ..ir.sym import Expr, FloorDiv, ModularIndexing, combine_div_mod  # noqa: F401
 from ..sizevars import is_size_symbol
 
 
@@ -279,44 +279,3 @@ def type_name(x: Any) -> str:
     return type(x).__name__
 
 
-def combine_div_mod(expr: Expr) -> Expr:
-    """Fold ``c*(b // (d*m)) * m + c*((b // d) % m)`` back into ``c*(b // d)``.
-
-    Loops that could not be merged for every access (a broadcast bias reads only the
-    inner one) still give full accesses of this shape; folding makes them plain again.
-    ``c``, ``d`` and ``m`` may be sizes of a graph with dynamic shapes.
-    """
-    changed = True
-    while changed and isinstance(expr, sympy.Add):
-        changed = False
-        terms = list(expr.args)
-        mods = []
-        for t in terms:
-            coeff, rest = _split_function(t)
-            if isinstance(rest, ModularIndexing):
-                mods.append((t, coeff, rest))
-        for t, coeff, mod in mods:
-            base, div, m = mod.args
-            partner_rest = FloorDiv(base, div * m)
-            for u in terms:
-                c2, r2 = _split_function(u)
-                if u is not t and r2 == partner_rest and sympy.expand(c2 - coeff * m) == 0:
-                    others = [x for x in terms if x is not t and x is not u]
-                    expr = sympy.Add(*others, coeff * FloorDiv(base, div))
-                    changed = True
-                    break
-            if changed:
-                break
-    return expr
-
-
-def _split_function(term: Expr) -> tuple[Expr, Expr | None]:
-    """``term`` as (coefficient, its one FloorDiv/ModularIndexing factor, if any)."""
-    coeff: Expr = sympy.Integer(1)
-    func: Expr | None = None
-    for factor in sympy.Mul.make_args(term):
-        if isinstance(factor, (FloorDiv, ModularIndexing)) and func is None:
-            func = factor
-        else:
-            coeff = coeff * factor
-    return coeff, func
