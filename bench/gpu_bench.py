@@ -1,6 +1,7 @@
 """GPU benchmark: eager vs stock Inductor vs Kiln, side by side in one run (H200 host).
 
     python3 bench/gpu_bench.py [--only NAME[,NAME]] [--reps 50] [--json OUT]
+    python3 bench/gpu_bench.py --dynamic [--reps 50] [--json OUT]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
 warm-up, rotating over several fresh random input sets when they would fit in L2), the
@@ -16,6 +17,10 @@ parameter's gradient) must match, and a graph that falls back to eager
 Rows named ``reduce-overhead`` compile Kiln and Inductor with ``mode="reduce-overhead"``
 (CUDA graphs); their outputs are overwritten by the next replay, so they are cloned
 before comparison.
+
+``--dynamic``: a decoder-only transformer forward (fp16) with a dynamic sequence length,
+at 128, 512, 1024 and 2048 tokens: Kiln with the length marked dynamic (one compile must
+serve all four), Kiln static (one compile per length) and Inductor with ``dynamic=True``.
 """
 
 from __future__ import annotations
@@ -453,13 +458,84 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+DYNAMIC_LENGTHS = (128, 512, 1024, 2048)
+
+
+def _decoder() -> nn.Module:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.models import Decoder
+
+    return Decoder(vocab=32000, d=1024, heads=16, layers=4).cuda().half().eval()
+
+
+def _kiln_graphs() -> list[str]:
+    """Names of the graphs Kiln compiles or loads from now on (its observer list)."""
+    from kiln.frontend import compile as kiln_compile
+
+    names: list[str] = []
+    kiln_compile.observers.append(lambda name, result: names.append(result.source))
+    return names
+
+
+def run_dynamic(reps: int) -> list[dict[str, Any]]:
+    """Per length: ms of Kiln dynamic, Kiln static and Inductor dynamic=True; graphs
+    Kiln compiled for each mode (dynamic: one for all four lengths)."""
+    model = _decoder()
+    inputs = {n: torch.randint(0, 32000, (4, n), device="cuda") for n in DYNAMIC_LENGTHS}
+    modes = {"kiln_dynamic": dict(backend="kiln"), "kiln_static": dict(backend="kiln",
+             dynamic=False), "inductor_dynamic": dict(backend="inductor", dynamic=True)}
+    rows = {n: {"workload": f"decoder fwd 4x{n} fp16"} for n in DYNAMIC_LENGTHS}
+    for mode, kwargs in modes.items():
+        torch._dynamo.reset()
+        graphs = _kiln_graphs()
+        fn = torch.compile(model, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad(), warnings.catch_warnings():
+            from kiln import KilnFallbackWarning
+
+            warnings.simplefilter("error", KilnFallbackWarning)  # a fallback fails the run
+            for k, n in enumerate(DYNAMIC_LENGTHS):
+                if k == 0 and mode == "kiln_dynamic":
+                    torch._dynamo.mark_dynamic(inputs[n], 1)
+                out = fn(inputs[n])
+                torch.testing.assert_close(out, model(inputs[n]), rtol=3e-2, atol=3e-2)
+                rows[n][f"{mode}_ms"] = time_fn(fn, [[inputs[n]]], reps)
+        rows[DYNAMIC_LENGTHS[0]][f"{mode}_graphs"] = len(graphs)
+        print(f"# {mode}: {len(graphs)} Kiln graph(s) ({', '.join(graphs)})", file=sys.stderr)
+    for r in rows.values():
+        r["dynamic/static"] = r["kiln_dynamic_ms"] / r["kiln_static_ms"]
+        r["dynamic/inductor"] = r["kiln_dynamic_ms"] / r["inductor_dynamic_ms"]
+    return list(rows.values())
+
+
+def print_dynamic(rows: list[dict[str, Any]]) -> None:
+    head = ("workload", "kiln dynamic ms", "kiln static ms", "inductor dynamic ms",
+            "dynamic/static (<=1.1)", "dynamic/inductor (<=1.0)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print(f"| {r['workload']} | {r['kiln_dynamic_ms']:.3f} | {r['kiln_static_ms']:.3f} | "
+              f"{r['inductor_dynamic_ms']:.3f} | {r['dynamic/static']:.2f} | "
+              f"{r['dynamic/inductor']:.2f} |")
+    print(f"Kiln graphs: dynamic {rows[0]['kiln_dynamic_graphs']} (one compile must serve "
+          f"all four lengths), static {rows[0]['kiln_static_graphs']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", default="")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="the decoder with a dynamic sequence length only")
     ns = parser.parse_args()
     torch.manual_seed(0)
+    if ns.dynamic:
+        dyn = run_dynamic(ns.reps)
+        print_dynamic(dyn)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"rows": dyn}, f, indent=1)
+        return
     copy_gbs = copy_bandwidth()
     rows, failed = [], []
     for w in workloads():

@@ -61,7 +61,9 @@ MAX_CANDIDATES = 4
 
 
 def candidates(spec: KernelSpec) -> list[dict[str, Any]]:
-    if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes:
+    # A kernel of a graph with dynamic shapes (size arguments) keeps the heuristic config
+    # of its size bucket (recorded in the artifact): tuning per bucket is not done yet.
+    if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes or spec.size_args:
         return [dict(spec.configs[0])]
     return [dict(c) for c in spec.configs[:MAX_CANDIDATES]]
 

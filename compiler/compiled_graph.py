@@ -113,6 +113,9 @@ def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
     from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
     from .runtime.triton_launcher import TritonLauncher, launch_grid
 
+    if spec.size_args:  # dynamic shapes: the grid follows each launch's xnumel
+        log.debug("kiln: kernel %s has a dynamic grid: Triton's launcher", spec.name)
+        return None
     try:
         return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
                                 fallback=lambda: TritonLauncher(spec, binary.config, "binary",

@@ -24,6 +24,7 @@ from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .runtime.kernel_files import write_source
 from .scheduler import Scheduler
+from .sizevars import SizeVars, SymbolRange, size_symbol
 from .virtualized import V
 
 DEFAULT_TARGETS: dict[str, dict[str, Any]] = {
@@ -44,13 +45,18 @@ class ScheduledGraph:
 
 def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                        name: str = "graph", options: dict[str, Any] | None = None,
-                       target: dict[str, Any] | None = None) -> ScheduledGraph:
-    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
+                       target: dict[str, Any] | None = None,
+                       symbols: Sequence[SymbolRange] = ()) -> ScheduledGraph:
+    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan.
+
+    ``symbols`` are the ranges of the size symbols ``s0, s1, ...`` of a graph with
+    dynamic shapes (its inputs' sizes are sympy expressions over them)."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
     debug.write_debug_file(folder, "fx_graph.txt",
                            lambda: gm.print_readable(print_output=False))
-    graph = GraphLowering(gm, example_inputs, name, options, target)
+    sizevars = SizeVars({size_symbol(i): r for i, r in enumerate(symbols)})
+    graph = GraphLowering(gm, example_inputs, name, options, target, sizevars)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         with trace.span("lowering", cat="compiler", graph=name):
@@ -82,12 +88,13 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   options: dict[str, Any] | None = None, name: str = "graph",
                   target: dict[str, Any] | None = None,
-                  compile_kernels: bool = True) -> CompiledGraph:
+                  compile_kernels: bool = True,
+                  symbols: Sequence[SymbolRange] = ()) -> CompiledGraph:
     """Stages 1 to 6: a graph to wrapper and kernel sources (and, in-process, binaries)."""
     from .codegen.graph_codegen import generate_code
 
     options = dict(options or {})
-    sg = lower_and_schedule(gm, example_inputs, name, options, target)
+    sg = lower_and_schedule(gm, example_inputs, name, options, target, symbols)
     t = time.perf_counter()
     with V.set_graph_handler(sg.graph), trace.span("codegen", cat="compiler", graph=name):
         # 6. Code generation: a kernel per fused node, then the wrapper.
@@ -109,6 +116,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                         if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
+    if sg.graph.sizevars.is_dynamic():
+        compiled.stats["dynamic"] = dynamic_stats(sg.graph.sizevars)
     if compile_kernels:
         chosen: dict[str, Any] = dict(target or DEFAULT_TARGETS.get(device_type) or {})
         if _can_autotune(options, chosen):
@@ -121,6 +130,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             compile_all(compiled, chosen)
     _log_output_code(options, compiled)
     return compiled
+
+
+def dynamic_stats(sizevars: SizeVars) -> dict[str, Any]:
+    """What an artifact records of its size symbols: their ranges, and the size bucket
+    (each symbol's hint, rounded up to a power of two) its kernel configs were chosen for."""
+    from .codegen.common import next_power_of_2
+
+    symbols = {s.name: [sizevars.ranges[s].lower, sizevars.ranges[s].upper]
+               for s in sizevars.symbols}
+    bucket = {s.name: next_power_of_2(sizevars.size_hint(s)) for s in sizevars.symbols}
+    return {"symbols": symbols, "bucket": bucket}
 
 
 def _can_autotune(options: dict[str, Any], target: dict[str, Any]) -> bool:

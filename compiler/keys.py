@@ -35,7 +35,8 @@ PART_NAMES = ("schema", "graph", "inputs", "options", "versions", "target")
 PART_DESCRIPTIONS = {
     "schema": "request/artifact format versions (a Kiln upgrade changed the format)",
     "graph": "the ATen graph: ops, arguments, node order, output metadata or constant values",
-    "inputs": "input shapes, strides, dtypes, device types or storage offsets",
+    "inputs": "input shapes, strides, dtypes, device types or storage offsets (or symbolic "
+              "sizes and their ranges)",
     "options": "output-affecting compile options",
     "versions": "Kiln version, compiler/ sources, torch or triton version",
     "target": "compile target: GPU backend, arch or warp size; CPU ISA level",
@@ -75,7 +76,7 @@ def key_parts(request: CompileRequest) -> list[tuple[str, bytes]]:
     return [
         ("schema", _pack(canonical(schema()))),
         ("graph", request.graph),
-        ("inputs", _pack([m.to_wire() for m in request.inputs])),
+        ("inputs", _pack(request.inputs_wire())),
         ("options", _pack(canonical(request.options, "options"))),
         ("versions", _pack(canonical(request.versions, "versions"))),
         ("target", _pack(canonical(request.target, "target"))),
@@ -125,6 +126,7 @@ def recorded_parts(request: CompileRequest) -> dict[str, Any]:
     """What a request's key covers, as plain values: the same fields an artifact's
     manifest records (``frontend.artifact``), so either can be explained."""
     return {"graph_bytes": len(request.graph), "inputs": [m.to_wire() for m in request.inputs],
+            "symbols": [[r.lower, r.upper] for r in request.symbols],
             "options": dict(request.options), "versions": dict(request.versions),
             "target": dict(request.target)}
 
@@ -161,6 +163,9 @@ def describe_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str
         lines.append(f"graph: the ATen graphs differ ({graph_a} vs {graph_b} bytes)")
     if a.get("inputs") is not None and b.get("inputs") is not None:
         lines += _diff_inputs(list(a["inputs"]), list(b["inputs"]))
+    if (a.get("symbols") or []) != (b.get("symbols") or []):
+        lines.append(f"symbols: size ranges {_show(a.get('symbols') or [])} vs "
+                     f"{_show(b.get('symbols') or [])}")
     for part, label in (("options", "option"), ("versions", "version"), ("target", "target")):
         if a.get(part) is not None and b.get(part) is not None:
             lines += _diff_mapping(label, a[part], b[part])

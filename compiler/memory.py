@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
+
 from .dependencies import MemoryDep
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout, MutationLayout
 from .ir.nodes import Buffer, ComputedBuffer, InputBuffer
+from .ir.sym import Expr
 from .scheduler import BaseSchedulerNode, Scheduler
 from .virtualized import V
 
@@ -24,11 +27,17 @@ class MemoryPlan:
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # buf -> (def, last)
 
 
-def buffer_bytes(buf: Buffer) -> int:
+def storage_bytes(buf: Buffer) -> Expr:
+    """Bytes of a buffer's storage: a sympy expression over the size symbols."""
     layout = buf.layout
     if not isinstance(layout, Layout):
-        return 0
-    return int(layout.storage_size()) * layout.dtype.itemsize
+        return sympy.Integer(0)
+    return sympy.expand(layout.storage_size() * layout.dtype.itemsize)
+
+
+def buffer_bytes(buf: Buffer) -> int:
+    """Bytes of a buffer's storage (at the size hints, for a graph with dynamic shapes)."""
+    return V.graph.sizevars.size_hint(storage_bytes(buf))
 
 
 def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
@@ -209,11 +218,14 @@ def _same_storage(a: Buffer, b: Buffer) -> bool:
 
 
 def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
-    """A freed buffer with the same device, dtype and storage size, if there is one."""
-    want = (buf.get_device().type, buf.get_dtype(), buffer_bytes(buf))
+    """A freed buffer with the same device, dtype and storage size, if there is one
+    (sizes provably equal for every admitted size, in a graph with dynamic shapes)."""
+    want = (buf.get_device().type, buf.get_dtype())
+    nbytes = storage_bytes(buf)
     for i, name in enumerate(pool):
         other = graph.name_to_buffer[name]  # type: ignore[attr-defined]
-        if (other.get_device().type, other.get_dtype(), buffer_bytes(other)) == want:
+        if (other.get_device().type, other.get_dtype()) == want and \
+                V.graph.sizevars.statically_known_equals(storage_bytes(other), nbytes):
             return pool.pop(i)
     return None
 

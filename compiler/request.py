@@ -29,13 +29,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import sympy
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .sizevars import SymbolicTensor, SymbolRange
+from .symwire import (
+    SymbolicSizeError,
+    SymbolTable,
+    decode_expr,
+    decode_ranges,
+    encode_canonical,
+    encode_range,
+)
+
 # Bump when the graph or request encoding changes: it is the key's "schema" part.
 GRAPH_FORMAT_VERSION = 1
 REQUEST_FORMAT_VERSION = 1
+# A request with symbolic sizes carries one more field: the symbols' ranges.
+_STATIC_REQUEST_FIELDS, _DYNAMIC_REQUEST_FIELDS = 7, 8
 
 # Option names that never change a compiled artifact (where it is stored, how it is
 # logged, who signs it); everything else is assumed to change the output.
@@ -132,32 +145,73 @@ def _storage_numel(shape: Sequence[int], stride: Sequence[int], offset: int) -> 
     return offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
 
 
+def _size_expr(value: Any) -> Any:
+    """A torch size (int or SymInt) as an int or Dynamo's sympy expression."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr) if expr.is_Integer else expr
+    return int(value)
+
+
+def _canonical_sizes(values: Sequence[Any], symbols: SymbolTable, shape_env: Any
+                     ) -> tuple[Any, ...]:
+    """Declare the symbols of ``values`` in order and return them in canonical names."""
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        symbols.declare(v, shape_env)
+        out.append(decode_expr(symbols.encode(v), len(symbols.ranges)))
+    return tuple(out)
+
+
+def _shape_env(values: Sequence[Any]) -> Any:
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            return v.node.shape_env
+    return None
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a compiled graph may depend on about one tensor: never its values."""
+    """What a compiled graph may depend on about one tensor: never its values.
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    In a graph with dynamic shapes, sizes, strides and the offset may be sympy
+    expressions over the canonical size symbols ``s0, s1, ...`` (never their values).
+    """
+
+    shape: tuple[Any, ...]
+    stride: tuple[Any, ...]
     dtype: str
     device_type: str
-    storage_offset: int
+    storage_offset: Any
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> TensorMeta:
-        """Metadata of a real, fake or meta tensor; the device ordinal is dropped."""
-        sizes = (*t.shape, *t.stride(), t.storage_offset())
-        if not all(isinstance(s, int) for s in sizes):
-            raise SerializationError(
-                f"tensor with symbolic sizes {tuple(t.shape)}: Kiln compiles static shapes "
-                "only; this graph should run eagerly"
-            )
-        return cls(
-            shape=tuple(int(s) for s in t.shape),
-            stride=tuple(int(s) for s in t.stride()),
-            dtype=_dtype_name(t.dtype),
-            device_type=t.device.type,
-            storage_offset=int(t.storage_offset()),
-        )
+    def from_tensor(cls, t: torch.Tensor, symbols: SymbolTable | None = None) -> TensorMeta:
+        """Metadata of a real, fake or meta tensor; the device ordinal is dropped.
+
+        Symbolic sizes need ``symbols``, which names them canonically (and grows)."""
+        raw = (*t.shape, *t.stride(), t.storage_offset())
+        if not all(isinstance(s, int) for s in raw):
+            if symbols is None:
+                raise SerializationError(
+                    f"tensor with symbolic sizes {tuple(t.shape)} outside a dynamic request")
+            try:
+                sizes = _canonical_sizes([_size_expr(v) for v in raw], symbols, _shape_env(raw))
+            except SymbolicSizeError as exc:
+                raise SerializationError(str(exc)) from exc
+        else:
+            sizes = tuple(int(s) for s in raw)
+        n = t.dim()
+        return cls(shape=tuple(sizes[:n]), stride=tuple(sizes[n:2 * n]),
+                   dtype=_dtype_name(t.dtype), device_type=t.device.type,
+                   storage_offset=sizes[2 * n])
+
+    @property
+    def is_symbolic(self) -> bool:
+        return not all(isinstance(v, int) for v in (*self.shape, *self.stride,
+                                                    self.storage_offset))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -169,22 +223,30 @@ class TensorMeta:
 
     def to_wire(self) -> list[Any]:
         return [
-            list(self.shape),
-            list(self.stride),
+            [encode_canonical(v) for v in self.shape],
+            [encode_canonical(v) for v in self.stride],
             self.dtype,
             self.device_type,
-            self.storage_offset,
+            encode_canonical(self.storage_offset),
         ]
 
     @classmethod
-    def from_wire(cls, wire: Any) -> TensorMeta:
-        """Decode and bound (rank, sizes, strides, offset: plain non-negative ints)."""
+    def from_wire(cls, wire: Any, nsymbols: int = 0) -> TensorMeta:
+        def size(v: Any) -> Any:
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            return decode_expr(v, nsymbols)
+
         try:
             shape, stride, dtype, device_type, offset = wire
-            meta = cls(tuple(shape), tuple(stride), str(dtype), str(device_type), offset)
+            meta = cls(tuple(size(v) for v in shape), tuple(size(v) for v in stride),
+                       str(dtype), str(device_type), size(offset))
         except (TypeError, ValueError) as exc:
             raise SerializationError(f"bad tensor metadata {wire!r:.200}") from exc
-        numbers = (*meta.shape, *meta.stride, meta.storage_offset)
+        # Bounds: rank, and plain sizes, strides and offset as non-negative ints (a
+        # symbolic one was bounded by decode_expr: depth, declared symbols, int range).
+        numbers = [n for n in (*meta.shape, *meta.stride, meta.storage_offset)
+                   if not isinstance(n, sympy.Expr)]
         if (len(meta.shape) != len(meta.stride) or len(meta.shape) > MAX_RANK
                 or not all(type(n) is int and 0 <= n <= MAX_DIM for n in numbers)):
             raise SerializationError(
@@ -192,6 +254,56 @@ class TensorMeta:
                 f"sizes, strides and offset integers in [0, {MAX_DIM}]")
         dtype_from_name(meta.dtype)
         return meta
+
+
+@dataclass(frozen=True)
+class SymIntMeta:
+    """A SymInt graph input (a dynamic size passed as a value): its expression."""
+
+    expr: Any
+
+    def to_wire(self) -> list[Any]:
+        return ["symint", encode_canonical(self.expr)]
+
+    @classmethod
+    def from_wire(cls, wire: Any, nsymbols: int) -> SymIntMeta:
+        try:
+            return cls(decode_expr(wire[1], nsymbols))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise SerializationError(f"bad SymInt input {wire!r:.200}") from exc
+
+
+InputMeta = TensorMeta | SymIntMeta
+
+
+def input_meta_from_wire(wire: Any, nsymbols: int) -> InputMeta:
+    if isinstance(wire, list) and wire and wire[0] == "symint":
+        return SymIntMeta.from_wire(wire, nsymbols)
+    return TensorMeta.from_wire(wire, nsymbols)
+
+
+def symint_meta(x: torch.SymInt, symbols: SymbolTable) -> SymIntMeta:
+    """The meta of a SymInt graph input, declaring its symbols in ``symbols``."""
+    try:
+        sizes = _canonical_sizes([_size_expr(x)], symbols, _shape_env([x]))
+    except SymbolicSizeError as exc:
+        raise SerializationError(str(exc)) from exc
+    return SymIntMeta(sympy.sympify(sizes[0]))
+
+
+def symbolic_tensor(meta: TensorMeta) -> SymbolicTensor:
+    return SymbolicTensor(meta.shape, meta.stride, meta.torch_dtype,
+                          torch.device(meta.device_type), meta.storage_offset)
+
+
+def compiler_input(meta: InputMeta, fake_mode: FakeTensorMode) -> Any:
+    """The example input the compiler lowers with: a FakeTensor (static sizes), a
+    SymbolicTensor, or the sympy expression of a SymInt input."""
+    if isinstance(meta, SymIntMeta):
+        return meta.expr
+    if meta.is_symbolic:
+        return symbolic_tensor(meta)
+    return fake_tensor_from_meta(meta, fake_mode)
 
 
 def _strided_from_flat(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -348,28 +460,39 @@ _ARG_DECODERS.update(
 # Node metadata: node.meta["val"] as shapes, strides and dtypes.
 
 
-def _encode_val(val: Any) -> Any:
+def _encode_val(val: Any, symbols: SymbolTable | None = None) -> Any:
     if val is None or isinstance(val, (bool, int, float)):
         return val
     if isinstance(val, torch.Tensor):
-        return ["tensor", TensorMeta.from_tensor(val).to_wire()]
+        return ["tensor", TensorMeta.from_tensor(val, symbols).to_wire()]
     if isinstance(val, (list, tuple)):
         tag = "list" if isinstance(val, list) else "tuple"
-        return [tag, [_encode_val(v) for v in val]]
+        return [tag, [_encode_val(v, symbols) for v in val]]
+    if isinstance(val, torch.SymInt) and symbols:
+        expr = _size_expr(val)
+        try:
+            return ["symint", symbols.encode(expr)]
+        except SymbolicSizeError as exc:
+            raise SerializationError(str(exc)) from exc
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise SerializationError(f"symbolic value {val}: Kiln compiles static shapes only")
+        raise SerializationError(f"symbolic value {val} ({type(val).__name__}) is not "
+                                 "supported here")
     raise SerializationError(f"unsupported meta['val'] of type {type(val).__name__}")
 
 
-def _decode_val(wire: Any, fake_mode: FakeTensorMode) -> Any:
+def _decode_val(wire: Any, fake_mode: FakeTensorMode, nsymbols: int = 0) -> Any:
     if not isinstance(wire, list):
         return wire
     tag, body = wire
     if tag == "tensor":
-        return fake_tensor_from_meta(TensorMeta.from_wire(body), fake_mode)
+        meta = TensorMeta.from_wire(body, nsymbols)
+        return symbolic_tensor(meta) if meta.is_symbolic else fake_tensor_from_meta(meta,
+                                                                                   fake_mode)
+    if tag == "symint":
+        return decode_expr(body, nsymbols)
     if tag not in ("list", "tuple"):
         raise SerializationError(f"bad meta encoding {wire!r}")
-    items = [_decode_val(v, fake_mode) for v in body]
+    items = [_decode_val(v, fake_mode, nsymbols) for v in body]
     return items if tag == "list" else tuple(items)
 
 
@@ -430,9 +553,10 @@ def _node_error(node: torch.fx.Node, exc: Exception) -> SerializationError:
 
 
 def _encode_node(
-    node: torch.fx.Node, gm: torch.fx.GraphModule, index: Mapping[torch.fx.Node, int]
+    node: torch.fx.Node, gm: torch.fx.GraphModule, index: Mapping[torch.fx.Node, int],
+    symbols: SymbolTable | None = None,
 ) -> list[Any]:
-    meta = [_encode_val(node.meta["val"])] if "val" in node.meta else []
+    meta = [_encode_val(node.meta["val"], symbols)] if "val" in node.meta else []
     if node.op == "placeholder":
         return ["placeholder", None, [], [], meta]
     if node.op == "get_attr":
@@ -450,13 +574,16 @@ def _encode_node(
     raise SerializationError(f"opcode {node.op!r} is not allowed in an ATen graph")
 
 
-def serialize_graph(gm: torch.fx.GraphModule) -> bytes:
-    """Canonical msgpack bytes of an ATen graph; see the module docstring."""
+def serialize_graph(gm: torch.fx.GraphModule, symbols: SymbolTable | None = None) -> bytes:
+    """Canonical msgpack bytes of an ATen graph; see the module docstring.
+
+    A graph with dynamic shapes needs the ``symbols`` its inputs declared
+    (:func:`input_metas`): node metadata names sizes by them."""
     index: dict[torch.fx.Node, int] = {}
     encoded = []
     for i, node in enumerate(gm.graph.nodes):
         try:
-            encoded.append(_encode_node(node, gm, index))
+            encoded.append(_encode_node(node, gm, index, symbols))
         except SerializationError as exc:
             raise _node_error(node, exc) from exc
         index[node] = i
@@ -510,13 +637,15 @@ def deserialize_graph(
     with_fake_meta: bool = False,
     fake_mode: FakeTensorMode | None = None,
     constants_device: str | None = None,
+    nsymbols: int = 0,
 ) -> torch.fx.GraphModule:
     """Rebuild a GraphModule from :func:`serialize_graph` bytes.
 
     Placeholders are named ``arg0_1, arg1_1, ...``; constants ``_tensor_constant0, ...``
     and live on ``constants_device`` (CPU by default). With ``with_fake_meta``, every
     node's ``meta["val"]`` is rebuilt as FakeTensors under ``fake_mode`` (a new
-    FakeTensorMode unless given).
+    FakeTensorMode unless given); symbolic tensors as :class:`SymbolicTensor` over
+    ``nsymbols`` size symbols.
     """
     wires = _decode_nodes(data)
     mode = (fake_mode or FakeTensorMode()) if with_fake_meta else None
@@ -525,7 +654,7 @@ def deserialize_graph(
         try:
             node = builder.add(wire)
             if mode is not None and wire[4]:
-                node.meta["val"] = _decode_val(wire[4][0], mode)
+                node.meta["val"] = _decode_val(wire[4][0], mode, nsymbols)
         except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:
             position = len(builder.nodes)
             raise SerializationError(f"bad node #{position} {wire!r:.200}: {exc}") from exc
@@ -578,40 +707,59 @@ def output_options(options: Mapping[str, Any]) -> dict[str, Any]:
 class CompileRequest:
     """Everything a worker needs to compile one graph, and all that the key covers.
 
-    Dict fields are stored in canonical form (sorted keys, tuples as lists).
+    Dict fields are stored in canonical form (sorted keys, tuples as lists). A graph
+    with dynamic shapes has ``symbols``: the range of each size symbol ``s<k>``.
     """
 
     graph: bytes
-    inputs: tuple[TensorMeta, ...]
+    inputs: tuple[InputMeta, ...]
     options: dict[str, Any]
     target: dict[str, Any]
     versions: dict[str, Any]
+    symbols: tuple[SymbolRange, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "symbols", tuple(self.symbols))
         for name in ("options", "target", "versions"):
             object.__setattr__(self, name, canonical(getattr(self, name), name))
 
+    def inputs_wire(self) -> list[Any]:
+        """The inputs as the key's ``inputs`` part sees them (symbol ranges included)."""
+        wire = [m.to_wire() for m in self.inputs]
+        if self.symbols:
+            wire.append(["symbols", [encode_range(r) for r in self.symbols]])
+        return wire
+
     def to_bytes(self) -> bytes:
-        return _pack(
-            [
-                "kiln-request",
-                REQUEST_FORMAT_VERSION,
-                self.graph,
-                [m.to_wire() for m in self.inputs],
-                self.options,
-                self.target,
-                self.versions,
-            ]
-        )
+        fields = [
+            "kiln-request",
+            REQUEST_FORMAT_VERSION,
+            self.graph,
+            [m.to_wire() for m in self.inputs],
+            self.options,
+            self.target,
+            self.versions,
+        ]
+        if self.symbols:
+            fields.append([encode_range(r) for r in self.symbols])
+        return _pack(fields)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> CompileRequest:
         wire = _unpack(data)
-        if not (isinstance(wire, list) and len(wire) == 7 and wire[0] == "kiln-request"):
+        if not (isinstance(wire, list) and wire[:1] == ["kiln-request"]
+                and len(wire) in (_STATIC_REQUEST_FIELDS, _DYNAMIC_REQUEST_FIELDS)):
             raise SerializationError("not a serialized Kiln compile request")
         if wire[1] != REQUEST_FORMAT_VERSION:
             raise SerializationError(f"request format {wire[1]} is not {REQUEST_FORMAT_VERSION}")
-        _, _, graph, inputs, options, target, versions = wire
-        metas = tuple(TensorMeta.from_wire(m) for m in inputs)
-        return cls(graph=graph, inputs=metas, options=options, target=target, versions=versions)
+        graph, inputs, options, target, versions = wire[2:7]
+        try:
+            symbols = decode_ranges(wire[7]) if len(wire) == _DYNAMIC_REQUEST_FIELDS else ()
+        except (TypeError, ValueError) as exc:
+            raise SerializationError(f"bad symbol ranges: {exc}") from exc
+        if not isinstance(inputs, list):
+            raise SerializationError("request inputs are not a list")
+        metas = tuple(input_meta_from_wire(m, len(symbols)) for m in inputs)
+        return cls(graph=graph, inputs=metas, options=options, target=target,
+                   versions=versions, symbols=symbols)

@@ -1,7 +1,8 @@
 """The ``kiln`` Dynamo backend: AOTAutograd with Kiln's decompositions, then each forward
 and backward ATen graph compiled by Kiln and loaded as a callable.
 
-A graph Kiln cannot compile (symbolic sizes, a compile error) runs eagerly, with one
+Graphs with symbolic sizes (dynamic shapes) compile once for every size Dynamo's guards
+admit. A graph Kiln cannot compile (a size it cannot encode, a compile error) runs eagerly, with one
 warning naming the graph and the stage; the backend never raises into the user's program.
 """
 
@@ -126,10 +127,8 @@ if trace_path() or KilnConfig.resolve().debug:
 
 def unsupported_reason(example_inputs: Sequence[Any]) -> str | None:
     for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride()))):
-            return (f"input {i} has symbolic sizes; Kiln compiles static shapes only "
-                    "(mark the model static, or pass dynamic=False to torch.compile)")
+        if isinstance(x, (torch.SymFloat, torch.SymBool)):
+            return f"input {i} is a {type(x).__name__}; Kiln compiles integer sizes only"
         if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "cuda"):
             return f"input {i} is on {x.device.type}, which Kiln does not target"
     return None

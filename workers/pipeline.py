@@ -112,7 +112,7 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.driver import compile_graph
-    from kiln.compiler.request import deserialize_graph, fake_tensor_from_meta
+    from kiln.compiler.request import compiler_input, deserialize_graph
 
     request = CompileRequest.from_bytes(request_bytes)
     check_versions(request)
@@ -120,13 +120,15 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
         time.sleep(delay)
     with trace.span("deserialize request", cat="compiler", key=key[:16]):
         mode = FakeTensorMode()
-        gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode)
-        inputs = [fake_tensor_from_meta(meta, mode) for meta in request.inputs]
+        gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode,
+                               nsymbols=len(request.symbols))
+        inputs = [compiler_input(meta, mode) for meta in request.inputs]
     start = time.perf_counter()
     options = {**compile_options(request.options), **(extra_options or {})}
     with trace.span("graph stage", cat="compiler", key=key[:16], nodes=len(gm.graph.nodes)):
         compiled = compile_graph(gm, inputs, options, name=graph_name(key),
-                                 target=request.target, compile_kernels=False)
+                                 target=request.target, compile_kernels=False,
+                                 symbols=request.symbols)
     compiled.timings["graph_compile"] = time.perf_counter() - start
     return compiled
 

@@ -35,13 +35,17 @@ class KernelSpec:
     # Storage bytes of each argument buffer, in argument order: what an autotuner must
     # allocate to launch the kernel alone. Empty in specs from before it was recorded.
     arg_bytes: tuple[int, ...] = ()
+    # A graph with dynamic shapes: the scalar arguments after the buffers (numels, size
+    # symbols), as Python expressions over ``s0, s1, ...`` that the wrapper evaluates.
+    # ``xnumel``/``rnumel`` above are then size hints, for configs and autotuning.
+    size_args: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "backend": self.backend, "kind": self.kind,
                 "source": self.source, "arg_buffers": list(self.arg_buffers),
                 "signature": dict(self.signature), "xnumel": self.xnumel,
                 "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
-                "arg_bytes": list(self.arg_bytes)}
+                "arg_bytes": list(self.arg_bytes), "size_args": list(self.size_args)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
@@ -49,4 +53,5 @@ class KernelSpec:
         return KernelSpec(check_kernel_name(d["name"]), d["backend"], d["kind"], d["source"],
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
-                          tuple(int(n) for n in d.get("arg_bytes", ())))
+                          tuple(int(n) for n in d.get("arg_bytes", ())),
+                          tuple(str(a) for a in d.get("size_args", ())))

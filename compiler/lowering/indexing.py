@@ -12,7 +12,15 @@ import torch
 from ..ir.nodes import IRNode, Pointwise, TensorBox
 from ..ir.sym import Expr, FloorDiv, sympify_tuple
 from ..virtualized import ops
-from .registry import DEFAULT, broadcast_shapes, expand, promote_dtypes, register_lowering
+from .registry import (
+    DEFAULT,
+    broadcast_shapes,
+    expand,
+    promote_dtypes,
+    register_lowering,
+    size_value,
+)
+from .views import _clamp
 
 aten = torch.ops.aten
 
@@ -112,8 +120,8 @@ def index_select(x: IRNode, dim: int, index_t: IRNode) -> TensorBox:
 
 
 def _in_range(i: Expr, lo: Expr, hi: Expr) -> Any:
-    lo_ok = ops.ge(ops.index_expr(i, torch.int64), ops.constant(int(lo), torch.int64))
-    hi_ok = ops.lt(ops.index_expr(i, torch.int64), ops.constant(int(hi), torch.int64))
+    lo_ok = ops.ge(ops.index_expr(i, torch.int64), size_value(lo, torch.int64))
+    hi_ok = ops.lt(ops.index_expr(i, torch.int64), size_value(hi, torch.int64))
     return ops.logical_and(lo_ok, hi_ok)
 
 
@@ -185,16 +193,16 @@ def slice_scatter(x: IRNode, src: IRNode, dim: int = 0, start: int | None = None
                   end: int | None = None, step: int = 1) -> TensorBox:
     size = list(x.get_size())
     dim = _norm(dim, len(size))
-    n = int(size[dim])
-    start = 0 if start is None else (start + n if start < 0 else start)
-    end = n if end is None else min(n, end + n if end < 0 else end)
+    n = sympy.sympify(size[dim])
+    start = _clamp(0 if start is None else start, n)
+    end = _clamp(n if end is None else end, n)
     x_load, s_load, dtype = x.make_loader(), src.make_loader(), x.get_dtype()
 
     def inner_fn(idx: Sequence[Expr]) -> Any:
         i = ops.index_expr(idx[dim], torch.int64)
         inside = _in_range(idx[dim], start, end)
         if step != 1:
-            on_step = ops.eq(ops.remainder(ops.sub(i, ops.constant(start, torch.int64)),
+            on_step = ops.eq(ops.remainder(ops.sub(i, size_value(start, torch.int64)),
                                            ops.constant(step, torch.int64)),
                              ops.constant(0, torch.int64))
             inside = ops.logical_and(inside, on_step)
@@ -210,11 +218,11 @@ def slice_scatter(x: IRNode, src: IRNode, dim: int = 0, start: int | None = None
 def select_scatter(x: IRNode, src: IRNode, dim: int, index: int) -> TensorBox:
     size = list(x.get_size())
     dim = _norm(dim, len(size))
-    index = index + int(size[dim]) if index < 0 else index
+    position = _clamp(index, sympy.sympify(size[dim]))
     x_load, s_load, dtype = x.make_loader(), src.make_loader(), x.get_dtype()
 
     def inner_fn(idx: Sequence[Expr]) -> Any:
-        hit = ops.eq(ops.index_expr(idx[dim], torch.int64), ops.constant(index, torch.int64))
+        hit = ops.eq(ops.index_expr(idx[dim], torch.int64), size_value(position, torch.int64))
         from_src = ops.to_dtype(s_load(list(idx[:dim]) + list(idx[dim + 1:])), dtype)
         return ops.where(hit, from_src, x_load(idx))
 

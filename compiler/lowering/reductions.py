@@ -15,7 +15,7 @@ from ..ir.nodes import IRNode, Pointwise, Reduction, TensorBox
 from ..ir.sym import Expr, prod, unflatten_index
 from ..virtualized import V, ops
 from .pointwise import to_dtype
-from .registry import register_lowering
+from .registry import register_lowering, size_value
 from .views import view
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         result = TensorBox.create(node)
         result.realize()
     if keepdim:
-        shape = [1 if d in dims else int(s) for d, s in enumerate(size)]
+        shape = [1 if d in dims else s for d, s in enumerate(size)]
         return view(result, shape)  # type: ignore[return-value]
     return result
 
@@ -123,7 +123,10 @@ def _split_factor(x: IRNode, inner_fn: Any, reduction_type: str, ranges: Sequenc
                   rranges: Sequence[Expr]) -> Split:
     if reduction_type not in _SPLITTABLE:
         return Split()
-    numel, rnumel = int(prod(ranges)), int(prod(rranges))
+    numel_expr, rnumel_expr = prod(ranges), prod(rranges)
+    if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
+        return Split()  # chunks of a symbolic row: not split (one looped reduction instead)
+    numel, rnumel = int(numel_expr), int(rnumel_expr)
     if x.get_device().type == "cuda":
         inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
                                               len(ranges))
@@ -263,7 +266,7 @@ def mean(x: IRNode, dim: Any = None, keepdim: bool = False, *,
     load = total.make_loader()
     return Pointwise.create(
         x.get_device(), out_dtype,
-        lambda idx: ops.to_dtype(ops.truediv(load(idx), ops.constant(int(n), acc)), out_dtype),
+        lambda idx: ops.to_dtype(ops.truediv(load(idx), size_value(n, acc)), out_dtype),
         total.get_size())
 
 
@@ -273,16 +276,22 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     out_dtype = _float_dtype(x, None)
     acc = _acc_dtype(out_dtype)
     dims = _dims(x, dim)
-    n = int(prod(x.get_size()[d] for d in dims))
+    n = prod(x.get_size()[d] for d in dims)
     src = to_dtype(x, acc)
     mean_ = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=0)
     m2 = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=1)
-    denom = max(0.0, n - correction)
     load_m2, load_mean = m2.make_loader(), mean_.make_loader()
+
+    def denom() -> Any:
+        if n.is_Integer:
+            return ops.constant(max(0.0, int(n) - correction), acc)
+        zero, corr = ops.constant(0.0, acc), ops.constant(correction, acc)
+        return ops.maximum(ops.sub(size_value(n, acc), corr), zero)
+
     var = Pointwise.create(
         x.get_device(), out_dtype,
-        lambda idx: ops.to_dtype(ops.truediv(load_m2(idx), ops.constant(denom, acc)),
-                                 out_dtype), m2.get_size())
+        lambda idx: ops.to_dtype(ops.truediv(load_m2(idx), denom()), out_dtype),
+        m2.get_size())
     mean_out = Pointwise.create(x.get_device(), out_dtype,
                                 lambda idx: ops.to_dtype(load_mean(idx), out_dtype),
                                 mean_.get_size()) if out_dtype != acc else mean_

@@ -38,6 +38,9 @@ class TritonLauncher:
         self.config = dict(config)
         self.mode = mode  # "interpret", "binary" or "jit"
         self.grid = launch_grid(spec, config)
+        # Dynamic shapes: the grid follows the xnumel argument of each launch.
+        self.xnumel_at = list(spec.signature).index("xnumel") if spec.size_args else None
+        self.xblock = int(config["XBLOCK"])
         self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
         self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
         self._fn: Any = None
@@ -57,16 +60,24 @@ class TritonLauncher:
         gx, gy, gz = self.grid
         raw_stream = torch._C._cuda_getCurrentRawStream
         current_device = torch.cuda.current_device
+        at, xblock = self.xnumel_at, self.xblock
 
         def run(*args: Any) -> None:
             launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None, None,
                    *args, *constexprs)
 
-        return run
+        def run_dynamic(*args: Any) -> None:
+            grid_x = max(1, -(-args[at] // xblock))  # type: ignore[index]
+            launch(grid_x, 1, 1, raw_stream(current_device()), function, packed, None, None,
+                   None, *args, *constexprs)
+
+        return run if at is None else run_dynamic
 
     def run(self, *args: Any) -> None:
-        self._fn[self.grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
-                            num_stages=int(self.config["num_stages"]))
+        grid = self.grid if self.xnumel_at is None else (
+            max(1, _cdiv(args[self.xnumel_at], self.xblock)), 1, 1)
+        self._fn[grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
+                       num_stages=int(self.config["num_stages"]))
 
 
 def load_binary(spec: KernelSpec, binary: KernelBinary) -> Any:

@@ -241,9 +241,13 @@ class CppLauncher:
                         e, DEFAULT_ISA)
             library = load_library(compile_cpp(spec, {"kind": "cpu", "isa": DEFAULT_ISA})[0])
         fn = getattr(library, spec.name)
-        fn.argtypes = [ctypes.c_void_p] * len(spec.arg_buffers)
+        fn.argtypes = [ctypes.c_void_p] * len(spec.arg_buffers) + \
+            [ctypes.c_int64] * len(spec.size_args)
         fn.restype = None
         self._fn = fn
+        self._buffers = len(spec.arg_buffers)
 
-    def run(self, *tensors: Any) -> None:
-        self._fn(*[t.data_ptr() for t in tensors])
+    def run(self, *args: Any) -> None:
+        """Buffers' data pointers, then the size arguments (ints) of a dynamic kernel."""
+        n = self._buffers
+        self._fn(*[t.data_ptr() for t in args[:n]], *args[n:])

@@ -21,6 +21,7 @@ import torch
 
 from ...ir.layout import Layout
 from ...ir.sym import Expr, simplify_with_ranges
+from ...sizevars import free_size_symbols
 from ...virtualized import V
 from ..common import CSE, CSEVariable, IndentedBuffer, KernelArgs, combine_div_mod, run_masked
 from .overrides import (
@@ -73,9 +74,10 @@ class Phase:
 class CppKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
-    def __init__(self, xsizes: list[int], rnumel: int, removed: set[str], mode: str,
+    def __init__(self, xsizes: list[Expr], rnumel: Expr | int, removed: set[str], mode: str,
                  columns: Any = None) -> None:
-        self.xsizes, self.rnumel = xsizes, rnumel
+        self.xsizes, self.rnumel = [sympy.sympify(s) for s in xsizes], sympy.sympify(rnumel)
+        self.size_symbols: set[sympy.Symbol] = set()  # read by index expressions
         self.removed = removed
         self.mode = mode  # "serial", "x" (parallel x loops) or "r" (parallel r loops)
         self.columns = columns  # a columns.ColumnPlan: lanes are columns, not rows
@@ -88,8 +90,8 @@ class CppKernel:
         self.phase_count = 0
         self.index_map: dict[sympy.Symbol, Expr] = {}
         self.var_ranges: dict[sympy.Symbol, Expr] = {
-            xvar(i): sympy.Integer(s) for i, s in enumerate(xsizes)}
-        self.var_ranges[RINDEX] = sympy.Integer(rnumel)
+            xvar(i): s for i, s in enumerate(self.xsizes)}
+        self.var_ranges[RINDEX] = self.rnumel
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
         self.reduction_cache: dict[tuple[str, str], Any] = {}
@@ -102,7 +104,17 @@ class CppKernel:
 
     @property
     def is_reduction(self) -> bool:
-        return self.rnumel > 1
+        return self.rnumel != 1
+
+    @property
+    def rnumel_str(self) -> str:
+        """The reduction length as C++ (a literal, or an expression of size arguments)."""
+        return self.printer.print(self.rnumel)
+
+    def size_symbols_sorted(self) -> list[sympy.Symbol]:
+        """Size symbols the kernel reads (loop bounds, indices): its ``int64_t`` arguments."""
+        found = self.size_symbols | free_size_symbols([*self.xsizes, self.rnumel])
+        return sorted(found, key=lambda s: int(s.name[1:]))
 
     # -- where code goes ----------------------------------------------------------------
 
@@ -138,7 +150,9 @@ class CppKernel:
     def reserve_row(self, dtype: torch.dtype) -> bool:
         """Room for a row buffer of ``dtype`` on this kernel's stack (not when rows are
         split across threads: they may be any length)."""
-        nbytes = self.rnumel * compute_dtype(dtype).itemsize
+        if not self.rnumel.is_Integer:  # a row of any length does not fit the stack
+            return False
+        nbytes = int(self.rnumel) * compute_dtype(dtype).itemsize
         if self.mode == "r" or self.columns is not None or \
                 self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
             return False
@@ -226,6 +240,7 @@ class CppKernel:
         if name is not None:
             expr = expr - _storage_offset(name)
         expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        self.size_symbols |= free_size_symbols([expr])
         return self.printer.print(expr)
 
     def mask(self) -> str:
@@ -310,6 +325,7 @@ class CppKernel:
 
     def indirect_indexing(self, x: CSEVariable, size: Expr, check: bool = True
                           ) -> sympy.Symbol:
+        self.size_symbols |= free_size_symbols([size])
         n = self.printer.print(size)
         var = self.emit(f"static_cast<int64_t>({x} < 0 ? {x} + {n} : {x})", torch.int64)
         return sympy.Symbol(var.name, integer=True, nonnegative=True)
