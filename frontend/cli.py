@@ -1,6 +1,9 @@
 """The ``kiln`` command.
 
     kiln precompile TARGET [--shapes 8x128 16x128,128]   fill the store ahead of a job
+        [--gpu h200] [--versions-from F] [--check]       ... for a GPU this host lacks
+    kiln package TARGET --shapes 8x128 -o model.kiln     one file that runs without Dynamo
+    kiln versions [--json]                               what keys carry (for --versions-from)
     kiln stats [--json]                                  hits, misses, compiles, time saved
     kiln inspect KEY [--json] [--source KERNEL]          manifest, wrapper, kernels, lifetimes
     kiln explain-miss A B                                which key part differs
@@ -24,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifact_store import default_stats_file, open_store, read_stats, summarize
+
+from . import precompile_gpu
+from .package_cli import add_package_parser
 
 EXIT_OK, EXIT_FAILED = 0, 1
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -405,6 +411,8 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     from .backend import KilnFallbackWarning
 
     options = dict(args.option or [])
+    if precompile_gpu.wants_job(args):  # a GPU this host lacks, ranges, a CI check
+        return precompile_gpu.cmd_job(args, options)
     is_script = args.target.endswith(".py") and ":" not in args.target
     if not is_script and not args.shapes:
         print("kiln precompile: give --shapes for a module:function entry", file=sys.stderr)
@@ -446,6 +454,7 @@ def add_precompile_parser(sub: Any) -> None:
     pre.add_argument("--option", action="append", type=parse_option, metavar="NAME=VALUE",
                      help="a torch.compile option for Kiln (e.g. cpu_backend=cpp)")
     pre.add_argument("--json", action="store_true", help="the summary as JSON")
+    precompile_gpu.add_flags(pre)
     pre.set_defaults(func=cmd_precompile)
 
 
@@ -457,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_precompile_parser(sub)
+    precompile_gpu.add_versions_parser(sub)
+    add_package_parser(sub)
     stats = sub.add_parser("stats", help="hits, misses, compiles, kernels, time saved")
     stats.add_argument("--json", action="store_true", help="one JSON object")
     stats.set_defaults(func=cmd_stats)

@@ -49,11 +49,17 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_target(arch: int) -> dict[str, Any]:
+    """The target of a CUDA GPU of compute capability ``arch`` (90 for sm_90): what a
+    client on that GPU derives, and what ``kiln precompile --gpu`` builds for."""
+    return {"kind": "cuda", "backend": "cuda", "arch": int(arch), "warp_size": 32}
+
+
 def target_for(device: torch.device) -> dict[str, Any]:
     """The compile target of a device: its GPU arch, or the CPU default."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+        return cuda_target(major * 10 + minor)
     cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
     return cpu
 

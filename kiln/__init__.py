@@ -5,6 +5,7 @@ The public Python API::
     import kiln
     model = torch.compile(model, backend="kiln")   # or backend=kiln.backend
     kiln.main(["stats", "--json"])                  # the ``kiln`` command
+    model = kiln.load_package("model.kiln")         # an AOT package: no Dynamo, no compile
 
 The repository keeps the design card's folders (``frontend/``, ``compiler/``, ``workers/``,
 ``artifact_store/``); ``pyproject.toml`` installs them as ``kiln.frontend``,
@@ -28,6 +29,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "kiln_backend": ("kiln.frontend.backend", "kiln_backend"),
     "main": ("kiln.frontend.cli", "main"),
     "KilnFallbackWarning": ("kiln.frontend.backend", "KilnFallbackWarning"),
+    "load_package": ("kiln.frontend.package", "load_package"),
+    "PackageError": ("kiln.frontend.package", "PackageError"),
 }
 
 __all__ = ["__version__", *_EXPORTS]
