@@ -16,7 +16,9 @@ What a real GPU decides at trace time is modelled here, in one place:
   :func:`sdpa_choice`). A case it cannot vouch for keeps the math form, and the summary
   says the key may differ from the GPU's.
 - A torch built without CUDA has no CUDA device guard, which Python indexing and
-  autograd open even for fake tensors: ``cuda_guard_shim`` registers a stand-in.
+  autograd open even for fake tensors: ``cuda_guard_shim`` registers a stand-in. Its
+  autograd engine also needs CUDA's runtime hooks to run a backward, so training graphs
+  for a GPU need a CUDA build of torch (a runner without a GPU is fine).
 """
 
 from __future__ import annotations
@@ -215,6 +217,12 @@ def trace_requests(model: Callable[..., Any], inputs: Sequence[Any], config: Kil
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._guards import detect_fake_mode
 
+    if train and target.get("kind") == "cuda" and not torch.backends.cuda.is_built():
+        raise FakeDeviceError(
+            "training graphs for a GPU cannot be traced with this torch: it is built "
+            "without CUDA, and autograd's engine needs CUDA's runtime hooks even for fake "
+            "tensors. Precompile them with a CUDA build of torch (no GPU needed), or "
+            "inference graphs only")
     if target.get("kind") == "cuda":
         from .cuda_guard_shim import ShimError, ensure_fake_cuda_guard
 

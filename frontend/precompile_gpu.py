@@ -210,9 +210,13 @@ def cmd_job(args: argparse.Namespace, options: dict[str, Any]) -> int:
     train = bool(getattr(args, "train", False)) or getattr(args, "mode", "") in ("train",
                                                                                  "both")
     start = time.perf_counter()
-    records = run_job(load_entry(args.target), shape_sets, args.dtype, target,
-                      KilnConfig.resolve(options), check=args.check, train=train,
-                      versions=versions, on_graph=None if args.json else _print_record)
+    try:
+        records = run_job(load_entry(args.target), shape_sets, args.dtype, target,
+                          KilnConfig.resolve(options), check=args.check, train=train,
+                          versions=versions, on_graph=None if args.json else _print_record)
+    except FakeDeviceError as e:
+        print(f"kiln precompile: {e}", file=sys.stderr)
+        return EXIT_FAILED
     summary = summarize(records, target, time.perf_counter() - start)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
