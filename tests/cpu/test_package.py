@@ -40,9 +40,9 @@ torch.manual_seed(int(sys.argv[4]))
 x = torch.randn(*json.loads(sys.argv[5]), dtype=getattr(torch, sys.argv[6]))
 out = model(x)
 loaded_s = time.perf_counter() - start
-heavy = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "torch.export",
-    "torch._functorch.aot_autograd", "kiln.compiler.driver", "kiln.compiler.graph",
-    "kiln.compiler.scheduler", "kiln.frontend.backend")))
+heavy = sorted(m for m in set(sys.modules) - before if m.startswith((
+    "torch._dynamo", "torch.export", "torch._functorch.aot_autograd", "kiln.compiler.driver",
+    "kiln.compiler.graph", "kiln.compiler.scheduler", "kiln.frontend.backend")))
 with torch.no_grad():
     ref = getattr(fleet_models, sys.argv[2])()(x)
 tol = 1e-4 if x.dtype == torch.float32 else 2e-2
