@@ -152,10 +152,13 @@ def sdpa_choice(arch: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return "math"
 
 
-def gpu_sdpa(arch: int, notes: list[str]) -> Callable[..., torch.Tensor]:
+def gpu_sdpa(arch: int, notes: list[str], fallback: Callable[..., torch.Tensor] | None = None
+             ) -> Callable[..., torch.Tensor]:
     """``F.scaled_dot_product_attention`` as PyTorch's CUDA path runs it on ``arch``: the
     fused ATen op it calls, with the arguments it passes (flash attention gets the scale
-    computed from the head dim; memory-efficient attention the scale as given)."""
+    computed from the head dim; memory-efficient attention the scale as given). Cases
+    not modelled (a mask, dropout, GQA) run ``fallback`` (default: SDPA itself)."""
+    run_math = fallback or F.scaled_dot_product_attention
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -170,8 +173,8 @@ def gpu_sdpa(arch: int, notes: list[str]) -> Callable[..., torch.Tensor]:
                 q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
         notes.append(f"scaled_dot_product_attention on {tuple(q.shape)} {q.dtype}: the "
                      "fused kernel a GPU picks is not modelled here; the key may differ")
-        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return run_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
 
     return sdpa
 

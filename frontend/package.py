@@ -68,16 +68,27 @@ def export_aten(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     from kiln.compiler.decompositions import kiln_decompositions
 
     table = kiln_decompositions()
+    notes: list[str] = []
     if target.get("kind") == "cuda" and not torch.cuda.is_available():
         from .fake_device import gpu_sdpa
 
         # No GPU to pick the fused attention kernel: the target's choice, modelled.
-        notes: list[str] = []
         table[torch.ops.aten.scaled_dot_product_attention.default] = gpu_sdpa(
-            int(target["arch"]), notes)
+            int(target["arch"]), notes, fallback=_sdpa_math)
     with torch.no_grad():
-        ep = torch.export.export(model, tuple(example_inputs))
-        return ep.run_decompositions(table)
+        ep = torch.export.export(model, tuple(example_inputs)).run_decompositions(table)
+    for note in dict.fromkeys(notes):
+        warnings.warn(f"kiln package: {note}", stacklevel=2)
+    return ep
+
+
+def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+               dropout_p: float, is_causal: bool, *, scale: float | None,
+               enable_gqa: bool) -> torch.Tensor:
+    """SDPA's math form (what the table's SDPA entry falls back to, without re-entering
+    the table)."""
+    return torch.ops.aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,13 @@ def build_package(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     order = sorted(blobs)
     return b"".join([MAGIC, _LEN.pack(len(record.raw)), record.raw,
                      *(blobs[name] for name in order)])
+
+
+def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by FQN, tied ones under each name (export
+    may name a tied weight by either)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
 
 
 def _graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -354,7 +372,7 @@ def _weights(path: Any, meta: dict[str, Any], blobs: Mapping[str, memoryview], g
         raise PackageError(f"{path} was built without weights: pass weights= (a state dict "
                            "or the model)")
     if isinstance(given, torch.nn.Module):
-        given = {**dict(given.named_parameters()), **dict(given.named_buffers())}
+        given = module_tensors(given)
     values = {}
     for spec in inputs:
         if spec.kind == "user":

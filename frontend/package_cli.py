@@ -42,7 +42,7 @@ def cmd_package(args: argparse.Namespace) -> int:
     from .compile import target_for
     from .config import KilnConfig
     from .fake_device import FakeDeviceError, parse_gpu
-    from .package import PackageError, build_package
+    from .package import PackageError, build_package, module_tensors
 
     try:
         target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(args.device))
@@ -52,8 +52,7 @@ def cmd_package(args: argparse.Namespace) -> int:
     config = KilnConfig.resolve(dict(args.option or []))
     start = time.perf_counter()
     model = load_entry(args.target)().eval()
-    weights = {**dict(model.named_parameters()), **dict(model.named_buffers())} \
-        if args.weights else None
+    weights = module_tensors(model) if args.weights else None
     model, inputs = _placed(model, args, target)
     try:
         data = build_package(model, inputs, target=target, config=config, weights=weights)

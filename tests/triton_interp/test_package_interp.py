@@ -13,7 +13,7 @@ import kiln
 from kiln.frontend.client import reset_clients
 from kiln.frontend.compile import target_for
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.package import build_package, read_package
+from kiln.frontend.package import build_package, module_tensors, read_package
 from tests import fleet_models
 
 
@@ -28,7 +28,7 @@ def test_package_round_trip_with_interpreted_triton_kernels(
     reset_clients()
     model = getattr(fleet_models, name)()
     config = KilnConfig.resolve({"cpu_backend": "triton-interpret", "signing_key": "hmac:k"})
-    weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    weights = module_tensors(model)
     path = tmp_path / f"{name}.kiln"
     path.write_bytes(build_package(model, [torch.randn(shape)], target=target_for(
         torch.device("cpu")), config=config, weights=weights))
