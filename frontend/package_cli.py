@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from .cli_errors import EXIT_OK
 
 
 def add_package_parser(sub: Any) -> None:
-    from .cli import parse_option, parse_shapes
+    from .precompile import parse_dtype, parse_option, parse_shapes
 
     pkg = sub.add_parser("package", help="one file that runs a model with no Dynamo, "
                          "AOTAutograd or compile (kiln.load_package)",
@@ -23,7 +22,8 @@ def add_package_parser(sub: Any) -> None:
     pkg.add_argument("target")
     pkg.add_argument("--shapes", required=True, type=parse_shapes, metavar="SHAPES",
                      help="the input shapes: 8x128 or 8x128,128 (one per input)")
-    pkg.add_argument("--dtype", default="float32", help="dtype of the inputs")
+    pkg.add_argument("--dtype", type=parse_dtype, default="float32",
+                     help="dtype of the inputs")
     pkg.add_argument("--device", default="cpu", help="cpu or cuda (this host's GPU)")
     pkg.add_argument("--gpu", metavar="TARGET", help="build for this GPU from any host: "
                      "sm_90, h200, a100, ... (fake CUDA tensors, cross-compiled kernels)")
@@ -38,17 +38,17 @@ def add_package_parser(sub: Any) -> None:
 def cmd_package(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli import load_entry
+    from .cli_errors import CliError, UsageError
     from .compile import target_for
     from .config import KilnConfig
     from .fake_device import FakeDeviceError, parse_gpu
     from .package import PackageError, build_package, module_tensors
+    from .precompile import load_entry
 
     try:
         target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(args.device))
     except FakeDeviceError as e:
-        print(f"kiln package: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(e)) from None
     config = KilnConfig.resolve(dict(args.option or []))
     start = time.perf_counter()
     model = load_entry(args.target)().eval()
@@ -57,8 +57,7 @@ def cmd_package(args: argparse.Namespace) -> int:
     try:
         data = build_package(model, inputs, target=target, config=config, weights=weights)
     except (PackageError, FakeDeviceError) as e:
-        print(f"kiln package: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        raise CliError(str(e)) from None
     Path(args.output).write_bytes(data)
     summary = {"output": args.output, "bytes": len(data), "target": target,
                "weights": bool(args.weights), "seconds": round(time.perf_counter() - start, 3)}
@@ -74,8 +73,8 @@ def _placed(model: Any, args: argparse.Namespace, target: dict[str, Any]) -> tup
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .cli import _example_inputs
     from .fake_device import fake_inputs, fake_module
+    from .precompile import _example_inputs
 
     dtype = getattr(torch, args.dtype)
     if target.get("kind") == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from .cli_errors import EXIT_FAILED, EXIT_OK
 
 
 def expand_shape_range(text: str) -> list[list[tuple[int, ...]]]:
@@ -187,36 +187,38 @@ def wants_job(args: argparse.Namespace) -> bool:
                 or getattr(args, "shape_range", None) or getattr(args, "versions_from", None))
 
 
-def cmd_job(args: argparse.Namespace, options: dict[str, Any]) -> int:
+def cmd_job(args: argparse.Namespace) -> int:
     """``kiln precompile`` with --gpu, --check, --shape-range or --versions-from."""
-    from .cli import load_entry
+    import torch
+
+    from .cli_errors import CliError, UsageError
     from .compile import target_for
     from .config import KilnConfig
     from .fake_device import FakeDeviceError, load_versions, parse_gpu
+    from .precompile import MODES, load_entry
 
     shape_sets = list(args.shapes or []) + [s for r in args.shape_range or [] for s in r]
-    if args.target.endswith(".py") and ":" not in args.target or not shape_sets:
-        print("kiln precompile: --gpu, --check and --shape-range need a module:function "
-              "entry and --shapes or --shape-range", file=sys.stderr)
-        return EXIT_USAGE
+    if ":" not in args.target or not shape_sets:
+        raise UsageError("--gpu, --check, --shape-range and --versions-from need a "
+                         "module:function target and --shapes or --shape-range")
+    device = args.device or "cpu"
+    if device.startswith("cuda") and not args.gpu and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here; use --gpu")
     try:
-        import torch
-
-        target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(args.device))
+        target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(device))
         versions = load_versions(args.versions_from) if args.versions_from else None
     except FakeDeviceError as e:
-        print(f"kiln precompile: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    train = bool(getattr(args, "train", False)) or getattr(args, "mode", "") in ("train",
-                                                                                 "both")
-    start = time.perf_counter()
+        raise UsageError(str(e)) from None
+    start, records = time.perf_counter(), []
+    config = KilnConfig.resolve(dict(args.option or []))
     try:
-        records = run_job(load_entry(args.target), shape_sets, args.dtype, target,
-                          KilnConfig.resolve(options), check=args.check, train=train,
-                          versions=versions, on_graph=None if args.json else _print_record)
+        for kind in MODES[args.mode or "inference"]:
+            records += run_job(load_entry(args.target), shape_sets, args.dtype or "float32",
+                               target, config, check=args.check, train=kind == "train",
+                               versions=versions,
+                               on_graph=None if args.json else _print_record)
     except FakeDeviceError as e:
-        print(f"kiln precompile: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        raise CliError(str(e)) from None
     summary = summarize(records, target, time.perf_counter() - start)
     if args.json:
         print(json.dumps(summary, sort_keys=True))

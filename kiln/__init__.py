@@ -29,6 +29,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "kiln_backend": ("kiln.frontend.backend", "kiln_backend"),
     "main": ("kiln.frontend.cli", "main"),
     "KilnFallbackWarning": ("kiln.frontend.backend", "KilnFallbackWarning"),
+    "KilnConfigWarning": ("kiln.frontend.config", "KilnConfigWarning"),
     "load_package": ("kiln.frontend.package", "load_package"),
     "PackageError": ("kiln.frontend.package", "PackageError"),
 }
