@@ -7,6 +7,7 @@ warning naming the graph and the stage; the backend never raises into the user's
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -32,6 +33,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  ) -> Callable[..., Any]:
     """``torch.compile(model, backend="kiln", options={...})``."""
     config = KilnConfig.resolve(options)
+    if mode == "reduce-overhead":  # torch.compile's name for CUDA graphs
+        config = dataclasses.replace(config, cudagraphs=True)
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
         return compile_aten_graph(graph, inputs, config, name)

@@ -5,7 +5,7 @@ parameters, buffers and inputs into fake CUDA tensors (FakeTensorMode: shapes, s
 and dtypes, no storage), and runs it through ``torch.compile`` with the same Dynamo,
 FX-pass and AOTAutograd path as the ``kiln`` backend (``backend.aot_kiln``). Each ATen
 graph becomes the request, and so the key, that a client on that GPU computes: the
-target is the GPU's (``compile.cuda_target``: arch, warp 32; never a device ordinal).
+target is the GPU's (``compile.cuda_target``: arch, warp 32, SM count; never an ordinal).
 
 What a real GPU decides at trace time is modelled here, in one place:
 
@@ -45,12 +45,15 @@ from .serialize import make_request
 
 aten = torch.ops.aten
 
-# Named GPUs and their compute capability (arch = major * 10 + minor).
-GPU_ARCHS: dict[str, int] = {
-    "h200": 90, "h100": 90, "gh200": 90, "a100": 80, "a800": 80, "a10": 86, "a10g": 86,
-    "l4": 89, "l40": 89, "l40s": 89, "rtx4090": 89, "v100": 70, "t4": 75,
+# Named GPUs: (compute capability as major * 10 + minor, multiprocessors). Both are in
+# the key. A bare sm_XY means the first GPU of that arch here (sm_90: H200/H100 SXM).
+GPUS: dict[str, tuple[int, int]] = {
+    "h200": (90, 132), "h100": (90, 132), "gh200": (90, 132), "h100-pcie": (90, 114),
+    "a100": (80, 108), "a800": (80, 108), "a10": (86, 72), "a10g": (86, 80),
+    "l4": (89, 58), "l40": (89, 142), "l40s": (89, 142), "rtx4090": (89, 128),
+    "v100": (70, 80), "t4": (75, 40),
 }
-_SM = re.compile(r"^(?:sm_?)?(\d{2,3})a?$")
+_SM = re.compile(r"^(?:sm_?)?(\d{2,3})a?(?::(\d+))?$")
 
 
 class FakeDeviceError(ValueError):
@@ -58,16 +61,21 @@ class FakeDeviceError(ValueError):
 
 
 def parse_gpu(text: str) -> dict[str, Any]:
-    """The compile target of ``sm_90`` / ``sm90`` / ``90`` or a named GPU (``h200``)."""
+    """The compile target of a named GPU (``h200``) or ``sm_90`` / ``sm_90:132`` (arch and
+    multiprocessor count; a bare arch takes the count of the first GPU of that arch in
+    :data:`GPUS`)."""
     name = text.strip().lower().removeprefix("nvidia-").replace(" ", "")
-    if name in GPU_ARCHS:
-        return cuda_target(GPU_ARCHS[name])
+    if name in GPUS:
+        return cuda_target(*GPUS[name])
     match = _SM.match(name)
-    if match is None:
+    arch = int(match.group(1)) if match else 0
+    sms = int(match.group(2)) if match and match.group(2) else next(
+        (count for a, count in GPUS.values() if a == arch), None)
+    if match is None or sms is None:
         raise FakeDeviceError(
-            f"unknown GPU {text!r}: give sm_XY (e.g. sm_90) or one of "
-            f"{', '.join(sorted(GPU_ARCHS))}")
-    return cuda_target(int(match.group(1)))
+            f"unknown GPU {text!r}: give sm_XY[:SMS] (e.g. sm_90 or sm_90:114) or one of "
+            f"{', '.join(sorted(GPUS))}")
+    return cuda_target(arch, sms)
 
 
 # ---------------------------------------------------------------------------------------

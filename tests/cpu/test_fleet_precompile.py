@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,7 +36,7 @@ from kiln.frontend.precompile_gpu import expand_shape_range
 from tests import fleet_models
 
 ROOT = Path(__file__).resolve().parents[2]
-H200 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
+H200 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 132}
 
 pytestmark = pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(),
                                 reason="a CPU-only host with Triton's compiler (not its "
@@ -62,14 +63,16 @@ def run_cli(args: Sequence[str], env: dict[str, str]) -> subprocess.CompletedPro
 
 def client_keys(make: Callable[[], torch.nn.Module], shapes: list[tuple[int, ...]],
                 dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, device: str) -> list[str]:
-    """The keys a client on an sm_90 GPU computes: ``torch.compile(backend="kiln")`` as
-    users call it, on fake CUDA tensors, with the device reporting capability 9.0. Only
+    """The keys a client on an H200 computes: ``torch.compile(backend="kiln")`` as users
+    call it, on fake CUDA tensors, the device reporting capability 9.0 and 132 SMs. Only
     compiling and loading are replaced (this host cannot run CUDA kernels): the request
     is the backend's own (``build_request``, ``target_for``)."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     ensure_fake_cuda_guard()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=132))
     keys: list[str] = []
     mode = FakeTensorMode()
 
@@ -94,7 +97,8 @@ def client_keys(make: Callable[[], torch.nn.Module], shapes: list[tuple[int, ...
 
 def test_gpu_names_and_ranges() -> None:
     assert parse_gpu("h200") == parse_gpu("sm_90") == parse_gpu("90") == H200
-    assert parse_gpu("A100")["arch"] == 80
+    assert parse_gpu("A100")["arch"] == 80 and parse_gpu("sm_80")["sm_count"] == 108
+    assert parse_gpu("sm_90:114") == {**H200, "sm_count": 114} == parse_gpu("h100-pcie")
     with pytest.raises(FakeDeviceError, match="unknown GPU 'b9000'"):
         parse_gpu("b9000")
     assert expand_shape_range("1..8x16") == [[(1, 16)], [(2, 16)], [(4, 16)], [(8, 16)]]
