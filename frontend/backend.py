@@ -36,21 +36,43 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  mode: str | None = None, options: dict[str, Any] | None = None
                  ) -> Callable[..., Any]:
     """``torch.compile(model, backend="kiln", options={...})``."""
-    from torch._dynamo.backends.common import aot_autograd
-
     config = KilnConfig.resolve(options)
     if start_recording(config.debug):
         register_dynamo_spans()
     if mode == "reduce-overhead":  # torch.compile's name for CUDA graphs
         config = dataclasses.replace(config, cudagraphs=True)
+
+    def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
+        return compile_aten_graph(graph, inputs, config, name)
+
+    return aot_kiln(gm, example_inputs, graph_compiler)
+
+
+GraphCompiler = Callable[[torch.fx.GraphModule, Sequence[Any], str], Any]
+
+
+def aot_kiln(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+             graph_compiler: GraphCompiler,
+             device_model: Callable[[torch.fx.GraphModule], Any] | None = None
+             ) -> Callable[..., Any]:
+    """Dynamo's graph through Kiln's FX passes and AOTAutograd (Kiln's decompositions);
+    each forward, backward or inference ATen graph goes to ``graph_compiler(graph,
+    inputs, name)``. The one path every caller shares, so that ``kiln precompile`` on
+    fake devices makes exactly the ATen graphs (and keys) that a real client makes
+    (``device_model``: an FX pass standing in for what a GPU it does not have decides
+    at trace time)."""
+    from torch._dynamo.backends.common import aot_autograd
+
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 
     fuse_attention(gm)  # attention as one flash-attention call, on GPU graphs
+    if device_model is not None:
+        device_model(gm)
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_fn(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            return compile_aten_graph(graph, inputs, config, f"{kind}_{model_id}")
+            return graph_compiler(graph, inputs, f"{kind}_{model_id}")
 
         return compile_fn
 

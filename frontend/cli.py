@@ -1,6 +1,10 @@
 """The ``kiln`` command.
 
     kiln precompile TARGET [--shapes 8x128 16x128,128] [--mode inference|train|both]
+        [--gpu h200] [--versions-from F] [--shape-range 1..64x128] [--check]
+                                                         ... for a GPU this host lacks
+    kiln package TARGET --shapes 8x128 -o model.kiln     one file that runs without Dynamo
+    kiln versions [--json]                               what keys carry (--versions-from)
     kiln stats [--json]                                  hits, misses, compiles, time saved
     kiln inspect KEY [--json] [--source KERNEL]          manifest, wrapper, kernels, lifetimes
     kiln explain-miss A B                                which key parts differ, in words
@@ -454,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_precompile_parser(sub)
+    from .package_cli import add_package_parser
+    from .precompile_gpu import add_versions_parser
+
+    add_versions_parser(sub)
+    add_package_parser(sub)
     stats = sub.add_parser("stats", help="hits, misses, compiles, kernels, time saved")
     stats.add_argument("--json", action="store_true", help="one JSON object")
     stats.set_defaults(func=cmd_stats)

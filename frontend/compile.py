@@ -64,13 +64,20 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_target(arch: int, sm_count: int) -> dict[str, Any]:
+    """The target of a CUDA GPU of compute capability ``arch`` (90 for sm_90) with
+    ``sm_count`` multiprocessors: what a client on that GPU derives, and what
+    ``kiln precompile --gpu`` builds for."""
+    return {"kind": "cuda", "backend": "cuda", "arch": int(arch), "warp_size": 32,
+            "sm_count": int(sm_count)}
+
+
 def target_for(device: torch.device) -> dict[str, Any]:
     """The compile target of a device: its GPU arch, or the CPU default."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32,
-                "sm_count": sms}
+        return cuda_target(major * 10 + minor, sms)
     cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
     return cpu
 

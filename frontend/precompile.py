@@ -380,6 +380,10 @@ def unpublishable_reason(store: Any) -> str | None:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
+    from . import precompile_gpu
+
+    if precompile_gpu.wants_job(args):  # a GPU this host lacks, ranges, a CI check
+        return precompile_gpu.cmd_job(args)
     is_script = check_arguments(args)
     options = dict(args.option or [])
     config = KilnConfig.resolve(options)
@@ -468,6 +472,9 @@ def add_precompile_parser(sub: Any) -> None:
     pre.add_argument("--option", action="append", type=parse_option, metavar="NAME=VALUE",
                      help="a torch.compile option for Kiln (e.g. cpu_backend=cpp)")
     pre.add_argument("--json", action="store_true", help="the summary as JSON")
+    from .precompile_gpu import add_flags
+
+    add_flags(pre)
     pre.set_defaults(func=cmd_precompile)
 
 

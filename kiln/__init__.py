@@ -5,6 +5,7 @@ The public Python API::
     import kiln
     model = torch.compile(model, backend="kiln")   # or backend=kiln.backend
     kiln.main(["stats", "--json"])                  # the ``kiln`` command
+    model = kiln.load_package("model.kiln")         # an AOT package: no Dynamo, no compile
 
 The repository keeps the design card's folders (``frontend/``, ``compiler/``, ``workers/``,
 ``artifact_store/``); ``pyproject.toml`` installs them as ``kiln.frontend``,
@@ -29,6 +30,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "main": ("kiln.frontend.cli", "main"),
     "KilnFallbackWarning": ("kiln.frontend.backend", "KilnFallbackWarning"),
     "KilnConfigWarning": ("kiln.frontend.config", "KilnConfigWarning"),
+    "load_package": ("kiln.frontend.package", "load_package"),
+    "PackageError": ("kiln.frontend.package", "PackageError"),
 }
 
 __all__ = ["__version__", *_EXPORTS]
