@@ -231,6 +231,15 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+    # A constant is a real tensor even where the caller runs under a fake mode (the
+    # in-process farm decodes inside Dynamo's tracing).
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _decode_real_constant(wire, device)
+
+
+def _decode_real_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
     meta = TensorMeta.from_wire(wire[1])
     data, dtype = wire[2], meta.torch_dtype
     values = torch.empty(0, dtype=dtype)
