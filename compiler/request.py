@@ -71,6 +71,13 @@ _PY_FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 _PY_NAMES = {id(f): name for name, f in _PY_FUNCTIONS.items()}
 
+# Higher-order operators a graph may call, by name: an explicit list too. with_effects
+# orders side-effectful ops (``_linalg_check_errors`` after ``linalg_inv_ex``); the op it
+# runs is an argument, encoded and resolved like any call target.
+_HIGHER_ORDER_OPS: dict[str, Any] = {
+    "with_effects": torch.ops.higher_order.with_effects,
+}
+
 
 class SerializationError(Exception):
     """A graph or request cannot be encoded or decoded canonically."""
@@ -284,6 +291,8 @@ def _encode_arg(value: Any, index: Mapping[torch.fx.Node, int]) -> Any:
         return ["slice", [_encode_arg(v, index) for v in (value.start, value.stop, value.step)]]
     if isinstance(value, complex):
         return ["complex", [value.real, value.imag]]
+    if isinstance(value, torch._ops.OpOverload):  # the op that with_effects runs
+        return _encode_target(value)
     raise SerializationError(f"unsupported argument {value!r} of type {type(value).__name__}")
 
 
@@ -313,6 +322,7 @@ _ARG_DECODERS.update(
         "memory_format": lambda name, _: _torch_attr(name, torch.memory_format, "memory format"),
         "slice": lambda items, nodes: slice(*_decode_items(items, nodes)),
         "complex": lambda parts, _: complex(parts[0], parts[1]),
+        "op": lambda name, _: _resolve_target(["op", name]),
     }
 )
 
@@ -357,6 +367,8 @@ def _encode_target(target: Any) -> list[str]:
         namespace, name = target._qualified_op_name.split("::")
         return ["packet", f"{namespace}.{name}"]
     if isinstance(target, torch._ops.HigherOrderOperator):
+        if _HIGHER_ORDER_OPS.get(target.name()) is target:
+            return ["hop", target.name()]
         raise SerializationError(f"higher-order operator {target.name()} is not supported")
     if id(target) in _PY_NAMES:
         return ["py", _PY_NAMES[id(target)]]
@@ -369,6 +381,8 @@ def _resolve_target(wire: Any) -> Any:
         parts = qualname.split(".")
         if kind == "py" and qualname in _PY_FUNCTIONS:
             return _PY_FUNCTIONS[qualname]
+        if kind == "hop" and qualname in _HIGHER_ORDER_OPS:
+            return _HIGHER_ORDER_OPS[qualname]
         if kind in ("op", "packet") and len(parts) == (3 if kind == "op" else 2):
             target: Any = torch.ops
             for part in parts:
