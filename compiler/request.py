@@ -367,9 +367,10 @@ def _encode_target(target: Any) -> list[str]:
         namespace, name = target._qualified_op_name.split("::")
         return ["packet", f"{namespace}.{name}"]
     if isinstance(target, torch._ops.HigherOrderOperator):
-        if _HIGHER_ORDER_OPS.get(target.name()) is target:
-            return ["hop", target.name()]
-        raise SerializationError(f"higher-order operator {target.name()} is not supported")
+        hop_name = str(target.name())
+        if _HIGHER_ORDER_OPS.get(hop_name) is target:
+            return ["hop", hop_name]
+        raise SerializationError(f"higher-order operator {hop_name} is not supported")
     if id(target) in _PY_NAMES:
         return ["py", _PY_NAMES[id(target)]]
     raise SerializationError(f"unsupported call target {target!r}")

@@ -49,12 +49,13 @@ UNINITIALIZED = frozenset({
 # graph constants, effectful ops, meta-less ops, index lowerings, reductions, matmuls).
 FAST_OPS = (
     "abs", "add", "addmm", "amax", "argmax", "atan2", "bmm", "cat", "clamp", "cumsum",
-    "diagonal", "div", "expand", "flip", "gather", "geqrf", "histogram", "index_select",
+    "diagonal", "div.no_rounding_mode", "expand", "flip", "gather", "geqrf", "histogram",
+    "index_select",
     "linalg.inv", "log_softmax", "logsumexp", "masked.sum", "masked.amax", "matmul",
     "max.reduction_with_dim", "mean", "mul", "nn.functional.linear", "nn.functional.gelu",
     "nn.functional.layer_norm", "permute", "pow", "reshape", "roll", "rsqrt", "sigmoid",
-    "softmax", "squeeze", "squeeze_multiple", "sum", "t", "topk", "tril", "var_mean",
-    "view_as_real", "where", "fft.fft", "nn.functional.linear_cross_entropy",
+    "softmax", "squeeze", "squeeze.multiple", "sum", "t", "topk", "tril", "var_mean",
+    "view_as_complex", "cfloat", "where", "fft.fft", "nn.functional.linear_cross_entropy",
 )
 
 
