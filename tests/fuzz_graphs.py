@@ -329,9 +329,9 @@ def check_program(program: Program, seed: int) -> Failure | None:
             actual = load(compiled, graph_constants(gm))([t.clone() for t in inputs])
         except Exception as e:  # noqa: BLE001
             return Failure("run", f"{type(e).__name__}: {e}", program, seed)
-    for i, (a, e) in enumerate(zip(actual, expected)):
+    for i, (got, want) in enumerate(zip(actual, expected)):
         try:
-            torch.testing.assert_close(a, e, rtol=TOLERANCE[0], atol=TOLERANCE[1],
+            torch.testing.assert_close(got, want, rtol=TOLERANCE[0], atol=TOLERANCE[1],
                                        equal_nan=True, check_stride=False)
         except AssertionError as err:
             return Failure("mismatch", f"output {i}: {err}", program, seed)
