@@ -197,7 +197,7 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
     try:
         return op(*fill_template(args_t, metas.__getitem__),
                   **fill_template(kwargs_t, metas.__getitem__))
-    except (NotImplementedError, RuntimeError):
+    except NotImplementedError:  # no meta kernel (a shape error is not this)
         node = V.graph.current_node if V.has_graph() else None
         val = node.meta.get("val") if node is not None and node.target is op else None
         if val is None:
