@@ -33,6 +33,24 @@ def test_random_graphs_match_eager() -> None:
         f.report() for f in failures)
 
 
+# Graphs the fuzzer found failing, shrunk; each was a bug, fixed.
+FOUND = {
+    # matmul(1-D, 2-D) traces to mm + squeeze_ (a FallbackKernel whose result is a view
+    # of the mm's buffer): the memory plan handed the mm's storage to abs's output while
+    # the squeezed view (an output) still lived in it.
+    "vector_matrix_then_reuse": Program(
+        (Input((5,)), Input((5, 3))),
+        (Node("torch.matmul({0}, {1})", (0, 1)), Node("torch.abs({0})", (2,))), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_graphs_the_fuzzer_found(name: str) -> None:
+    for seed in range(3):
+        failure = check_program(FOUND[name], seed)
+        assert failure is None, failure.report()
+
+
 def test_programs_are_reproducible_and_cover_every_kind() -> None:
     sources = [random_program(seed).source() for seed in range(200)]
     assert sources == [random_program(seed).source() for seed in range(200)]
