@@ -308,15 +308,16 @@ class Failure:
                 f"{self.shrunk_from}):\n{self.program.describe(self.seed)}")
 
 
-def check_program(program: Program, seed: int) -> Failure | None:
-    """Compile ``program`` with Kiln's C++ backend, run it, compare with eager."""
+def check_program(program: Program, seed: int, device: str = "cpu") -> Failure | None:
+    """Compile ``program`` with Kiln (C++ kernels on CPU, Triton on CUDA), run it,
+    compare with eager."""
     from kiln.compiler.compiled_graph import load
     from kiln.compiler.decompositions import trace_aten
     from kiln.compiler.driver import compile_graph
     from kiln.frontend.compile import graph_constants
 
     fn = program.function()
-    inputs = program.make_inputs(seed)
+    inputs = [t.to(device) for t in program.make_inputs(seed)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -325,11 +326,13 @@ def check_program(program: Program, seed: int) -> Failure | None:
             return None
         try:
             gm = trace_aten(fn, [t.clone() for t in inputs])
-            compiled = compile_graph(gm, inputs, {"cpu_backend": "cpp"}, name="fuzz")
+            options = {"cpu_backend": "cpp"} if device == "cpu" else {"autotune": "0"}
+            compiled = compile_graph(gm, inputs, options, name="fuzz")
         except Exception as e:  # noqa: BLE001 - a failure to report
             return Failure("compile", f"{type(e).__name__}: {e}", program, seed)
         try:
-            actual = load(compiled, graph_constants(gm))([t.clone() for t in inputs])
+            actual = load(compiled, graph_constants(gm), torch.device(device))(
+                [t.clone() for t in inputs])
         except Exception as e:  # noqa: BLE001
             return Failure("run", f"{type(e).__name__}: {e}", program, seed)
     for i, (got, want) in enumerate(zip(actual, expected)):
