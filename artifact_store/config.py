@@ -108,6 +108,19 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def is_private_store(url: str) -> bool:
+    """Whether only this user's processes can write the store: a path under the user's
+    own cache directory, or memory:// (this process). An unsigned store anywhere else (a
+    bucket, a shared disk) lets whoever can write it run code in every reader."""
+    if url_protocol(url) == "memory" and "::" not in url:
+        return True
+    if not is_local_url(url):
+        return False
+    path = os.path.realpath(normalize_url(url).split("://", 1)[1])
+    root = os.path.realpath(user_cache_dir())
+    return path == root or path.startswith(root + os.sep)
+
+
 def redact_url(url: str) -> str:
     """The URL without any user:password@ part, for messages."""
     return re.sub(r"://[^/@]*@", "://***@", url)

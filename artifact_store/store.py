@@ -101,6 +101,32 @@ class Store:
     def url(self) -> str:
         return redact_url(self.config.url)
 
+    @property
+    def can_publish(self) -> bool:
+        """Whether this process is a builder for the store: it may write (not read-only)
+        and either holds a key that signs, or the store is unsigned and signatures are
+        not required. A client holding only a public key verifies and reads."""
+        if self.read_only or self.primary is None:
+            return False
+        if self.keyring.signer is not None:
+            return True
+        return not self.keyring and not self.require_signed
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Set aside `key`'s artifact, which verified but failed to load (a compiler
+        bug, or a builder's key used to sign bad code): removed from the local tier,
+        moved to quarantine/ in the store where this client may write. Never raises."""
+        for tier in self._tiers:
+            try:
+                raw = tier.read_manifest(key)
+            except Exception as exc:
+                self._fault(tier, READ, exc)
+                continue
+            if raw is not None:
+                logger.debug("%s: quarantining %s: %s", tier.label, key, reason)
+                tier.discard(key, raw)
+        self._stats.count("integrity_failures")
+
     def __repr__(self) -> str:
         tiers = ", ".join(f"{t.name}={t.label}" for t in self._tiers) or "disabled"
         return f"Store({tiers}, read_only={self.read_only}, keys={self.keyring.describe()})"

@@ -115,6 +115,7 @@ def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],
     device = device or torch.device("cuda", torch.cuda.current_device())
     specs = [s for s in compiled.kernels if s.backend == "triton"]
     compiled_candidates = compile_candidates(specs, target)
+    tunable = timed = 0
     for spec in specs:
         binary, results = autotune_kernel(spec, target, device,
                                           compiled_candidates[spec.name])
@@ -122,4 +123,9 @@ def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],
         compiled.configs[spec.name] = dict(binary.config)
         compiled.stats.setdefault("autotune", {})[spec.name] = [
             {"config": c, "ms": ms} for c, ms in results]
-    compiled.autotuned = True
+        if len(compiled_candidates[spec.name]) > 1:
+            tunable += 1
+            timed += bool(results)
+    # Only a graph whose every kernel with candidates was timed counts as autotuned: one
+    # of heuristic configs alone (small kernels, configs that failed) must not claim it.
+    compiled.autotuned = tunable > 0 and timed == tunable

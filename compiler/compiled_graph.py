@@ -31,6 +31,8 @@ class CompiledGraph:
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     lifetimes: str = ""
+    # Where a farm that built this graph published it ("" if nowhere); not stored.
+    published_to: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {

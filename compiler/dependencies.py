@@ -130,6 +130,10 @@ _PLUMBING = frozenset({"load", "store", "store_reduction", "constant", "index_ex
                        "to_dtype_bitcast"})
 
 
+_SCATTER_NAMES = {"atomic_add": "scatter_add", "atomic_max": "scatter_max",
+                  "atomic_min": "scatter_min"}
+
+
 @dataclass
 class RecordLoadStore(DefaultHandler[_Token]):
     """The recording ops handler: every load and store becomes a MemoryDep."""
@@ -154,7 +158,10 @@ class RecordLoadStore(DefaultHandler[_Token]):
         return _Token()
 
     def store(self, name: str, index: Expr, value: Any, mode: str | None = None) -> None:
-        self.writes.add(self._dep(name, index))
+        dep = self._dep(name, index)
+        self.writes.add(dep)
+        if mode is not None or dep.is_indirect():  # a scatter names its kernel
+            self._note(_SCATTER_NAMES.get(mode or "", "scatter"))
 
     def store_reduction(self, name: str, index: Expr, value: Any) -> None:
         # A reduction's output is indexed by its non-reduced variables only.
@@ -237,3 +244,28 @@ def extract_read_writes(
             body(index)
     return ReadWrites(frozenset(handler.reads), frozenset(handler.writes),
                       frozenset(handler.index_exprs), tuple(handler.op_names))
+
+
+def reduction_access_order(rw: ReadWrites, num_index_vars: int) -> tuple[int, int]:
+    """(inner, outer): elements of the reads of a reduction body that walk memory along
+    the reduced dimension (a row sum) or along the last kept dimension (a column sum).
+
+    Each read counts the elements it touches, so a row vector broadcast over the columns
+    (layer norm's mean and rstd in its weight gradient) does not outvote the matrices.
+    """
+    inner = outer = 0
+    for dep in rw.reads:
+        if not isinstance(dep, MemoryDep) or dep.is_indirect() or not dep.size:
+            continue
+        r_last = dep.var_names[len(dep.size) - 1]
+        cx = dep.index.coeff(dep.var_names[num_index_vars - 1]) if num_index_vars else 0
+        used = dep.index.free_symbols
+        weight = 1
+        for var, size in zip(dep.var_names, dep.size):
+            if var in used and isinstance(size, sympy.Integer):
+                weight *= int(size)
+        if dep.index.coeff(r_last) == 1:
+            inner += weight
+        elif cx == 1:
+            outer += weight
+    return inner, outer

@@ -27,7 +27,7 @@ from .scheduler import Scheduler
 from .virtualized import V
 
 DEFAULT_TARGETS: dict[str, dict[str, Any]] = {
-    "cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
+    "cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 132},
     "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
 
 
@@ -43,13 +43,13 @@ class ScheduledGraph:
 
 
 def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                       name: str = "graph", options: dict[str, Any] | None = None
-                       ) -> ScheduledGraph:
+                       name: str = "graph", options: dict[str, Any] | None = None,
+                       target: dict[str, Any] | None = None) -> ScheduledGraph:
     """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
     debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
-    graph = GraphLowering(gm, example_inputs, name)
+    graph = GraphLowering(gm, example_inputs, name, options, target)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
@@ -82,7 +82,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     from .codegen.graph_codegen import generate_code
 
     options = dict(options or {})
-    sg = lower_and_schedule(gm, example_inputs, name, options)
+    sg = lower_and_schedule(gm, example_inputs, name, options, target)
     t = time.perf_counter()
     with V.set_graph_handler(sg.graph):
         # 6. Code generation: a kernel per fused node, then the wrapper.
@@ -97,7 +97,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         constant_names=list(sg.graph.constants), timings=sg.timings,
         stats={"kernels": len(kernels), "buffers": len(sg.memory.allocations),
                "peak_bytes": sg.memory.peak_bytes,
-               "fused_nodes": len(sg.scheduler.nodes)},
+               "fused_nodes": len(sg.scheduler.nodes),
+               # Inputs the wrapper writes in place (CUDA graphs copy them back).
+               "mutated_inputs": sorted(sg.graph.graph_input_names.index(n)
+                                        for n in sg.graph.mutated_inputs
+                                        if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     if compile_kernels:

@@ -47,9 +47,12 @@ class GraphLowering(torch.fx.Interpreter):
     """Lower ``gm`` (an ATen FX graph) for inputs shaped like ``example_inputs``."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                 name: str = "graph") -> None:
+                 name: str = "graph", options: dict[str, Any] | None = None,
+                 target: dict[str, Any] | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.name = name
+        self.options = dict(options or {})  # compile options lowerings read (deterministic)
+        self.target = dict(target or {})  # the machine, where lowering depends on it (SMs)
         self.example_inputs = list(example_inputs)
         self.buffers: list[Buffer] = []
         self.name_to_buffer: dict[str, Buffer] = {}

@@ -81,6 +81,25 @@ def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str],
                 future_inner |= sub_used
 
 
+def extend_alias_lifetimes(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
+    """A scatter's result aliases the buffer it writes in place: that storage lives until
+    the alias's last use (forever, if the alias is an output), not its own last use."""
+    step_of = {name: i for i, node in enumerate(nodes) for name in node.last_usage}
+    for buf in V.graph.buffers:
+        layout = buf.layout
+        if not isinstance(layout, MutationLayout) or layout.target not in V.graph.name_to_buffer:
+            continue
+        alias, target = buf.get_name(), layout.target
+        if target not in step_of:
+            continue
+        nodes[step_of[target]].last_usage.discard(target)
+        if alias in outputs or alias not in step_of:
+            outputs.add(target)  # never freed nor reused
+            continue
+        nodes[step_of[alias]].last_usage.add(target)
+        step_of[target] = step_of[alias]
+
+
 def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
     """Buffers written and read only inside one fused kernel: they live in registers."""
     users: dict[str, set[int]] = {}
@@ -115,6 +134,7 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
     aliases = fallback_aliases(graph.buffers)
     compute_last_usage(nodes, outputs, aliases)
     outputs = _with_aliases(outputs, aliases)  # storage an output views is never reused
+    extend_alias_lifetimes(nodes, outputs)
     removed = find_removed_buffers(scheduler, outputs) - (stored or set())
     plan = MemoryPlan(removed_buffers=removed)
     free_pool: list[str] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,21 @@ NON_OUTPUT_OPTIONS = frozenset(
         "debug_dir",
     }
 )
+
+# Options a request may carry to a worker: the ones that change the compiled output.
+# Anything else in a request (debug folders, log settings, a store) is dropped there:
+# a caller never picks a path on a worker.
+COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune"})
+
+# Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
+# attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
+OP_NAMESPACES = frozenset({"aten", "prims"})
+_OP_PART_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*|_[A-Za-z0-9][A-Za-z0-9_]*")
+
+# Bounds on tensor metadata from a request: a constant's storage is allocated for real.
+MAX_RANK = 16
+MAX_DIM = 2**40
+MAX_CONSTANT_PADDING = 2**20  # storage elements a constant may hold beyond its values
 
 # msgpack integers: int64 and uint64.
 _INT_MIN = -(2**63)
@@ -169,11 +185,20 @@ class TensorMeta:
 
     @classmethod
     def from_wire(cls, wire: Any) -> TensorMeta:
+        """Decode and bound (rank, sizes, strides, offset: plain non-negative ints)."""
         try:
             shape, stride, dtype, device_type, offset = wire
-            return cls(tuple(shape), tuple(stride), str(dtype), str(device_type), int(offset))
+            meta = cls(tuple(shape), tuple(stride), str(dtype), str(device_type), offset)
         except (TypeError, ValueError) as exc:
-            raise SerializationError(f"bad tensor metadata {wire!r}") from exc
+            raise SerializationError(f"bad tensor metadata {wire!r:.200}") from exc
+        numbers = (*meta.shape, *meta.stride, meta.storage_offset)
+        if (len(meta.shape) != len(meta.stride) or len(meta.shape) > MAX_RANK
+                or not all(type(n) is int and 0 <= n <= MAX_DIM for n in numbers)):
+            raise SerializationError(
+                f"tensor metadata out of bounds {wire!r:.200}: at most {MAX_RANK} dims, "
+                f"sizes, strides and offset integers in [0, {MAX_DIM}]")
+        dtype_from_name(meta.dtype)
+        return meta
 
 
 def _strided_from_flat(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -260,6 +285,11 @@ def _decode_real_constant(wire: Sequence[Any], device: str | None) -> torch.Tens
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
     if values.numel() != math.prod(meta.shape):
         raise SerializationError(f"constant has {values.numel()} values for shape {meta.shape}")
+    if meta.storage_numel > values.numel() + MAX_CONSTANT_PADDING:
+        raise SerializationError(
+            f"constant of {values.numel()} values asks for a storage of {meta.storage_numel} "
+            f"elements (offset {meta.storage_offset}, strides {meta.stride}); at most "
+            f"{MAX_CONSTANT_PADDING} beyond its values")
     if meta.stride == _contiguous_stride(meta.shape) and meta.storage_offset == 0:
         return values.reshape(meta.shape).to(device or "cpu")
     # Scatter the values into a storage laid out like the original: each element's
@@ -383,23 +413,35 @@ def _encode_target(target: Any) -> list[str]:
 
 
 def _resolve_target(wire: Any) -> Any:
+    """An op from its wire name: a listed Python function or higher-order op, or an
+    ATen/prims overload (packet) named by identifier parts; nothing else on ``torch.ops``
+    is reachable."""
     try:
         kind, qualname = wire
         parts = qualname.split(".")
-        if kind == "py" and qualname in _PY_FUNCTIONS:
-            return _PY_FUNCTIONS[qualname]
-        if kind == "hop" and qualname in _HIGHER_ORDER_OPS:
-            return _HIGHER_ORDER_OPS[qualname]
-        if kind in ("op", "packet") and len(parts) == (3 if kind == "op" else 2):
-            target: Any = torch.ops
-            for part in parts:
-                target = getattr(target, part)
-            return target
-    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SerializationError(f"bad call target {wire!r:.200}") from exc
+    if kind == "py" and qualname in _PY_FUNCTIONS:
+        return _PY_FUNCTIONS[qualname]
+    if kind == "hop" and qualname in _HIGHER_ORDER_OPS:
+        return _HIGHER_ORDER_OPS[qualname]
+    if kind not in ("op", "packet") or len(parts) != (3 if kind == "op" else 2):
+        raise SerializationError(f"bad call target {wire!r:.200}")
+    if parts[0] not in OP_NAMESPACES or not all(
+            _OP_PART_RE.fullmatch(part) and not part.startswith("__") for part in parts[1:]):
         raise SerializationError(
-            f"cannot resolve op {wire!r} (is the library that defines it imported?)"
-        ) from exc
-    raise SerializationError(f"bad call target {wire!r}")
+            f"op {qualname!r:.200} is not allowed in a request: ops come from the "
+            f"{sorted(OP_NAMESPACES)} namespaces, named by identifiers (no dunders)")
+    try:
+        target: Any = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if kind == "op":
+            target = getattr(target, parts[2])
+    except (AttributeError, RuntimeError) as exc:
+        raise SerializationError(f"unknown op {qualname!r}") from exc
+    wanted = torch._ops.OpOverload if kind == "op" else torch._ops.OpOverloadPacket
+    if not isinstance(target, wanted):
+        raise SerializationError(f"{qualname!r} is not an operator overload")
+    return target
 
 
 # ---------------------------------------------------------------------------------------
@@ -544,6 +586,11 @@ def canonical(value: Any, where: str = "value") -> Any:
             raise SerializationError(f"{where} has non-string keys")
         return {k: canonical(value[k], f"{where}.{k}") for k in sorted(value)}
     raise SerializationError(f"{where} has unsupported type {type(value).__name__}")
+
+
+def compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's options a worker hands the compiler (``COMPILE_OPTIONS`` only)."""
+    return {k: v for k, v in options.items() if k in COMPILE_OPTIONS}
 
 
 def output_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .dependencies import (
 )
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout
-from .ir.nodes import Buffer, ComputedBuffer, ReinterpretView, TemplateBuffer
+from .ir.nodes import Buffer, ComputedBuffer, ReinterpretView, Scatter, TemplateBuffer
 from .ir.sym import Expr, prod
 from .virtualized import V
 
@@ -119,8 +119,11 @@ class SchedulerNode(BaseSchedulerNode):
                                if isinstance(x, (Buffer, ReinterpretView))}
             return ReadWrites(frozenset(reads), frozenset({StarDep(node.get_name())}))
         data = node.data
-        return extract_read_writes(node.store_body(), data.get_size(),
-                                   data.get_reduction_size())
+        rw = extract_read_writes(node.store_body(), data.get_size(), data.get_reduction_size())
+        # A scatter into a buffer the graph computed runs after all of that buffer is
+        # written, and never in the same kernel (its writes land anywhere in it).
+        targets = {t for t in node.get_mutation_names() if t in V.graph.name_to_buffer}
+        return rw.with_read({StarDep(t) for t in targets}) if targets else rw
 
     def get_name(self) -> str:
         return self.node.get_name()
@@ -263,6 +266,12 @@ def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
     extra = set(r.var_names[n:])
     return r.index.subs(dict(zip(r.var_names[:n], w.var_names[:n]))) == w.index and not (
         r.index.free_symbols & extra)
+
+
+def has_scatter(node: BaseSchedulerNode) -> bool:
+    """True when ``node`` (or a node fused into it) is a Scatter: stores to indirect indices."""
+    return any(isinstance(getattr(getattr(n, "node", None), "data", None), Scatter)
+               for n in node.get_nodes())
 
 
 class Scheduler:
@@ -454,6 +463,10 @@ class Scheduler:
         if node1.get_device() != node2.get_device():
             return False
         if len(node1.get_nodes()) + len(node2.get_nodes()) > MAX_FUSION_SIZE:
+            return False
+        # A scatter's atomic stores stay out of reduction loops.
+        if (has_scatter(node1) and node2.is_reduction()) or (
+                has_scatter(node2) and node1.is_reduction()):
             return False
         # A fusion that shares no access (same buffer, same element per iteration) saves no
         # memory traffic: it is not profitable, and the two loops may walk memory in

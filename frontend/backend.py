@@ -7,6 +7,7 @@ warning naming the graph and the stage; the backend never raises into the user's
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -34,6 +35,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     from torch._dynamo.backends.common import aot_autograd
 
     config = KilnConfig.resolve(options)
+    if mode == "reduce-overhead":  # torch.compile's name for CUDA graphs
+        config = dataclasses.replace(config, cudagraphs=True)
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 

@@ -374,7 +374,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
     if args.action == "up":
         try:
             info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                            port=args.port)
+                                            port=args.port, host=args.host)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
@@ -382,6 +382,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
+        print(farm.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":
         stopped = farm.stop_local_cluster()
@@ -418,8 +419,9 @@ def _warm_farm(address: str) -> None:
     """Start the coordinator and its workers now, so the first miss finds them warm."""
     import ray
 
-    from .farm import FarmUnavailable, RayFarm
+    from .farm import FarmUnavailable, RayFarm, read_farm_file, use_farm_token
 
+    use_farm_token(read_farm_file() or {})
     try:
         actor = RayFarm(address).actor()
         ray.get(actor.wait_warm.remote(), timeout=300)
@@ -474,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     farm.add_argument("--num-cpus", type=int)
     farm.add_argument("--num-gpus", type=int)
     farm.add_argument("--port", type=parse_port, help="up: the head's port (checked free)")
+    farm.add_argument("--host", help="up: the address other machines join the farm by "
+                      "(default: this machine only); Ray token auth is on either way")
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
     farm.add_argument("--json", action="store_true", help="status: one JSON object")
     farm.set_defaults(func=cmd_farm)

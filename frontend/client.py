@@ -2,7 +2,15 @@
 
     key = compute_key(request)
     store.get(key)       hit  -> CompiledGraph from the artifact (no compiler runs)
-                         miss -> farm.compile(key, request) -> store.publish -> CompiledGraph
+                         miss -> farm.compile(request) -> CompiledGraph
+                                 (the farm, a builder, publishes it signed itself)
+                              -> or compile here -> store.publish, only if this process
+                                 is a builder (a key that signs, or an unsigned store)
+
+Roles as in Bazel remote execution: builders (farm workers, precompile jobs holding the
+private key) compile, sign and publish; clients holding only the public key verify and
+read. An artifact that verifies but does not load is quarantined, compiled again and
+republished where this process may publish (``repair``), with one warning.
 
 Threads of one process asking for the same key wait for one compile (across processes,
 the farm's coordinator de-duplicates). A farm that is unreachable, dies or is slower than
@@ -22,13 +30,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.artifact_store import Store, default_stats_file, open_store
+from kiln.artifact_store import Artifact, Store, default_stats_file, open_store
 from kiln.artifact_store.stats import merge_counters, persist_counters
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.workers.pipeline import CompileFailure, test_delay
 
-from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
+from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
 from .farm import Farm, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
@@ -41,6 +49,10 @@ FLUSH_INTERVAL_S = 5.0
 
 class KilnFarmWarning(UserWarning):
     """The farm could not compile; this process compiles its graphs itself."""
+
+
+class KilnRepairWarning(UserWarning):
+    """A stored artifact did not load: it is quarantined and the graph compiled again."""
 
 
 @dataclass
@@ -161,9 +173,9 @@ class KilnClient:
             return None
         try:
             compiled = from_artifact(artifact)
-        except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
-            log.warning("kiln: artifact %s cannot be read (%s); compiling it again", key.key, e)
+        except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
+            self._set_aside(key.key, f"{type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         return CompileResult(compiled, key, "hit", timings,
@@ -177,13 +189,40 @@ class KilnClient:
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)
-        published = self.store.publish(artifact)
+        published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
                           kernels_compiled=len(compiled.binaries), compile_seconds=wall,
                           publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
         return CompileResult(compiled, key, source, timings, published_bytes=nbytes)
+
+    def _publish(self, key: KeyInfo, compiled: CompiledGraph, artifact: Artifact) -> bool:
+        """Publish where this process is a builder and the farm did not already."""
+        if compiled.published_to and compiled.published_to == self.store.url:
+            return True
+        if not self.store.can_publish:
+            log.debug("kiln: not publishing %s: this client only verifies and reads %s",
+                      key.key, self.store.url)
+            return False
+        return self.store.publish(artifact)
+
+    def repair(self, request: CompileRequest, name: str, error: BaseException
+               ) -> CompileResult:
+        """An artifact that verified but failed to load: set it aside, compile the graph
+        again (locally or on the farm) and republish it where this process may."""
+        key = compute_key(request)
+        self._set_aside(key.key, f"{type(error).__name__}: {error}")
+        result = self._compile_miss(key, request, name)
+        result.source = f"repaired ({result.source})"
+        return result
+
+    def _set_aside(self, key: str, reason: str) -> None:
+        self.counters.add(repairs=1)
+        warnings.warn(f"kiln: the stored artifact {key} passed its checks but does not load "
+                      f"({reason}); it is quarantined and the graph compiled again",
+                      KilnRepairWarning, stacklevel=4)
+        self.store.quarantine(key, reason)
 
     def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
                            ) -> tuple[CompiledGraph, str]:
@@ -219,6 +258,9 @@ class KilnClient:
         warnings.warn(f"kiln: the compile farm ({self.farm.description}) cannot compile: "
                       f"{reason}. This process compiles its graphs itself from now on.",
                       KilnFarmWarning, stacklevel=4)
+        release = getattr(self.farm, "release", None)
+        if release is not None:
+            release()
 
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}

@@ -59,7 +59,9 @@ def target_for(device: torch.device) -> dict[str, Any]:
     """The compile target of a device: its GPU arch, or the CPU default."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32,
+                "sm_count": sms}
     cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
     return cpu
 
@@ -67,7 +69,10 @@ def target_for(device: torch.device) -> dict[str, Any]:
 def request_options(config: KilnConfig) -> dict[str, Any]:
     """Options that reach the compiler and the key: those that change compiled code
     (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs)."""
-    return config.compiler_options()
+    options = config.compiler_options()
+    if torch.are_deterministic_algorithms_enabled():
+        options["deterministic"] = True  # scatters run ATen's sorted kernels, not atomics
+    return options
 
 
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -91,12 +96,27 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     client = client_for(config)
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
+    constants, device = graph_constants(gm), input_device(example_inputs)
     try:
-        fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+        fn = load(result.compiled, constants, device)
     except Exception as e:
-        client.loaded(result, ok=False)
-        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        if result.source != "hit":
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        # A stored artifact that verified but does not load: set aside and rebuilt.
+        client.counters.add(load_errors=1)
+        result = client.repair(request, name, e)
+        try:
+            fn = load(result.compiled, constants, device)
+        except Exception as again:
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(again).__name__}: {again}") from again
     client.loaded(result, ok=True)
+    if config.cudagraphs:
+        from kiln.compiler.runtime.cudagraphs import cudagraphify
+
+        fn = cudagraphify(fn, result.compiled.device_type, example_inputs, name,
+                          result.compiled.stats.get("mutated_inputs", []))
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)

@@ -170,6 +170,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cpu_backend", choice(*CPU_BACKENDS), "cpp", "kernels for CPU graphs",
             in_key=True),
     Setting("autotune", parse_flag, True, "autotune GPU kernels", in_key=True),
+    Setting("deterministic", parse_flag, False,
+            "scatters with float sums run ATen's deterministic kernels, not atomics",
+            in_key=True),
+    Setting("cudagraphs", parse_flag, False,
+            "replay each GPU graph's launches as one CUDA graph (reduce-overhead)"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -270,6 +275,8 @@ class KilnConfig:
     require_signed: bool | None = None  # None: required exactly when a key is set
     cpu_backend: str = "cpp"
     autotune: bool = True
+    deterministic: bool = False
+    cudagraphs: bool = False  # a runtime choice: not in the key
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -99,6 +100,38 @@ def write_farm_file(info: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(info, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def farm_token_file() -> Path:
+    return farm_file().with_name("farm-token")
+
+
+def farm_token(create: bool = False) -> str | None:
+    """The Ray auth token of `kiln farm up`'s cluster (a private file, mode 0600): made
+    once and kept, so clients configured with it survive a restart of the farm."""
+    path = farm_token_file()
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except OSError:
+        pass
+    if not create:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def use_farm_token(info: dict[str, Any]) -> None:
+    """Before joining `kiln farm up`'s cluster: send its token (unless one is set)."""
+    token_file = info.get("token_file")
+    if token_file and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(token_file))
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -250,6 +283,7 @@ class RayFarm:
             info = read_farm_file()
             if info is not None and probe(str(info["address"])) is None:
                 address = str(info["address"])
+                use_farm_token(info)
         kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING,
                                   "ignore_reinit_error": True}
         if address is None:
@@ -288,24 +322,28 @@ class RayFarm:
         import ray
 
         actor = self.actor()
-        ref = actor.compile.remote(key, request.to_bytes(), delay)
+        # The farm recomputes the key from the bytes; ours only checks that we agree.
+        ref = actor.compile.remote(request.to_bytes(), delay, key)
         try:
-            return CompiledGraph.from_dict(ray.get(ref, timeout=timeout))
+            answer = ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(
                 f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
                 "compiling it for later clients") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
+        compiled = CompiledGraph.from_dict(answer["compiled"])
+        compiled.published_to = str(answer.get("published") or "")
+        return compiled
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
-        from kiln.workers.pipeline import FarmVersionMismatch
+        from kiln.workers.pipeline import FarmKeyMismatch, FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):
             return CompileFailure.wrap(cause, key)
-        if not isinstance(cause, FarmVersionMismatch):
+        if not isinstance(cause, (FarmVersionMismatch, FarmKeyMismatch)):
             with self._lock:
                 self._actor = None  # look the coordinator up again next time
         return FarmUnavailable(f"{type(cause).__name__}: {cause}")
@@ -339,6 +377,7 @@ def farm_status(mode: str) -> dict[str, Any]:
             status["reason"] = (f"no farm is up (KILN_FARM={mode}: local clients compile in "
                                 "process or start an embedded Ray; `kiln farm up` starts one)")
             return status
+        use_farm_token(info)
         address = str(info["address"])
     status["address"] = address
     status["reason"] = probe(address)
@@ -349,6 +388,21 @@ def farm_status(mode: str) -> dict[str, Any]:
         except FarmUnavailable as e:
             status["reason"] = str(e)
     return status
+
+    def release(self) -> None:
+        """Leave the cluster, if Kiln joined it (never a connection the user made): Ray
+        aborts a driver a minute after its cluster's head is gone, and the user's program
+        with it. Called when a client gives the farm up."""
+        with self._lock:
+            if self.joined is None:
+                return
+            self.joined, self._actor = None, None
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception as e:  # leaving is best effort
+            log.debug("kiln farm: leaving Ray failed: %s", e)
 
 
 _farms: dict[str, Farm] = {}
@@ -398,9 +452,15 @@ def check_port(port: int) -> None:
 
 
 def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
-                        port: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
-    """`ray start --head` in the background; its address goes to the farm file, which
-    ``local`` clients read. A cluster already up is returned as it is."""
+                        port: int | None = None, host: str | None = None,
+                        timeout: float = 120.0) -> dict[str, Any]:
+    """`ray start --head` in the background, with Ray's token authentication on (the
+    token in a private file, ``farm_token_file()``); its address and token file go to
+    the farm file, which ``local`` clients read. ``host``: the address other machines
+    join it by (Ray's node IP); without it the farm is for this machine. Ray listens on
+    every interface whatever the node IP (it refuses a loopback one): the token, and a
+    firewall for the ports, are what keep other machines out. A cluster already up is
+    returned as it is."""
     info = read_farm_file()
     if info is not None and probe(str(info["address"])) is None:
         return {**info, "already_running": True}
@@ -416,9 +476,14 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
                f"--temp-dir={temp_dir}",
                f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
                "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
+    if host:
+        command.append(f"--node-ip-address={host}")
     if num_gpus is not None:
         command.append(f"--num-gpus={num_gpus}")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
+    farm_token(create=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -429,7 +494,8 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
         raise
     info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
             "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
-            "started": time.time()}
+            "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
+            "host": host or ""}
     write_farm_file(info)
     return info
 
@@ -513,3 +579,15 @@ def _kill_group(pid: int, grace_s: float) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def auth_instructions(info: dict[str, Any]) -> str:
+    """What `kiln farm up` prints: how clients send the farm's Ray token."""
+    token_file = info.get("token_file") or farm_token_file()
+    return (f"Ray token authentication is on; the token is in {token_file} (mode 0600).\n"
+            f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}\n"
+            f"  clients elsewhere: export RAY_AUTH_MODE=token "
+            f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}\n"
+            "  Ray listens on every interface: keep its ports behind a firewall too. Ray "
+            "access runs code on the farm,\n  which holds the signing key: give the token "
+            "to trusted builders and clients only (infra/README.md).")

@@ -38,8 +38,10 @@ class Tally:
 
     def __init__(self, total: int | None) -> None:
         """``total`` shape sets to step through; None counts graphs (a script's run)."""
-        from tqdm import tqdm
-
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a dependency; a machine without it still precompiles
+            tqdm = _NoDisplay
         self.start = time.perf_counter()
         self.counts = {"graphs": 0, "hits": 0, "misses": 0, "farm": 0, "local": 0,
                        "kernels": 0, "published": 0, "published_bytes": 0,
@@ -77,6 +79,22 @@ class Tally:
         self.bar.close()
         return {**self.counts, "shape_sets": shape_sets,
                 "seconds": round(time.perf_counter() - self.start, 3)}
+
+
+class _NoDisplay:
+    """Where tqdm is not installed: counts, shows nothing (the summary line remains)."""
+
+    def __init__(self, total: int | None = None, **kwargs: Any) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def make_request(
         else:
             raise SerializationError(f"input {i} is a {type(x).__name__}, not a tensor")
     if versions is None:
-        from kiln.frontend.keys import versions as current_versions  # keys imports this module
+        from kiln.compiler.versions import versions as current_versions
 
         versions = current_versions()
     return CompileRequest(

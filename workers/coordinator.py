@@ -1,9 +1,12 @@
 """``KilnFarm``: the farm's one named, detached coordinator actor.
 
 Every client of a cluster calls the same ``KilnFarm`` (found by name), which is what lets
-it de-duplicate: a key already in flight is not compiled again, its waiters share the
-one result; a key finished a moment ago is answered from a small recent-results list
-(the client that asked first may not have published it yet). For each graph it asks a
+it de-duplicate. A caller sends request bytes, never a key: the coordinator recomputes
+the key from them (a caller naming another graph's key is refused), and, where the farm
+is a builder (its own ``KILN_STORE`` and private ``KILN_SIGNING_KEY``), publishes the
+signed artifact itself before answering (``workers.publish``). A key already in flight
+is not compiled again, its waiters share the one result; a key finished a moment ago is
+answered from a small recent-results list. For each graph it asks a
 ``CompileWorker`` for kernel sources, fans the kernels out as Ray tasks (one per unique
 kernel source, config and target, remembered across graphs and requests, so identical
 kernels compile once), has ``Autotuner`` actors time the candidates where the cluster has
@@ -29,12 +32,14 @@ import ray
 
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
-from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
+from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
+from .publish import FarmPublisher
 
 log = logging.getLogger("kiln.farm")
 
@@ -77,6 +82,7 @@ class KilnFarm:
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
+        self.publisher = FarmPublisher()
         self.started = time.time()
         # Start the workers' processes now: the first miss should not pay for imports.
         self._warming = [w.warm.remote() for w in self.workers]
@@ -107,23 +113,41 @@ class KilnFarm:
 
     # -- compiling --------------------------------------------------------------------
 
-    async def compile(self, key: str, request_bytes: bytes, delay: float = 0.0
-                      ) -> dict[str, Any]:
-        """The compiled graph of ``key`` (``CompiledGraph.to_dict()``); one compile however
-        many clients ask at once."""
+    async def compile(self, request_bytes: bytes, delay: float = 0.0,
+                      expected_key: str | None = None) -> dict[str, Any]:
+        """``{"key", "compiled", "published"}`` for a request: its recomputed key, the
+        ``CompiledGraph.to_dict()`` and the store URL the farm published it to ("" if
+        not). One compile however many clients ask at once. ``expected_key`` is what the
+        caller computed: a mismatch is refused, never stored under either key."""
         self.counters["requests"] += 1
-        if key in self.recent:
+        request, key = self._decode(request_bytes, expected_key)
+        if key.key in self.recent:
             self.counters["recent_hits"] += 1
-            self.recent.move_to_end(key)
-            return self.recent[key]
-        future = self.inflight.get(key)
+            self.recent.move_to_end(key.key)
+            return self.recent[key.key]
+        future = self.inflight.get(key.key)
         if future is None:
-            future = asyncio.ensure_future(self._compile(key, request_bytes, delay))
-            self.inflight[key] = future
-            future.add_done_callback(functools.partial(self._done, key))
+            future = asyncio.ensure_future(self._compile(key, request, request_bytes, delay))
+            self.inflight[key.key] = future
+            future.add_done_callback(functools.partial(self._done, key.key))
         else:
             self.counters["deduplicated"] += 1
         return await asyncio.shield(future)
+
+    def _decode(self, request_bytes: bytes, expected_key: str | None
+                ) -> tuple[CompileRequest, KeyInfo]:
+        try:
+            request = CompileRequest.from_bytes(request_bytes)
+            key = compute_key(request)
+        except Exception as e:  # hostile or damaged bytes: the caller's error
+            self.counters["refused"] += 1
+            raise CompileFailure.wrap(e, expected_key or "") from None
+        if expected_key is not None and expected_key != key.key:
+            self.counters["refused"] += 1
+            raise FarmKeyMismatch(
+                f"the request's bytes hash to key {key.key}, not {expected_key}: the farm "
+                "computes every key itself and stores nothing under a key a caller names")
+        return request, key
 
     def _done(self, key: str, future: asyncio.Future[dict[str, Any]]) -> None:
         self.inflight.pop(key, None)
@@ -134,15 +158,26 @@ class KilnFarm:
         while len(self.recent) > self.recent_entries:
             self.recent.popitem(last=False)
 
-    async def _compile(self, key: str, request_bytes: bytes, delay: float) -> dict[str, Any]:
+    async def _compile(self, key: KeyInfo, request: CompileRequest, request_bytes: bytes,
+                       delay: float) -> dict[str, Any]:
         self.counters["graph_compiles"] += 1
+        start = time.perf_counter()
         try:
-            return await self._compile_graph(key, request_bytes, delay)
+            compiled = await self._compile_graph(key.key, request_bytes, delay)
         except ray.exceptions.RayTaskError as e:
             cause = root_cause(e)
             if isinstance(cause, CompileFailure):
-                raise CompileFailure.wrap(cause, key) from None
+                raise CompileFailure.wrap(cause, key.key) from None
             raise
+        wall = time.perf_counter() - start
+        try:
+            published = await asyncio.to_thread(self.publisher.publish, key, request,
+                                                compiled, wall)
+        except Exception as e:  # the store's own faults are warnings; this is a bug
+            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
+            published = ""
+        self.counters["published" if published else "not_published"] += 1
+        return {"key": key.key, "compiled": compiled, "published": published}
 
     async def _compile_graph(self, key: str, request_bytes: bytes, delay: float
                              ) -> dict[str, Any]:
@@ -232,9 +267,15 @@ class KilnFarm:
 RemoteKilnFarm = ray.remote(KilnFarm)
 
 
-def get_farm_actor(graph_workers: int | None = None) -> Any:
-    """The cluster's coordinator for this Kiln: found by name, else created (detached)."""
-    return RemoteKilnFarm.options(  # type: ignore[attr-defined]
-        name=FARM_NAME, namespace=farm_namespace(), lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=-1, max_concurrency=10000,
-    ).remote(graph_workers)
+def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
+                   runtime_env: dict[str, Any] | None = None) -> Any:
+    """The cluster's coordinator for this Kiln: found by name, else created (detached).
+
+    ``runtime_env`` (for a farm started from Python; a deployed farm takes its store and
+    key from its image's environment) reaches the coordinator and every worker it starts."""
+    options: dict[str, Any] = {"name": name, "namespace": farm_namespace(),
+                               "lifetime": "detached", "get_if_exists": True, "num_cpus": 0,
+                               "max_restarts": -1, "max_concurrency": 10000}
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    return RemoteKilnFarm.options(**options).remote(graph_workers)  # type: ignore[attr-defined]

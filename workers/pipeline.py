@@ -27,7 +27,7 @@ from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.errors import KilnCompileError
 from kiln.compiler.kernel_compile import KernelBinary, compile_kernel
-from kiln.compiler.request import CompileRequest, canonical
+from kiln.compiler.request import CompileRequest, canonical, compile_options
 from kiln.compiler.versions import versions
 
 log = logging.getLogger("kiln.workers")
@@ -39,6 +39,10 @@ TEST_DELAY_ENV = "KILN_TEST_COMPILE_DELAY"
 
 class FarmVersionMismatch(RuntimeError):
     """The worker's compiler is not the one the request (and its key) was made for."""
+
+
+class FarmKeyMismatch(RuntimeError):
+    """A caller's key is not the one the farm computes from the request's bytes."""
 
 
 class CompileFailure(KilnCompileError):
@@ -101,7 +105,9 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
 
     Inputs are FakeTensors of the request's device type, so a CPU-only worker lowers a
     CUDA graph (and its kernels are cross-compiled for the request's target later).
-    ``extra_options`` reach the compiler but not the key: debug folders and logs only."""
+    Of the request's options only compile options reach the compiler (``debug_dir`` or
+    ``logs`` in a request are dropped: a caller never picks a path on a worker);
+    ``extra_options`` are this process's own: debug folders and logs, never in the key."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.driver import compile_graph
@@ -115,7 +121,7 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
     gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode)
     inputs = [fake_tensor_from_meta(meta, mode) for meta in request.inputs]
     start = time.perf_counter()
-    options = {**request.options, **(extra_options or {})}
+    options = {**compile_options(request.options), **(extra_options or {})}
     compiled = compile_graph(gm, inputs, options, name=graph_name(key),
                              target=request.target, compile_kernels=False)
     compiled.timings["graph_compile"] = time.perf_counter() - start

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# A kernel's name becomes a module attribute, a C symbol and part of file and blob names:
+# from a stored manifest it is hostile, so it must be a plain identifier.
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
+
+
+def check_kernel_name(name: object) -> str:
+    """``name`` if it is identifier-like (no dunders); ValueError naming it otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.startswith("__"):
+        raise ValueError(f"invalid kernel name {name!r}: expected an identifier such as "
+                         "triton_poi_fused_add_0")
+    return name
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,8 @@ class KernelSpec:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
-        return KernelSpec(d["name"], d["backend"], d["kind"], d["source"],
+        """Checks what later becomes a name or a path (from a store or a farm)."""
+        return KernelSpec(check_kernel_name(d["name"]), d["backend"], d["kind"], d["source"],
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
                           tuple(int(n) for n in d.get("arg_bytes", ())))

@@ -175,7 +175,7 @@ class WrapperCodegen:
             if buf is None or isinstance(buf, ConstantBuffer):
                 continue  # constants are the module's, bound once at load, never freed
             if isinstance(buf, InputBuffer) or name in self.plan.allocations or isinstance(
-                    buf, ExternKernel):
+                    buf, ExternKernel) or _aliases_intermediate(buf):
                 self.lines.writeline(f"del {name}")
                 self.freed.add(name)
 
@@ -223,6 +223,12 @@ def _op_ref(op: Any) -> str:
     overload = op._overloadname
     base = rest.split(".")[0]
     return f"torch.ops.{ns}.{base}.{overload}"
+
+
+def _aliases_intermediate(buf: Buffer) -> bool:
+    """A scatter's result: another name for a buffer of the graph that it wrote in place."""
+    layout = buf.layout
+    return isinstance(layout, MutationLayout) and layout.target in V.graph.name_to_buffer
 
 
 def _lookup(name: str) -> Buffer | None:

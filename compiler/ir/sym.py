@@ -166,3 +166,33 @@ def linear_coefficients(
     if sympy.expand(rebuilt - expr) != 0:
         return None
     return coeffs, const
+
+
+def combine_div_mod(expr: Expr) -> Expr:
+    """Fold ``c*(b // (d*m)) * m + c*((b // d) % m)`` back into ``c*(b // d)``.
+
+    Loops that could not be merged for every access (a broadcast bias reads only the
+    inner one) still give full accesses of this shape; folding makes them plain again.
+    """
+    changed = True
+    while changed and isinstance(expr, sympy.Add):
+        changed = False
+        terms = list(expr.args)
+        mods = []
+        for t in terms:
+            coeff, rest = t.as_coeff_Mul()
+            if isinstance(rest, ModularIndexing):
+                mods.append((t, coeff, rest))
+        for t, coeff, mod in mods:
+            base, div, m = mod.args
+            partner_rest = FloorDiv(base, div * m)
+            for u in terms:
+                c2, r2 = u.as_coeff_Mul()
+                if u is not t and r2 == partner_rest and c2 == coeff * m:
+                    others = [x for x in terms if x is not t and x is not u]
+                    expr = sympy.Add(*others, coeff * FloorDiv(base, div))
+                    changed = True
+                    break
+            if changed:
+                break
+    return expr

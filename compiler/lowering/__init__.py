@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     indexing,
     pointwise,
     reductions,
+    scatter,
     views,
 )
 from .registry import lowerings, make_pointwise, register_lowering, register_pointwise

@@ -25,10 +25,11 @@ def _indirect(loader: Any, index: Sequence[Expr], size: Expr) -> sympy.Symbol:
     return ops.indirect_indexing(loader(index), size)
 
 
-@register_lowering(aten.index.Tensor)
-def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
-    """``x[indices]`` with ATen's advanced-indexing shape rules."""
-    size = list(x.get_size())
+def advanced_indexer(size: Sequence[Expr], indices: Sequence[IRNode | None]
+                     ) -> tuple[list[Expr], Any]:
+    """The shape of ``x[indices]`` (ATen's advanced-indexing rules) and the map from an
+    index of it to the index of ``x`` it reads; index_put scatters along the same map."""
+    size = list(size)
     indices = list(indices) + [None] * (len(size) - len(indices))
     adv = [i for i, t in enumerate(indices) if t is not None]
     bshape = list(broadcast_shapes(*[indices[i].get_size() for i in adv]))  # type: ignore
@@ -38,10 +39,9 @@ def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
     before = adv[0] if contiguous else 0
     rest = [d for d in range(len(size)) if d not in adv]
     out_size = ([size[d] for d in rest[:before]] + bshape + [size[d] for d in rest[before:]])
-    x_loader = x.make_loader()
     nb = len(bshape)
 
-    def inner_fn(idx: Sequence[Expr]) -> Any:
+    def to_source(idx: Sequence[Expr]) -> list[Expr]:
         bidx = list(idx[before:before + nb])
         plain = list(idx[:before]) + list(idx[before + nb:])
         full: list[Expr] = [sympy.Integer(0)] * len(size)
@@ -49,7 +49,19 @@ def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
             full[d] = plain[k]
         for d in adv:
             full[d] = _indirect(loaders[d], bidx, size[d])
-        return x_loader(full)
+        return full
+
+    return out_size, to_source
+
+
+@register_lowering(aten.index.Tensor)
+def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
+    """``x[indices]`` with ATen's advanced-indexing shape rules."""
+    out_size, to_source = advanced_indexer(x.get_size(), indices)
+    x_loader = x.make_loader()
+
+    def inner_fn(idx: Sequence[Expr]) -> Any:
+        return x_loader(to_source(idx))
 
     return Pointwise.create(x.get_device(), x.get_dtype(), inner_fn, sympify_tuple(out_size))
 

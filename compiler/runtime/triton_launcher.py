@@ -11,11 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..codegen.kernel_spec import KernelSpec
+from ..codegen.kernel_spec import KernelSpec, check_kernel_name
 from ..kernel_compile import CONSTEXPR_KEYS, KernelBinary
 from .kernel_files import import_source
 
 log = logging.getLogger("kiln.runtime")
+
+_BINARY_EXTS = frozenset({"cubin", "hsaco", "spv"})
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -63,24 +65,31 @@ class TritonLauncher:
 
 
 def load_binary(spec: KernelSpec, binary: KernelBinary) -> Any:
-    """A Triton ``CompiledKernel`` from a stored cubin, without importing the source."""
+    """A Triton ``CompiledKernel`` from a stored cubin, without importing the source.
+
+    Triton reads a kernel from files: they go to a private temporary folder (mode 0700)
+    under names checked to be identifiers (the metadata comes from a store), and the
+    folder is removed once the module is loaded onto the GPU."""
     from triton.compiler.compiler import CompiledKernel
 
     meta = dict(binary.metadata)
-    ext = meta.get("binary_ext", "cubin")
-    folder = Path(tempfile.mkdtemp(prefix="kiln_bin_"))
-    name = meta.get("name", spec.name)
-    (folder / f"{name}.{ext}").write_bytes(binary.binary)
-    (folder / f"{name}.json").write_text(json.dumps(meta))
-    group = {f"{name}.{ext}": str(folder / f"{name}.{ext}"),
-             f"{name}.json": str(folder / f"{name}.json")}
+    ext = str(meta.get("binary_ext", "cubin"))
+    name = check_kernel_name(meta.get("name", spec.name))
+    if ext not in _BINARY_EXTS:
+        raise ValueError(f"kernel {spec.name}: unknown binary kind {ext!r}")
     names = list(spec.signature)
     constants = {(names.index(k),): binary.config[k] for k in CONSTEXPR_KEYS
                  if k in spec.signature}
     src = SimpleNamespace(constants=constants, signature=dict(spec.signature), fn=None,
                           attrs={})
-    kernel = CompiledKernel(src, group, meta.get("hash", name))
-    kernel._init_handles()
+    with tempfile.TemporaryDirectory(prefix="kiln_bin_") as tmp:
+        folder = Path(tmp)
+        (folder / f"{name}.{ext}").write_bytes(binary.binary)
+        (folder / f"{name}.json").write_text(json.dumps(meta))
+        group = {f"{name}.{ext}": str(folder / f"{name}.{ext}"),
+                 f"{name}.json": str(folder / f"{name}.json")}
+        kernel = CompiledKernel(src, group, meta.get("hash", name))
+        kernel._init_handles()
     return kernel
 
 

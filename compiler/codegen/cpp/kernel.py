@@ -32,6 +32,7 @@ from .overrides import (
     narrow,
     promote,
     render_op,
+    storage_type,
     widen,
 )
 
@@ -97,6 +98,7 @@ class CppKernel:
         self.interned: dict[str, str] = {}  # expression over value ids -> value id
         self.phase_values: dict[str, tuple[Phase, CSEVariable]] = {}
         self.scratch_bytes = 0
+        self.atomics = False  # a scatter's atomic stores: the loop is not vectorized
 
     @property
     def is_reduction(self) -> bool:
@@ -246,7 +248,23 @@ class CppKernel:
 
     def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
               ) -> None:
+        if mode is not None:
+            self._atomic_store(name, index, value, mode)
+            return
         self._store_to(self.compute(), name, index, value, in_phase=self.phase is not None)
+
+    def _atomic_store(self, name: str, index: Expr, value: CSEVariable, mode: str) -> None:
+        """A scatter's combining store (``kiln_atomic_add``, max, min); the loop it is in
+        is not vectorized, and the value is not forwarded: other iterations add to it."""
+        assert mode in ("atomic_add", "atomic_max", "atomic_min"), mode
+        self.atomics = True
+        dtype = V.graph.get_dtype(name)
+        idx = self.index_str(index, name)
+        text = narrow(str(value), value.dtype, dtype)
+        line = f"kiln_{mode}<{storage_type(dtype)}>({self.args.output(name)} + ({idx}), {text});"
+        if self.mask_stack:
+            line = f"if ({self.mask()}) {{ {line} }}"
+        self.compute().writeline(line)
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
         self._store_to(self.after(), name, index, value, in_phase=False)

@@ -262,9 +262,10 @@ def _pointwise_loops(kernel: CppKernel, body: IndentedBuffer, code: IndentedBuff
         code.writeline(f"#pragma omp parallel for{_collapse(len(outer))} schedule(static)")
     for i, size in enumerate(outer):
         _loop(code, i, size)
+    simd = "" if kernel.atomics else " simd"  # atomic updates may collide across lanes
     if parallel and not outer_parallel:
-        code.writeline("#pragma omp parallel for simd schedule(static)")
-    else:
+        code.writeline(f"#pragma omp parallel for{simd} schedule(static)")
+    elif simd:
         code.writeline("#pragma omp simd")
     _loop(code, len(outer), sizes[-1])
     _braced(body, code)

@@ -167,7 +167,22 @@ class TritonKernel:
 
     def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
               ) -> None:
+        if mode is not None:
+            self._atomic_store(name, index, value, mode)
+            return
         self._store_to(self.compute(), name, index, value, self.mask())
+
+    def _atomic_store(self, name: str, index: Expr, value: CSEVariable, mode: str) -> None:
+        """A scatter's combining store: ``tl.atomic_add`` (max, min) at an indirect index.
+
+        Never forwarded to later loads in this kernel: other programs write there too.
+        """
+        assert mode in _ATOMICS, mode
+        dtype = V.graph.get_dtype(name)
+        ptr = self.args.output(name)
+        cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
+        self.compute().writeline(f"tl.{_ATOMICS[mode]}({ptr} + ({self.index_str(index)}), "
+                                 f"{value}{cast}, {self.mask()}, sem='relaxed')")
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
         was_r = self.uses_r
@@ -264,6 +279,10 @@ class TritonKernel:
         else:
             expr = BINARY_TEMPLATES[name].format(a=args[0], b=args[1])
         return self.emit(expr, torch.bool if name in BOOL_RESULT else dtype)
+
+
+_ATOMICS = {"atomic_add": "atomic_add", "atomic_max": "atomic_max",
+            "atomic_min": "atomic_min"}
 
 
 def _minmax(kind: str) -> Callable[..., CSEVariable]:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import sympy
 
-from ...dependencies import MemoryDep
+from ...dependencies import MemoryDep, reduction_access_order
 from ...errors import KilnCompileError
-from ...ir.nodes import ComputedBuffer
+from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
 from ...scheduler import BaseSchedulerNode, SchedulerNode
 from ...virtualized import V
@@ -51,17 +51,8 @@ def is_outer_reduction(node: BaseSchedulerNode) -> bool:
         if not sub.is_reduction():
             continue
         assert isinstance(sub, SchedulerNode)
-        nx = len(sub.get_ranges()[0])
-        for dep in sub.read_writes.reads:
-            if not isinstance(dep, MemoryDep) or dep.is_indirect():
-                continue
-            r_last = dep.var_names[len(dep.size) - 1]
-            cr = dep.index.coeff(r_last)
-            cx = dep.index.coeff(dep.var_names[nx - 1]) if nx else 0
-            if cr == 1:
-                inner += 1
-            elif cx == 1:
-                outer += 1
+        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        inner, outer = inner + i, outer + o
     return outer > inner
 
 
@@ -122,7 +113,11 @@ def memory_order(node: BaseSchedulerNode, removed: set[str]) -> list[int] | None
     ranges = {tuple(int(r) for r in s.get_ranges()[0]) for s in subs}
     if len(ranges) != 1 or len(next(iter(ranges))) < 2:
         return None
+    # A scatter's loops are its source's, not its target's: they give no order.
+    subs = [s for s in subs if not isinstance(getattr(s.node, "data", None), Scatter)]
     stored = [s for s in subs if s.get_name() not in removed] or subs
+    if not stored:
+        return None
     stride = [int(v) for v in stored[-1].node.get_layout().stride]
     size = next(iter(ranges))
     order = sorted(range(len(size)), key=lambda d: (-stride[d] if size[d] != 1 else 0, d))
