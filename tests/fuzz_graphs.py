@@ -346,7 +346,8 @@ def check_program(program: Program, seed: int, device: str = "cpu") -> Failure |
 
 def shrink(failure: Failure, check: Callable[[Program, int], Failure | None] = check_program
            ) -> Failure:
-    """The smallest program found that still fails the same way (same ``kind``)."""
+    """The smallest program found that still fails the same way (same ``kind`` and, for
+    an exception, the same exception type)."""
     best = failure
     start = len(failure.program.nodes)
     improved = True
@@ -354,11 +355,17 @@ def shrink(failure: Failure, check: Callable[[Program, int], Failure | None] = c
         improved = False
         for candidate in _smaller(best.program):
             found = check(candidate, best.seed)
-            if found is not None and found.kind == best.kind:
+            if found is not None and _same_failure(found, best):
                 best, improved = found, True
                 break
     best.shrunk_from = start
     return best
+
+
+def _same_failure(a: Failure, b: Failure) -> bool:
+    if a.kind != b.kind:
+        return False
+    return a.kind == "mismatch" or a.message.split(":")[0] == b.message.split(":")[0]
 
 
 def _smaller(p: Program) -> list[Program]:
