@@ -34,6 +34,7 @@ from .ir.nodes import (
 )
 from .ir.sym import sympify_tuple
 from .lowering import lowerings
+from .lowering.fallbacks import eager_reason, effectful_lowerings
 from .lowering.symbolic import SYMBOLIC_OPS
 from .sizevars import SizeVars, SymbolicTensor
 from .virtualized import V
@@ -69,6 +70,8 @@ class GraphLowering(torch.fx.Interpreter):
         self.lazy_readers: dict[str, list[TensorBox]] = {}
         self.default_device = self._default_device()
         self.current_node: torch.fx.Node | None = None
+        # Nodes run eagerly inside the compiled graph (FallbackKernels), and why.
+        self.fallback_reasons: dict[str, str] = {}
 
     def _default_device(self) -> torch.device:
         for t in self.example_inputs:
@@ -165,16 +168,25 @@ class GraphLowering(torch.fx.Interpreter):
             return args[0][args[1]]
         if target in SYMBOLIC_OPS:  # size arithmetic (SymInt inputs, sym_size)
             return self._lower(SYMBOLIC_OPS[target], target, args, kwargs, node_name)
-        if target not in lowerings:
-            if not isinstance(target, torch._ops.OpOverload):
-                raise MalformedGraphError(
-                    f"call_function target {_target_name(target)} is not an ATen op: trace "
-                    "the function with AOTAutograd (or make_fx) so that only ATen ops remain",
-                    node=node_name, op=_target_name(target), graph=self.name)
-            log.debug("no lowering for %s: falling back to eager ATen", target)
-            return self._lower(lambda *a, **k: make_fallback_call(target, a, k), target,
-                               args, kwargs, node_name)
-        return self._lower(lowerings[target], target, args, kwargs, node_name)
+        if target in effectful_lowerings:
+            return self._lower(effectful_lowerings[target], target, args, kwargs, node_name)
+        if not isinstance(target, torch._ops.OpOverload):
+            raise MalformedGraphError(
+                f"call_function target {_target_name(target)} is not an ATen op: trace "
+                "the function with AOTAutograd (or make_fx) so that only ATen ops remain",
+                node=node_name, op=_target_name(target), graph=self.name)
+        reason = eager_reason(target, args, kwargs, node)
+        if reason is None:
+            try:
+                return lowerings[target](*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the op runs eagerly instead
+                reason = f"its lowering failed: {type(e).__name__}: {e}"
+                log.warning("kiln: graph %s, node %s: %s; running %s eagerly inside the "
+                            "compiled graph", self.name, node_name, reason, target)
+        log.debug("node %s (%s) runs eagerly inside the graph: %s", node_name, target, reason)
+        self.fallback_reasons[node_name] = f"{target}: {reason}"
+        return self._lower(lambda *a, **k: make_fallback_call(target, a, k), target,
+                           args, kwargs, node_name)
 
     def _lower(self, fn: Any, target: Any, args: Any, kwargs: Any, node_name: str) -> Any:
         try:

@@ -40,15 +40,45 @@ def buffer_bytes(buf: Buffer) -> int:
     return V.graph.sizevars.size_hint(storage_bytes(buf))
 
 
-def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
+def fallback_aliases(buffers: list[Buffer]) -> dict[str, set[str]]:
+    """Buffers that may share storage with an input of theirs: a fallback whose op returns
+    a view of an argument (``squeeze_``, ``view_as_real``, ``select`` on complex values)
+    keeps that input's storage alive as long as the result lives."""
+    aliases: dict[str, set[str]] = {}
+    for buf in buffers:
+        if not isinstance(buf, FallbackKernel) or buf.op_overload is None:
+            continue
+        returns = buf.op_overload._schema.returns
+        if not any(r.alias_info is not None for r in returns):
+            continue
+        sources = set(buf.input_names())
+        for name in [buf.get_name()] + [o.get_name() for o in buf.outputs]:
+            aliases[name] = sources
+    return aliases
+
+
+def _with_aliases(names: set[str], aliases: dict[str, set[str]]) -> set[str]:
+    out, todo = set(names), list(names)
+    while todo:
+        for source in aliases.get(todo.pop(), ()):
+            if source not in out:
+                out.add(source)
+                todo.append(source)
+    return out
+
+
+def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str],
+                       aliases: dict[str, set[str]] | None = None) -> None:
     """Walk back from the outputs: a node's last_usage is what no later node uses.
 
+    A use of a buffer that aliases another (``fallback_aliases``) uses that one too.
     Inside a fused node a second pass, starting empty, gives each inner node the buffers
     whose last use within the kernel is there (so the kernel can drop them early).
     """
-    future_used = set(outputs)
+    aliases = aliases or {}
+    future_used = _with_aliases(set(outputs), aliases)
     for node in reversed(nodes):
-        used = node.used_buffer_names()
+        used = _with_aliases(node.used_buffer_names(), aliases)
         node.last_usage = used - future_used
         future_used |= used
         inner = node.get_nodes()
@@ -110,7 +140,9 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
     graph = V.graph
     outputs = set(graph.get_output_names())
     nodes = scheduler.nodes
-    compute_last_usage(nodes, outputs)
+    aliases = fallback_aliases(graph.buffers)
+    compute_last_usage(nodes, outputs, aliases)
+    outputs = _with_aliases(outputs, aliases)  # storage an output views is never reused
     extend_alias_lifetimes(nodes, outputs)
     removed = find_removed_buffers(scheduler, outputs) - (stored or set())
     plan = MemoryPlan(removed_buffers=removed)

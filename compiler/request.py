@@ -106,6 +106,13 @@ _PY_FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 _PY_NAMES = {id(f): name for name, f in _PY_FUNCTIONS.items()}
 
+# Higher-order operators a graph may call, by name: an explicit list too. with_effects
+# orders side-effectful ops (``_linalg_check_errors`` after ``linalg_inv_ex``); the op it
+# runs is an argument, encoded and resolved like any call target.
+_HIGHER_ORDER_OPS: dict[str, Any] = {
+    "with_effects": torch.ops.higher_order.with_effects,
+}
+
 
 class SerializationError(Exception):
     """A graph or request cannot be encoded or decoded canonically."""
@@ -374,6 +381,15 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+    # A constant is a real tensor even where the caller runs under a fake mode (the
+    # in-process farm decodes inside Dynamo's tracing).
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _decode_real_constant(wire, device)
+
+
+def _decode_real_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
     meta = TensorMeta.from_wire(wire[1])
     data, dtype = wire[2], meta.torch_dtype
     values = torch.empty(0, dtype=dtype)
@@ -423,6 +439,8 @@ def _encode_arg(value: Any, index: Mapping[torch.fx.Node, int]) -> Any:
         return ["slice", [_encode_arg(v, index) for v in (value.start, value.stop, value.step)]]
     if isinstance(value, complex):
         return ["complex", [value.real, value.imag]]
+    if isinstance(value, torch._ops.OpOverload):  # the op that with_effects runs
+        return _encode_target(value)
     raise SerializationError(f"unsupported argument {value!r} of type {type(value).__name__}")
 
 
@@ -452,6 +470,7 @@ _ARG_DECODERS.update(
         "memory_format": lambda name, _: _torch_attr(name, torch.memory_format, "memory format"),
         "slice": lambda items, nodes: slice(*_decode_items(items, nodes)),
         "complex": lambda parts, _: complex(parts[0], parts[1]),
+        "op": lambda name, _: _resolve_target(["op", name]),
     }
 )
 
@@ -507,15 +526,19 @@ def _encode_target(target: Any) -> list[str]:
         namespace, name = target._qualified_op_name.split("::")
         return ["packet", f"{namespace}.{name}"]
     if isinstance(target, torch._ops.HigherOrderOperator):
-        raise SerializationError(f"higher-order operator {target.name()} is not supported")
+        hop_name = str(target.name())
+        if _HIGHER_ORDER_OPS.get(hop_name) is target:
+            return ["hop", hop_name]
+        raise SerializationError(f"higher-order operator {hop_name} is not supported")
     if id(target) in _PY_NAMES:
         return ["py", _PY_NAMES[id(target)]]
     raise SerializationError(f"unsupported call target {target!r}")
 
 
 def _resolve_target(wire: Any) -> Any:
-    """An op from its wire name: a listed Python function, or an ATen/prims overload
-    (packet) named by identifier parts; nothing else on ``torch.ops`` is reachable."""
+    """An op from its wire name: a listed Python function or higher-order op, or an
+    ATen/prims overload (packet) named by identifier parts; nothing else on ``torch.ops``
+    is reachable."""
     try:
         kind, qualname = wire
         parts = qualname.split(".")
@@ -523,6 +546,8 @@ def _resolve_target(wire: Any) -> Any:
         raise SerializationError(f"bad call target {wire!r:.200}") from exc
     if kind == "py" and qualname in _PY_FUNCTIONS:
         return _PY_FUNCTIONS[qualname]
+    if kind == "hop" and qualname in _HIGHER_ORDER_OPS:
+        return _HIGHER_ORDER_OPS[qualname]
     if kind not in ("op", "packet") or len(parts) != (3 if kind == "op" else 2):
         raise SerializationError(f"bad call target {wire!r:.200}")
     if parts[0] not in OP_NAMESPACES or not all(

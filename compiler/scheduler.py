@@ -379,7 +379,8 @@ class Scheduler:
 
     def _has_effects(self, node: BaseSchedulerNode) -> bool:
         buf = getattr(node, "node", None)
-        return isinstance(buf, FallbackKernel) and bool(buf.mutated_inputs)
+        return isinstance(buf, FallbackKernel) and (bool(buf.mutated_inputs)
+                                                    or buf.has_side_effects)
 
     def compute_ancestors(self) -> None:
         for node in self.nodes:

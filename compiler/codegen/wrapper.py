@@ -12,7 +12,14 @@ import torch
 
 from ..ir.extern import ExternKernel, FallbackKernel, MultiOutput, _TensorSlot, fill_template
 from ..ir.layout import Layout, MutationLayout
-from ..ir.nodes import Buffer, ComputedBuffer, InputBuffer, IRNode, ReinterpretView
+from ..ir.nodes import (
+    Buffer,
+    ComputedBuffer,
+    ConstantBuffer,
+    InputBuffer,
+    IRNode,
+    ReinterpretView,
+)
 from ..memory import MemoryPlan
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
@@ -188,8 +195,8 @@ class WrapperCodegen:
             if name in self.donors or name in self.mutated:
                 continue
             buf = _lookup(name)
-            if buf is None:
-                continue
+            if buf is None or isinstance(buf, ConstantBuffer):
+                continue  # constants are the module's, bound once at load, never freed
             if isinstance(buf, InputBuffer) or name in self.plan.allocations or isinstance(
                     buf, ExternKernel) or _aliases_intermediate(buf):
                 self.lines.writeline(f"del {name}")

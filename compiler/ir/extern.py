@@ -183,6 +183,8 @@ class FallbackKernel(ExternKernel):
     kwargs_template: Any = None
     outputs: list[Buffer] = field(default_factory=list)
     mutated_inputs: list[str] = field(default_factory=list)
+    # Kept even when nothing reads its outputs (an error check under ``with_effects``).
+    has_side_effects: bool = False
 
     def get_mutation_names(self) -> list[str]:
         return list(self.mutated_inputs)
@@ -225,7 +227,7 @@ def fill_template(value: Any, filler: Any) -> Any:
 
 
 def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
-                       kwargs: dict[str, Any]) -> Any:
+                       kwargs: dict[str, Any], side_effects: bool = False) -> Any:
     """Lower ``op(*args, **kwargs)`` to a FallbackKernel; return TensorBoxes like the op."""
     inputs: list[IRNode] = []
     args_t = _template(list(args), inputs)
@@ -233,20 +235,32 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
     if _is_symbolic(inputs, (args, kwargs)):
         out = symbolic_output(op, inputs)
     else:
-        metas = [meta_tensor(x) for x in inputs]
-        out = op(*fill_template(args_t, metas.__getitem__),
-                 **fill_template(kwargs_t, metas.__getitem__))
+        out = _output_metas(op, args_t, kwargs_t, inputs)
     device = _fallback_device(inputs, kwargs)
     mutated = [_buffer_name(inputs[i]) for i in _mutated_arg_slots(op, args_t, kwargs_t)]
+    fields = dict(name=None, inputs=inputs, op_overload=op, args_template=args_t,
+                  kwargs_template=kwargs_t, mutated_inputs=mutated,
+                  has_side_effects=side_effects)
     if isinstance(out, (torch.Tensor, _SymbolicOut, SymbolicTensor)):
-        node = FallbackKernel(name=None, layout=layout_of(out, device), inputs=inputs,
-                              op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
-                              mutated_inputs=mutated)
-        return TensorBox.create(node)
-    node = FallbackKernel(name=None, layout=MultiOutputLayout(device), inputs=inputs,
-                          op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
-                          mutated_inputs=mutated)
+        return TensorBox.create(FallbackKernel(layout=layout_of(out, device), **fields))
+    node = FallbackKernel(layout=MultiOutputLayout(device), **fields)
     return _multi_outputs(node, out, (), device)
+
+
+def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
+                  inputs: list[IRNode]) -> Any:
+    """The op's outputs as meta tensors: from its meta kernel, or, for an op with none
+    (``geqrf``, ``histogram``), from the FX node's recorded ``val``."""
+    metas = [meta_tensor(x) for x in inputs]
+    try:
+        return op(*fill_template(args_t, metas.__getitem__),
+                  **fill_template(kwargs_t, metas.__getitem__))
+    except NotImplementedError:  # no meta kernel (a shape error is not this)
+        node = V.graph.current_node if V.has_graph() else None
+        val = node.meta.get("val") if node is not None and node.target is op else None
+        if val is None:
+            raise
+        return val
 
 
 def _buffer_name(x: IRNode) -> str:

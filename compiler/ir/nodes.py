@@ -470,6 +470,8 @@ def as_storage_and_layout(node: IRNode) -> tuple[Buffer, FixedLayout] | None:
     if lin is None:
         return None
     coeffs, offset = lin
+    if any(c.is_number and c < 0 for c, n in zip(coeffs, size) if n != 1):
+        return None  # a flipped view: torch has no negative strides, so it is a copy
     buf.freeze_layout()
     # A size-1 dim's stride is arbitrary: give it eager's (the next dim's extent).
     strides = list(coeffs)

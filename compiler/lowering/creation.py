@@ -58,7 +58,7 @@ def ones(size: Sequence[Any], **kwargs: Any) -> TensorBox:
     return full(size, 1, **kwargs)
 
 
-@register_lowering(aten.scalar_tensor)
+@register_lowering(aten.scalar_tensor, prims.scalar_tensor)
 def scalar_tensor(value: Any, **kwargs: Any) -> TensorBox:
     kwargs.setdefault("dtype", torch.get_default_dtype())
     return full([], value, **kwargs)

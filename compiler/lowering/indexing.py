@@ -106,8 +106,10 @@ def embedding(weight: IRNode, indices: IRNode, padding_idx: int = -1,
 @register_lowering(aten.index_select)
 def index_select(x: IRNode, dim: int, index_t: IRNode) -> TensorBox:
     size = list(x.get_size())
-    dim = _norm(dim, len(size))
     x_loader, i_loader = x.make_loader(), index_t.make_loader()
+    if not size:  # a 0-d input: the index can only be 0, the result stays 0-d
+        return Pointwise.create(x.get_device(), x.get_dtype(), lambda idx: x_loader([]), ())
+    dim = _norm(dim, len(size))
     scalar_index = len(index_t.get_size()) == 0  # a 0-d index selects one entry, kept as dim
 
     def inner_fn(idx: Sequence[Expr]) -> Any:

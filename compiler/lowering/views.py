@@ -151,6 +151,8 @@ def unsqueeze(x: IRNode, dim: int) -> TensorBox:
 @register_lowering(aten.squeeze, prims.squeeze)
 def squeeze(x: IRNode, dim: int | Sequence[int] | None = None) -> IRNode:
     size = list(x.get_size())
+    if not size:  # squeezing a 0-d tensor (dim 0 or -1 names it) changes nothing
+        return x
     if dim is None:
         dims = [i for i, s in enumerate(size) if s == 1]
     else:

@@ -7,7 +7,9 @@ Test modules reach the helpers through fixtures (``check_lowering``, ``assert_sa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,12 +103,27 @@ def assert_same(actual: Sequence[Any], expected: Sequence[Any], reduction: bool 
                                    msg=lambda m, where=where: f"{where}: {m}")
 
 
+def fallback_ops(sg: ScheduledGraph) -> list[str]:
+    """The ops of the graph that run eagerly (FallbackKernels), as ``aten.flip.default``."""
+    from kiln.compiler.ir.extern import FallbackKernel
+
+    return [str(b.op_overload) for b in sg.graph.buffers if isinstance(b, FallbackKernel)]
+
+
 def check_lowering(fn: Callable[..., Any], *args: Any, reduction: bool = False,
-                   check_stride: bool = True, labels: Sequence[str] | None = None
-                   ) -> ScheduledGraph:
-    """Compile ``fn``, run it with the IR interpreter, and assert it matches eager."""
+                   check_stride: bool = True, labels: Sequence[str] | None = None,
+                   allow_fallback: Sequence[str] = ()) -> ScheduledGraph:
+    """Compile ``fn``, run it with the IR interpreter, and assert it matches eager.
+
+    Every op must be lowered: a FallbackKernel (an op run eagerly) fails the check unless
+    its op is named in ``allow_fallback`` (``"aten.bernoulli"``, prefixes match).
+    """
     # AOTAutograd hands Kiln flat output lists: flatten (values, indices) pairs the same way.
     sg = compile_graph(lambda *a: flatten(fn(*a)), args)
+    eager_ops = [op for op in fallback_ops(sg)
+                 if not any(op.startswith(allowed) for allowed in allow_fallback)]
+    assert not eager_ops, f"not lowered, run eagerly instead: {eager_ops} " \
+        f"({sg.graph.fallback_reasons})"
     expected = flatten(fn(*args))
     actual = run_graph(sg.graph, [a for a in args if isinstance(a, torch.Tensor)])
     assert_same(actual, expected, reduction, check_stride, labels, output_metas(sg))
@@ -162,7 +179,8 @@ def _draw_float(shape: tuple[int, ...], domain: str) -> torch.Tensor:
 
 @pytest.fixture(name="check_lowering")
 def check_lowering_fixture() -> Callable[..., ScheduledGraph]:
-    """``check_lowering(fn, *args, reduction=False, check_stride=True, labels=None)``."""
+    """``check_lowering(fn, *args, reduction=False, check_stride=True, labels=None,
+    allow_fallback=())``."""
     return check_lowering
 
 
@@ -182,6 +200,24 @@ def compile_graph_fixture() -> Callable[..., ScheduledGraph]:
 def draw_fixture() -> Callable[..., torch.Tensor]:
     """``draw(shape, dtype, domain="real")``: fresh random inputs (see ``draw``)."""
     return draw
+
+
+@pytest.fixture
+def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No KILN_* settings from the shell; a fresh store; compiles in this process. The
+    kernel cache (under the user cache folder) is kept, so kernels compile once."""
+    from kiln.frontend.client import reset_clients
+
+    for name in [n for n in os.environ if n.startswith("KILN_")]:
+        if name != "KILN_CACHE_DIR":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
+    monkeypatch.setenv("KILN_FARM", "inprocess")
+    reset_clients()
+    torch._dynamo.reset()
+    yield
+    reset_clients()
 
 
 @pytest.fixture(autouse=True)

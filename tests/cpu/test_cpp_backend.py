@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +39,8 @@ from tests.numerics_cases import (
 # half an ulp of an integer can differ by one. The suite's inputs change from run to run
 # (their seed is a str hash), so these sometimes pass.
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """No KILN_* settings from the shell; a fresh store; compiles in this process. The
-    kernel cache (under the user cache folder) is kept, so kernels compile once."""
-    from kiln.frontend.client import reset_clients
-
-    for name in [n for n in __import__("os").environ if n.startswith("KILN_")]:
-        if name != "KILN_CACHE_DIR":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
-    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
-    monkeypatch.setenv("KILN_FARM", "inprocess")
-    reset_clients()
-    torch._dynamo.reset()
-    yield
-    reset_clients()
+def _isolated(kiln_isolated: None) -> None:
+    """Every test here compiles in this process against a fresh store."""
 
 
 def compile_fn(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> CompiledGraph:

@@ -90,8 +90,14 @@ def test_forward_and_backward(comp: Composite, dtype: torch.dtype, draw: Draw,
         out, pullback = torch.func.vjp(comp.fn, *primals)
         return (out, *pullback(ct))
 
-    check_lowering(fwd_bwd, x, *params, cotangent, reduction=True)
+    check_lowering(fwd_bwd, x, *params, cotangent, reduction=True, allow_fallback=UNLOWERED)
 
+
+# Ops these graphs reach that have no lowering yet and run eagerly inside the compiled
+# graph: the scatter family (cross entropy's and max's backward, index backward), pooling
+# CPU attention, and cumprod (the backward of prod). Every other op must be lowered.
+UNLOWERED = ("aten.scatter", "aten.index_put", "aten.avg_pool2d", "aten.max_pool2d",
+             "aten._scaled_dot_product", "aten.cumprod")
 
 # Backward graphs of views, indexing and losses: slice_scatter, select_scatter,
 # index_put / scatter_add (fallbacks), constant padding with negative pads, ...
@@ -134,7 +140,7 @@ def test_backward_of_views_indexing_and_losses(name: str, dtype: torch.dtype, dr
         out, pullback = torch.func.vjp(fn, *xs)
         return (out, *pullback(ct))
 
-    check_lowering(fwd_bwd, *primals, cotangent, reduction=True)
+    check_lowering(fwd_bwd, *primals, cotangent, reduction=True, allow_fallback=UNLOWERED)
 
 
 def test_autograd_grad_inside_the_traced_function(draw: Draw, check_lowering: Any) -> None:

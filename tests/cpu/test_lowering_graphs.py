@@ -122,7 +122,8 @@ FALLBACKS: dict[str, Callable[..., Any]] = {
 
 @pytest.mark.parametrize("name", FALLBACKS)
 def test_op_without_lowering_falls_back(name: str, draw: Draw, check_lowering: Any) -> None:
-    sg = check_lowering(FALLBACKS[name], draw((5, 6), torch.float32))
+    sg = check_lowering(FALLBACKS[name], draw((5, 6), torch.float32),
+                        allow_fallback=("aten.cumsum", "aten.cumprod", "aten.sort", "aten.topk"))
     assert any(isinstance(b, FallbackKernel) for b in sg.graph.buffers), _kinds(sg)
 
 

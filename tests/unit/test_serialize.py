@@ -433,3 +433,29 @@ def test_request_round_trip_is_canonical() -> None:
         make_request(gm, [1, 2, 3], options={}, target=target, versions={})  # type: ignore[list-item]
     with pytest.raises(SerializationError, match="options.bad"):
         make_request(gm, inputs, options={"bad": object()}, target=target, versions={})
+
+
+def test_with_effects_round_trips_with_its_op() -> None:
+    """linalg.inv's error check runs under the with_effects higher-order op, whose second
+    argument is an op: both encode by name and resolve back to the same objects."""
+    graphs = capture_aot(torch.linalg.inv, [torch.randn(4, 4) + 4 * torch.eye(4)])
+    (gm,) = graphs
+    effects = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.with_effects]
+    assert effects and effects[0].args[1] is torch.ops.aten._linalg_check_errors.default
+    rebuilt = check_round_trip(gm)  # same bytes again, same values
+    (node,) = [n for n in rebuilt.graph.nodes
+               if n.target is torch.ops.higher_order.with_effects]
+    assert node.args[1] is torch.ops.aten._linalg_check_errors.default
+
+
+def test_other_higher_order_ops_are_refused() -> None:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.higher_order.cond, (x, x, x, (x,))))
+    with pytest.raises(SerializationError, match="higher-order operator cond"):
+        serialize_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+    wire = msgpack.packb(["kiln-graph", GRAPH_FORMAT_VERSION, [
+        ["placeholder", None, [], [], []],
+        ["call_function", ["hop", "cond"], [["node", 0]], [], []]]], use_bin_type=True)
+    with pytest.raises(SerializationError, match="cond"):
+        deserialize_graph(wire)

@@ -1,0 +1,70 @@
+"""PyTorch's OpInfo database through ``backend="kiln"``: a coverage and correctness run.
+
+Each op's first samples are compiled with Kiln, run, and compared with eager; a graph that
+Kiln ran eagerly (``KilnFallbackWarning``) counts as a failure. Prints a summary (every op
+that did not pass, with why) and writes JSON.
+
+    python3 bench/opinfo.py --device cpu --dtypes float32 --json opinfo_cpu.json
+    KILN_CPU_BACKEND=triton-interpret TRITON_INTERPRET=1 python3 bench/opinfo.py --fast
+    KILN_FARM=inprocess python3 bench/opinfo.py --device cuda \
+        --dtypes float32,bfloat16,float16 --json opinfo_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("KILN_FARM", "inprocess")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtypes", default="float32", help="comma-separated dtype names")
+    parser.add_argument("--samples", type=int, default=3, help="samples per op")
+    parser.add_argument("--fast", action="store_true", help="only the CI subset of ops")
+    parser.add_argument("--ops", default="", help="comma-separated op names (OpInfo names)")
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--quiet", action="store_true", help="no line per op")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from tests.opinfo_harness import FAST_OPS, format_summary, run_ops, select_ops
+
+    names = [n for n in args.ops.split(",") if n] or (list(FAST_OPS) if args.fast else None)
+    ops = select_ops(names)
+    backend = os.environ.get("KILN_CPU_BACKEND", "cpp") if args.device == "cpu" else "triton"
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "torch": torch.__version__, "python": platform.python_version(),
+              "host": platform.node(), "samples": args.samples, "runs": []}
+    failed_target = False
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+
+        def progress(r: object) -> None:
+            if not args.quiet:
+                print(f"{r.status:8s} {r.op} ({r.seconds:.1f} s) {r.detail[:200]}",  # type: ignore[attr-defined]
+                      flush=True)
+
+        start = time.perf_counter()
+        summary = run_ops(ops, args.device, dtype, backend, args.samples, progress)
+        print(format_summary(summary))
+        print(f"({time.perf_counter() - start:.0f} s)")
+        report["runs"].append(summary.to_json())  # type: ignore[attr-defined]
+        failed_target |= summary.counts().get("wrong", 0) > 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if failed_target else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Per-op fallback: an op Kiln cannot lower runs eagerly inside the compiled graph (a
+``FallbackKernel`` in the wrapper) and the rest of the graph stays compiled. Each case
+is one category OpInfo found running whole graphs eagerly: complex values, tensor
+constants, the ``with_effects`` higher-order op, ops with no meta kernel, a lowering that
+raises. Every test compiles with ``backend="kiln"``, fails on ``KilnFallbackWarning`` and
+compares with eager."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kiln import KilnFallbackWarning
+from kiln.compiler.compiled_graph import CompiledGraph
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _isolated(kiln_isolated: None) -> None:
+    """Every test compiles in this process against a fresh store."""
+
+
+@pytest.fixture
+def compiled_graphs() -> Iterator[list[CompiledGraph]]:
+    """The graphs Kiln compiles during the test, in order."""
+    from kiln.frontend import compile as kiln_compile
+
+    seen: list[CompiledGraph] = []
+
+    def observe(name: str, result: Any) -> None:
+        seen.append(result.compiled)
+
+    kiln_compile.observers.append(observe)
+    yield seen
+    kiln_compile.observers.remove(observe)
+
+
+def run_compiled(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """``fn`` compiled by Kiln and run; a whole-graph eager fallback fails the test."""
+    compiled = torch.compile(fn, backend="kiln", dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        return compiled(*args)
+
+
+def fallback_ops(graph: CompiledGraph) -> list[str]:
+    """The ATen ops the wrapper calls eagerly (``torch.ops.<ns>.<op>.<overload>(``)."""
+    import re
+
+    return re.findall(r"= torch\.ops\.([\w.]+)\(", graph.wrapper_source)
+
+
+def test_complex_ops_fall_back_and_the_rest_compiles(
+        compiled_graphs: list[CompiledGraph]) -> None:
+    def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.complex(x, y) * torch.complex(y, x)
+        return torch.view_as_real(z).sum(-1), (x.sin() + y).relu()
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    got = run_compiled(fn, x, y)
+    want = fn(x, y)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    (graph,) = compiled_graphs
+    eager = fallback_ops(graph)
+    assert "aten.complex.default" in eager and "aten.mul.Tensor" in eager, eager
+    # The real part (sin, add, relu, and the sum over view_as_real's output) is kernels.
+    assert len(graph.kernels) >= 1 and all(k.backend == "cpp" for k in graph.kernels)
+    assert "aten.sin.default" not in eager and "aten.relu.default" not in eager
+
+
+def test_complex_inputs_and_outputs(compiled_graphs: list[CompiledGraph]) -> None:
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b + a).conj_physical()
+
+    a = torch.randn(5, 7, dtype=torch.complex64)
+    b = torch.randn(5, 7, dtype=torch.complex64)
+    torch.testing.assert_close(run_compiled(fn, a, b), fn(a, b), rtol=1e-5, atol=1e-5)
+    assert compiled_graphs and not compiled_graphs[0].kernels
+
+
+def test_masked_sum_with_a_tensor_constant(compiled_graphs: list[CompiledGraph]) -> None:
+    from torch.masked import _ops as masked
+
+    def fn(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return masked.sum(x, 1, mask=mask) * 2
+
+    x, mask = torch.randn(6, 9), torch.rand(6, 9) > 0.4
+    torch.testing.assert_close(run_compiled(fn, x, mask), fn(x, mask), rtol=1e-5, atol=1e-5)
+    assert any(g.constant_names for g in compiled_graphs)
+
+
+def test_with_effects_keeps_the_error_check() -> None:
+    """linalg.inv checks for a singular matrix under with_effects: the compiled graph keeps
+    that check (it is not dead code) and raises as eager does."""
+    fn = torch.linalg.inv
+    x = torch.randn(4, 4) + 4 * torch.eye(4)
+    torch.testing.assert_close(run_compiled(fn, x), fn(x), rtol=1e-4, atol=1e-5)
+    singular = torch.ones(4, 4)
+    with pytest.raises(torch.linalg.LinAlgError):
+        fn(singular)
+    with pytest.raises(torch.linalg.LinAlgError):
+        run_compiled(fn, singular)
+
+
+@pytest.mark.parametrize("which", ["geqrf", "histogram"])
+def test_op_with_no_meta_kernel_is_a_fallback_kernel(
+        which: str, compiled_graphs: list[CompiledGraph]) -> None:
+    def geqrf(x: torch.Tensor) -> Any:
+        a, tau = torch.geqrf(x.exp())
+        return a + 1, tau
+
+    def histogram(x: torch.Tensor) -> Any:
+        hist, edges = torch.histogram(x * 2, bins=5)
+        return hist + 1, edges
+
+    fn = geqrf if which == "geqrf" else histogram
+    x = torch.randn(6, 4)
+    for g, w in zip(run_compiled(fn, x), fn(x)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    eager = [op for g in compiled_graphs for op in fallback_ops(g)]
+    assert any(op.startswith(f"aten.{which}") for op in eager), eager
+    assert any(g.kernels for g in compiled_graphs)  # exp / mul and the +1 are kernels
+
+
+def test_a_failing_lowering_becomes_a_fallback_kernel(
+        monkeypatch: pytest.MonkeyPatch, compiled_graphs: list[CompiledGraph],
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kiln.compiler.lowering import lowerings
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise IndexError("a bug in the lowering")
+
+    monkeypatch.setitem(lowerings, aten.cos.default, broken)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.cos().sum(0) + x.sin().sum(0)
+
+    x = torch.randn(16, 8)
+    with caplog.at_level("WARNING", logger="kiln.graph"):
+        torch.testing.assert_close(run_compiled(fn, x), fn(x), rtol=1e-5, atol=1e-5)
+    assert "IndexError: a bug in the lowering" in caplog.text and "aten.cos" in caplog.text
+    (graph,) = compiled_graphs
+    assert fallback_ops(graph) == ["aten.cos.default"]
+    assert graph.kernels
+
+
+def test_zero_dim_index_select_and_squeeze_dims(check_lowering: Any) -> None:
+    x = torch.randn(())
+    check_lowering(lambda t, i: torch.index_select(t, 0, i), x, torch.tensor([0]))
+    check_lowering(lambda t: aten.squeeze.dims(t, [0]), x)
+    check_lowering(lambda t: aten.squeeze.dims(t, [0, -1]), torch.randn(1, 3, 1))

@@ -1,0 +1,46 @@
+"""The OpInfo CI subset through ``backend="kiln"`` with Triton kernels run by Triton's
+interpreter on CPU tensors (``KILN_CPU_BACKEND=triton-interpret``): the same harness as
+``tests/cpu/test_opinfo.py``, so the Triton code generator meets the same ops."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("expecttest")  # torch.testing._internal needs it
+
+from tests.opinfo_harness import FAST_OPS, run_op, select_ops  # noqa: E402
+
+# Ops whose samples are large enough that the interpreter takes minutes: the C++ run
+# covers them.
+SLOW_UNDER_INTERPRETER = {"nn.functional.linear_cross_entropy", "linalg.inv", "topk"}
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    from kiln.frontend.client import reset_clients
+
+    for name in [n for n in os.environ if n.startswith("KILN_")]:
+        if name != "KILN_CACHE_DIR":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
+    monkeypatch.setenv("KILN_FARM", "inprocess")
+    monkeypatch.setenv("KILN_CPU_BACKEND", "triton-interpret")
+    reset_clients()
+    torch._dynamo.reset()
+    yield
+    reset_clients()
+
+
+@pytest.mark.parametrize("op", select_ops([n for n in FAST_OPS
+                                           if n not in SLOW_UNDER_INTERPRETER]),
+                         ids=lambda op: op.formatted_name)
+def test_opinfo_fast_subset_triton_interpreter(op: object) -> None:
+    result = run_op(op, "cpu", torch.float32, max_samples=2)
+    assert result.status in ("pass", "skipped"), f"{result.op}: {result.status}: " \
+        f"{result.detail}"
