@@ -20,6 +20,7 @@ from .codegen.simd import SIMDScheduling
 from .compiled_graph import CompiledGraph
 from .errors import KilnCompileError
 from .graph import GraphLowering
+from .ir.template import GemmSelection, record_gemm_choices
 from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .runtime.kernel_files import write_source
@@ -43,13 +44,15 @@ class ScheduledGraph:
 
 
 def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                       name: str = "graph", options: dict[str, Any] | None = None
-                       ) -> ScheduledGraph:
+                       name: str = "graph", options: dict[str, Any] | None = None,
+                       target: dict[str, Any] | None = None) -> ScheduledGraph:
     """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
     debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
     graph = GraphLowering(gm, example_inputs, name)
+    # Matmuls: extern calls, or (max-autotune) the template configs chosen for them.
+    graph.gemm_selection = gemm_selection(graph, options or {}, target)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
@@ -74,6 +77,16 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
 
 
+def gemm_selection(graph: GraphLowering, options: dict[str, Any],
+                   target: dict[str, Any] | None) -> GemmSelection:
+    from .codegen.graph_codegen import kernel_backend
+
+    device_type = graph.default_device.type
+    templates = kernel_backend(device_type, options) == "triton"
+    return GemmSelection.from_options(options, templates,
+                                      target or DEFAULT_TARGETS.get(device_type))
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   options: dict[str, Any] | None = None, name: str = "graph",
                   target: dict[str, Any] | None = None,
@@ -82,7 +95,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     from .codegen.graph_codegen import generate_code
 
     options = dict(options or {})
-    sg = lower_and_schedule(gm, example_inputs, name, options)
+    sg = lower_and_schedule(gm, example_inputs, name, options, target)
     t = time.perf_counter()
     with V.set_graph_handler(sg.graph):
         # 6. Code generation: a kernel per fused node, then the wrapper.
@@ -100,6 +113,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                "fused_nodes": len(sg.scheduler.nodes)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
+    record_gemm_choices(compiled, sg.graph.gemm_selection)
     if compile_kernels:
         chosen: dict[str, Any] = dict(target or DEFAULT_TARGETS.get(device_type) or {})
         if _can_autotune(options, chosen):

@@ -33,6 +33,7 @@ from .ir.nodes import (
     as_storage_and_layout,
 )
 from .ir.sym import sympify_tuple
+from .ir.template import GemmSelection
 from .lowering import lowerings
 from .virtualized import V
 
@@ -60,6 +61,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.lazy_readers: dict[str, list[TensorBox]] = {}
         self.default_device = self._default_device()
         self.current_node: torch.fx.Node | None = None
+        self.gemm_selection = GemmSelection()  # how matmuls lower (the driver sets it)
 
     def _default_device(self) -> torch.device:
         for t in self.example_inputs:

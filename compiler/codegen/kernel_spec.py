@@ -22,17 +22,32 @@ class KernelSpec:
     # Storage bytes of each argument buffer, in argument order: what an autotuner must
     # allocate to launch the kernel alone. Empty in specs from before it was recorded.
     arg_bytes: tuple[int, ...] = ()
+    # Templates: (batch, M, N) of the output their tiles cover (the launch grid's extent).
+    tile_shape: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "backend": self.backend, "kind": self.kind,
                 "source": self.source, "arg_buffers": list(self.arg_buffers),
                 "signature": dict(self.signature), "xnumel": self.xnumel,
                 "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
-                "arg_bytes": list(self.arg_bytes)}
+                "arg_bytes": list(self.arg_bytes), "tile_shape": list(self.tile_shape)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
         return KernelSpec(d["name"], d["backend"], d["kind"], d["source"],
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
-                          tuple(int(n) for n in d.get("arg_bytes", ())))
+                          tuple(int(n) for n in d.get("arg_bytes", ())),
+                          tuple(int(n) for n in d.get("tile_shape", ())))
+
+    def grid(self, config: dict[str, Any]) -> tuple[int, int, int]:
+        """Programs to launch with ``config``: one per tile (templates) or x block."""
+        if self.tile_shape:
+            batch, m, n = self.tile_shape
+            return (batch * _cdiv(m, int(config["BLOCK_M"])) * _cdiv(n, int(config["BLOCK_N"])),
+                    1, 1)
+        return (_cdiv(self.xnumel, int(config["XBLOCK"])), 1, 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

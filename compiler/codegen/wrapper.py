@@ -11,7 +11,14 @@ import torch
 
 from ..ir.extern import ExternKernel, FallbackKernel, MultiOutput, _TensorSlot, fill_template
 from ..ir.layout import Layout, MutationLayout
-from ..ir.nodes import Buffer, ComputedBuffer, InputBuffer, IRNode, ReinterpretView
+from ..ir.nodes import (
+    Buffer,
+    ComputedBuffer,
+    InputBuffer,
+    IRNode,
+    ReinterpretView,
+    TemplateBuffer,
+)
 from ..memory import MemoryPlan
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
@@ -105,7 +112,7 @@ class WrapperCodegen:
                     arg_buffers: tuple[str, ...]) -> None:
         for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
             buf = V.graph.name_to_buffer.get(name)
-            if isinstance(buf, ComputedBuffer):
+            if isinstance(buf, (ComputedBuffer, TemplateBuffer)):
                 self.allocate(buf)
         self.kernels.setdefault(spec.name, spec)
         args = ", ".join(arg_buffers)

@@ -18,10 +18,6 @@ from .kernel_files import import_source
 log = logging.getLogger("kiln.runtime")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class TritonLauncher:
     """``run(*tensors)`` launches the kernel over its grid with its chosen config."""
 
@@ -30,7 +26,7 @@ class TritonLauncher:
         self.spec = spec
         self.config = dict(config)
         self.mode = mode  # "interpret", "binary" or "jit"
-        self.grid = (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
+        self.grid = spec.grid(config)
         self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
         self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
         self._fn: Any = None
