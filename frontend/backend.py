@@ -33,7 +33,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     """``torch.compile(model, backend="kiln", options={...})``."""
     from torch._dynamo.backends.common import aot_autograd
 
-    config = KilnConfig.resolve(options)
+    config = KilnConfig.resolve(options).with_mode(mode)
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 

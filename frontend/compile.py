@@ -59,8 +59,12 @@ def target_for(device: torch.device) -> dict[str, Any]:
 
 
 def request_options(config: KilnConfig) -> dict[str, Any]:
-    """Options that reach the compiler and the key (autotuning changes chosen configs)."""
-    return {**config.compiler_options(), "autotune": config.autotune}
+    """Options that reach the compiler and the key (autotuning changes chosen configs;
+    max-autotune changes how matmuls lower, and fp32 templates follow torch's TF32 flag)."""
+    options = {**config.compiler_options(), "autotune": config.autotune}
+    if config.max_autotune:
+        options.update(max_autotune=True, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+    return options
 
 
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

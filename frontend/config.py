@@ -4,12 +4,13 @@ lower case as ``torch.compile(..., options={...})`` keys (options win)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kiln.compiler.debug import debug_enabled
 
 DEFAULT_FARM_TIMEOUT = 300.0
+MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class KilnConfig:
     debug: bool = False
     debug_dir: str | None = None
     autotune: bool = True
+    max_autotune: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -55,13 +57,20 @@ class KilnConfig:
         opts.update(self.extra)
         return opts
 
+    def with_mode(self, mode: str | None) -> KilnConfig:
+        """``torch.compile``'s ``mode``: "max-autotune" (and its no-cudagraphs form) tunes
+        matmuls over GEMM templates and the library call; other modes change nothing."""
+        if mode in MAX_AUTOTUNE_MODES and not self.max_autotune:
+            return replace(self, max_autotune=True)
+        return self
+
     def debug_options(self) -> dict[str, Any]:
         return {"debug": "1" if self.debug else "", "debug_dir": self.debug_dir,
                 "logs": self.logs}
 
 
 def _coerce(name: str, raw: Any) -> Any:
-    if name in ("require_signed", "autotune"):
+    if name in ("require_signed", "autotune", "max_autotune"):
         return str(raw).lower() in ("1", "true", "yes", "on")
     if name == "farm_timeout":
         return float(raw)
