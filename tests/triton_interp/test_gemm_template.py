@@ -31,8 +31,8 @@ def check(fn, args, pick=config_number(0), template_kernels=1):  # type: ignore[
     outs = run_compiled(compiled, args)
     refs = fn(*args)
     refs = refs if isinstance(refs, tuple) else (refs,)
+    wide = [a.double() if a.is_floating_point() else a for a in args]
     for i, (out, ref) in enumerate(zip(outs, refs)):
-        wide = [a.double() if a.is_floating_point() else a for a in args]
 
         def truth(i: int = i) -> torch.Tensor:
             r = fn(*wide)
@@ -123,8 +123,8 @@ def test_backend_max_autotune_falls_back_to_extern_without_choices(
     """``mode="max-autotune"`` through torch.compile on CPU, with no GPU to measure: the
     extern call stays, the result is eager's, and the key differs from the default's."""
     import kiln
-    from kiln.frontend.config import KilnConfig
     from kiln.frontend.compile import build_request
+    from kiln.frontend.config import KilnConfig
     from kiln.frontend.keys import compute_key
 
     for name, value in (("KILN_CPU_BACKEND", "triton-interpret"), ("KILN_FARM", "inprocess"),
