@@ -88,5 +88,13 @@ def check_record(record: Any) -> dict[str, Any]:
                 for k in needed):
             raise ValueError(f"bad template config in a choice record: {config!r:.200}")
         return {"kind": TEMPLATE, "config": {k: int(config[k]) for k in needed},
-                "timings": record.get("timings", [])}
-    return {"kind": EXTERN, "timings": record.get("timings", [])}
+                **_evidence(record)}
+    return {"kind": EXTERN, **_evidence(record)}
+
+
+def _evidence(record: dict[str, Any]) -> dict[str, Any]:
+    """The timings a record keeps, as plain data (they are only reported, never run)."""
+    timings = record.get("timings", [])
+    round_trip = record.get("round_trip_ms", 0.0)
+    return {"timings": timings if isinstance(timings, list) else [],
+            "round_trip_ms": float(round_trip) if isinstance(round_trip, (int, float)) else 0.0}

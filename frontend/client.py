@@ -99,6 +99,7 @@ class KilnClient:
         self.farm = farm if farm is not None else farm_for(config.farm)
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
             else InProcessFarm()
+        self.local.attach_store(self.store)  # max-autotune choices, shared through the store
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())

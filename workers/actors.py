@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 
 from . import autotune
@@ -48,11 +49,13 @@ class CompileWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def compile_sources(self, request_bytes: bytes, key: str, delay: float = 0.0
-                        ) -> dict[str, Any]:
+    def compile_sources(self, request_bytes: bytes, key: str, delay: float = 0.0,
+                        extra_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``extra_options``: the matmul choices of max-autotune (not part of the key)."""
         self.compiles += 1
         try:
-            return compile_sources(request_bytes, key, delay=delay).to_dict()
+            return compile_sources(request_bytes, key, delay=delay,
+                                   extra_options=extra_options).to_dict()
         except FarmVersionMismatch:
             raise
         except Exception as e:  # sent back as data: compiler errors do not unpickle
@@ -91,3 +94,10 @@ class Autotuner:
     def benchmark(self, spec: dict[str, Any], binaries: list[dict[str, Any]]) -> list[float]:
         return autotune.benchmark(KernelSpec.from_dict(spec),
                                   [KernelBinary.from_dict(b) for b in binaries])
+
+    def benchmark_gemm(self, problem: dict[str, Any], specs: list[dict[str, Any]],
+                       binaries: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """The extern call and each template config of one matmul problem, timed."""
+        return autotune.benchmark_gemm(
+            GemmProblem.from_dict(problem), [KernelSpec.from_dict(s) for s in specs],
+            [None if b is None else KernelBinary.from_dict(b) for b in binaries])

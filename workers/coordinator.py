@@ -28,12 +28,25 @@ from typing import Any
 import ray
 
 from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
 from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
+from .select import (
+    ChoiceCache,
+    MemoryChoiceCache,
+    StoreChoiceCache,
+    decide,
+    pending_problems,
+    selection_stats,
+    split_known,
+    template_jobs,
+    untuned_record,
+    with_choices,
+)
 
 log = logging.getLogger("kiln.farm")
 
@@ -76,6 +89,7 @@ class KilnFarm:
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
+        self.choices: ChoiceCache | None = None
         self.started = time.time()
         # Start the workers' processes now: the first miss should not pay for imports.
         self._warming = [w.warm.remote() for w in self.workers]
@@ -154,6 +168,9 @@ class KilnFarm:
         request = CompileRequest.from_bytes(request_bytes)
         tuners = await self._autotuners_for(request) if request.options.get(
             "autotune", True) else []
+        if compiled.stats.get("gemm_pending"):
+            # Max-autotune: choose each matmul's algorithm, then the graph again with them.
+            compiled = await self._select(key, request_bytes, compiled, request, tuners, i)
         start = time.perf_counter()
         jobs = kernel_jobs(compiled, request.target, autotune=bool(tuners))
         results = await asyncio.gather(*(self._kernel(name, group, tuners)
@@ -162,6 +179,56 @@ class KilnFarm:
         timed = {name: record for name, _, record in results if record is not None}
         finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
         return compiled.to_dict()
+
+    async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
+                      request: CompileRequest, tuners: list[Any], worker: int
+                      ) -> CompiledGraph:
+        """Cached choices from the store; the rest compiled as kernel tasks and timed on
+        the GPU autotuners (problems spread over them); winners cached for the fleet."""
+        start = time.perf_counter()
+        cache = self._choice_cache()
+        known, todo = await asyncio.to_thread(split_known, pending_problems(compiled), cache)
+        new: dict[str, dict[str, Any]] = {}
+        if tuners:
+            found = await asyncio.gather(*(
+                self._tune_gemm(choice, problem, request.target, tuners[n % len(tuners)])
+                for n, (choice, problem) in enumerate(todo.items())))
+            new = dict(found)
+            for choice, record in new.items():
+                await asyncio.to_thread(cache.put, choice, record)
+        else:
+            new = {choice: untuned_record() for choice in todo}
+        options = {"gemm_choices": {**known, **new}}
+        sources = await self.workers[worker].compile_sources.remote(request_bytes, key, 0.0,
+                                                                    options)
+        result = CompiledGraph.from_dict(sources)
+        result.timings["gemm_selection"] = time.perf_counter() - start
+        return with_choices(result, selection_stats(known, todo, bool(tuners)))
+
+    async def _tune_gemm(self, choice: str, problem: GemmProblem, target: dict[str, Any],
+                         tuner: Any) -> tuple[str, dict[str, Any]]:
+        jobs = template_jobs(choice, problem, target)
+        kernel_jobs = [job for _, job in jobs if job is not None]
+        outcomes = await asyncio.gather(*(self._binary(job) for job in kernel_jobs),
+                                        return_exceptions=True)
+        binaries = [None if isinstance(o, BaseException) else o.to_dict() for o in outcomes]
+        self.counters["gemm_benchmarks"] += 1
+        timings = await tuner.benchmark_gemm.remote(
+            problem.to_dict(), [job.spec.to_dict() for job in kernel_jobs], binaries)
+        return choice, decide(problem, [c for c, _ in jobs], timings)
+
+    def _choice_cache(self) -> ChoiceCache:
+        """The farm's matmul choices: in the store its environment names (fleet-wide),
+        with this coordinator's memory in front; memory alone if no store opens."""
+        if self.choices is None:
+            try:
+                from kiln.artifact_store import open_store
+
+                self.choices = MemoryChoiceCache(StoreChoiceCache(open_store()))
+            except Exception as e:  # choices are an optimization: tune again later
+                log.warning("kiln farm: no store for matmul choices (%s)", e)
+                self.choices = MemoryChoiceCache()
+        return self.choices
 
     async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any]
                       ) -> tuple[str, KernelBinary, list[dict[str, Any]] | None]:

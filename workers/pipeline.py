@@ -250,14 +250,21 @@ class KernelCache:
 
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
-                      delay: float = 0.0, extra_options: dict[str, Any] | None = None
-                      ) -> CompiledGraph:
+                      delay: float = 0.0, extra_options: dict[str, Any] | None = None,
+                      choices: Any = None) -> CompiledGraph:
     """The whole pipeline in this process, no Ray: autotuned where the request asks and
-    this process has a GPU of the target's arch, else heuristic configs."""
+    this process has a GPU of the target's arch, else heuristic configs. Max-autotune
+    first chooses each matmul's algorithm (``workers.select``; ``choices`` caches them)."""
     cache = cache or KernelCache()
     compiled = compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
     request = CompileRequest.from_bytes(request_bytes)
     target = request.target
+    if compiled.stats.get("gemm_pending"):
+        from .select import MemoryChoiceCache, select_inprocess
+
+        compiled = select_inprocess(request_bytes, key, compiled, target,
+                                    cache.get_or_compile, choices or MemoryChoiceCache(),
+                                    extra_options)
     start = time.perf_counter()
     if local_autotune(request):
         from kiln.compiler.autotune import autotune_graph
