@@ -32,11 +32,12 @@ def config_number(i: int) -> Pick:
 
 def compile_tuned(fn: Callable[..., Any], args: Sequence[torch.Tensor],
                   options: dict[str, Any], pick: Pick = first_config,
-                  compile_kernels: bool = False) -> CompiledGraph:
+                  compile_kernels: bool = False, target: dict[str, Any] | None = None
+                  ) -> CompiledGraph:
     gm = trace_aten(fn, list(args))
     options = {**options, "max_autotune": True}
     first = compile_graph(gm, list(args), options, name="tuned", compile_kernels=False)
     pending = first.stats["gemm_pending"]
     choices = {key: pick(GemmProblem.from_dict(p)) for key, p in pending.items()}
     return compile_graph(gm, list(args), {**options, "gemm_choices": choices}, name="tuned",
-                         compile_kernels=compile_kernels)
+                         compile_kernels=compile_kernels, target=target)
