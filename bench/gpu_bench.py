@@ -1,13 +1,15 @@
 """GPU benchmark: eager vs stock Inductor vs Kiln, side by side in one run (H200 host).
 
     python3 bench/gpu_bench.py [--only NAME[,NAME]] [--reps 50] [--json OUT]
+                               [--max-autotune [MODE]]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
 warm-up, rotating over several fresh random input sets when they would fit in L2), the
 Kiln / Inductor ratio, achieved GB/s of the kernels (memory-bound workloads: ideal bytes
 over the GPU kernel time from the profiler) against the device-to-device copy bandwidth
 measured in the same run, and cold compile seconds for Kiln and Inductor (fresh caches,
-first call, Dynamo's tracing included for both).
+first call, Dynamo's tracing included for both). ``--max-autotune`` compiles both with
+``mode="max-autotune"`` (or the mode given) and adds Kiln's default mode as a column.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 L2_BYTES = 60 * 2**20
+MODE: str | None = None  # torch.compile's mode for Inductor and Kiln (--max-autotune)
 PROFILE_TOP = int(os.environ.get("BENCH_PROFILE_TOP", "0"))
 
 
@@ -203,10 +206,11 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def compiled(w: Workload, backend: str) -> tuple[Callable[..., Any], float]:
+def compiled(w: Workload, backend: str, mode: str | None = None
+             ) -> tuple[Callable[..., Any], float]:
     """The workload compiled by ``backend`` and its cold compile seconds (first call)."""
     torch._dynamo.reset()
-    fn = torch.compile(w.fn, backend=backend, dynamic=False)
+    fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
     args = w.make_inputs()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -234,12 +238,16 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
     row: dict[str, Any] = {"workload": w.name}
     fns: dict[str, Callable[..., Any]] = {"eager": w.fn}
     for backend in ("inductor", "kiln"):
-        fn, secs = compiled(w, backend)
+        fn, secs = compiled(w, backend, MODE)
         fns[backend], row[f"{backend}_compile_s"] = fn, secs
+    if MODE:
+        fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
     for name, fn in fns.items():
         with _grad(w):
             row[f"{name}_ms"] = time_fn(fn, sets, reps)
     row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
+    if MODE:
+        row["mode"] = MODE
     for name in ("inductor", "kiln"):
         print(f"# {w.name}: {name} top kernels", file=sys.stderr)
         with _grad(w):
@@ -257,6 +265,11 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
     head = ("workload", "eager ms", "inductor ms", "kiln ms", "kiln/inductor",
             "kiln GPU ms", "inductor GPU ms", "kiln kernel GB/s", "kiln %copy",
             "inductor %copy", "kiln compile s", "inductor compile s")
+    tuned = any("kiln_default_ms" in r for r in rows)
+    if tuned:
+        print(f"mode: {rows[0].get('mode')} (Inductor and Kiln); kiln default = Kiln's "
+              "default mode")
+        head = head[:4] + ("kiln default ms",) + head[4:]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
@@ -267,6 +280,8 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
                  f"{r['kiln_pct_copy']:.0f}%" if "kiln_pct_copy" in r else "-",
                  f"{r['inductor_pct_copy']:.0f}%" if "inductor_pct_copy" in r else "-",
                  f"{r['kiln_compile_s']:.1f}", f"{r['inductor_compile_s']:.1f}"]
+        if tuned:
+            cells.insert(4, f"{r.get('kiln_default_ms', float('nan')):.3f}")
         print("| " + " | ".join(cells) + " |")
 
 
@@ -275,7 +290,11 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", default="")
+    parser.add_argument("--max-autotune", nargs="?", const="max-autotune", default=None,
+                        metavar="MODE", help="compile with this torch.compile mode")
     ns = parser.parse_args()
+    global MODE
+    MODE = ns.max_autotune
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     rows = []
