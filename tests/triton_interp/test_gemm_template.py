@@ -4,6 +4,8 @@ CPU tensors, against eager over dtypes, layouts and tile configs."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from kiln.compiler.codegen.triton.templates import gemm_configs
 from kiln.compiler.ir.template import GemmProblem
 from tests.gemm_helpers import compile_tuned, config_number
+from tests.models import Block, assert_training_step_matches, mlp
 from tests.numerics_cases import rand, tolerance
 from tests.triton_interp.helpers import assert_close_to_eager, run_compiled
 
@@ -144,3 +147,28 @@ def test_backend_max_autotune_falls_back_to_extern_without_choices(
     tuned = build_request(gm, [x, w], KilnConfig.resolve({}).with_mode("max-autotune"))
     assert tuned.options["max_autotune"] is True
     assert compute_key(plain).key != compute_key(tuned).key
+
+
+@pytest.mark.parametrize("make, shape", [(mlp, (8, 32)), (Block, (2, 8, 32))],
+                         ids=["mlp", "block"])
+def test_training_step_under_max_autotune(make: type, shape: tuple[int, ...],
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    """torch.compile(mode max-autotune) end to end, forward and backward graphs: choices
+    made by the fake benchmark (templates win), every matmul a template kernel."""
+    from kiln.frontend import compile as frontend_compile
+
+    monkeypatch.setenv("KILN_TEST_FAKE_AUTOTUNE", "1")
+    results: list[Any] = []
+    monkeypatch.setattr(frontend_compile, "observers",
+                        [lambda name, result: results.append(result)])
+    torch.manual_seed(0)
+    options = {**OPTIONS, "max_autotune": True, "farm": "inprocess",
+               "store": f"file://{tmp_path}/store", "local_cache": "off"}
+    assert_training_step_matches(make(), torch.randn(*shape), {"atol": 1e-4, "rtol": 1e-4},
+                                 options)
+    assert len(results) == 2  # forward and backward
+    for result in results:
+        sources = "\n".join(k.source for k in result.compiled.kernels)
+        assert "tl.dot(" in sources and "aten.mm" not in result.compiled.wrapper_source
+        assert result.compiled.stats["gemm_selection"]["problems"] >= 2
