@@ -88,11 +88,15 @@ def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     extern = torch.bmm if problem.op == "bmm" else torch.mm
     ca, cb = a.to(problem.torch_dtype), b.to(problem.torch_dtype)
     extern_ms = time_launch(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
+    expected = out.float()
     template_ms = []
     for spec, binary in zip(specs, binaries):
         try:
             assert binary is not None, "the config did not compile"
             launcher = TritonLauncher(spec, binary.config, "binary", binary)
+            out.zero_()
+            launcher.run(a, b, out)
+            check_product(out, expected, problem)
             template_ms.append(time_launch(launcher.run, [a, b, out]))
         except Exception as e:  # a config that cannot run here is never chosen
             log.warning("kiln autotune: GEMM template %s config %s failed: %s", spec.name,
@@ -101,6 +105,17 @@ def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     copy = torch.empty_like(out)
     round_trip_ms = time_launch(lambda src, dst: dst.copy_(src), [out, copy])
     return {"extern_ms": extern_ms, "template_ms": template_ms, "round_trip_ms": round_trip_ms}
+
+
+def check_product(out: Any, expected: Any, problem: GemmProblem) -> None:
+    """A fast config must also be right: its product against the library's (a K-long
+    sum in the inputs' precision), else it is never chosen."""
+    scale = float(expected.abs().max()) + 1.0
+    rel = {"float16": 1e-2, "bfloat16": 5e-2}.get(problem.dtype, 2e-2 if problem.allow_tf32
+                                                    else 1e-3)
+    error = float((out.float() - expected).abs().max())
+    if not error <= rel * scale:
+        raise ValueError(f"wrong product: max error {error:.3g} against the library's")
 
 
 def gemm_operands(problem: GemmProblem, device: Any) -> tuple[Any, Any, Any]:

@@ -210,3 +210,25 @@ def test_kernel_names_and_template_constexprs() -> None:
                      r"GROUP_M: tl.constexpr\)", spec.source)
     assert spec.grid(spec.configs[0]) == (64 * 32, 1, 1)
     assert spec.arg_bytes == (8192 * 4096 * 2, 4096 * 4096 * 2, 8192 * 4096 * 2)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_autotune": True}], ids=["default", "tuned"])
+def test_convolution_is_an_extern_call_and_one_fused_epilogue_kernel(
+        options: dict[str, object]) -> None:
+    """Convolution: cuDNN through ATen, then bias, activation and residual in one kernel
+    (in both modes: there is no convolution template)."""
+    args = fake_cuda((8, 16, 32, 32), (32, 16, 3, 3), (32,), (8, 32, 32, 32))
+
+    def fn(x, w, b, r):  # type: ignore[no-untyped-def]
+        return F.relu(F.conv2d(x, w, b, padding=1)) + r
+
+    compiled = compile_graph(trace_aten(fn, args), args, options, compile_kernels=False)
+    wrapper = compiled.wrapper_source
+    assert wrapper.count("torch.ops.aten.convolution.default(") == 1
+    kernels = [k for k in compiled.kernels if "convolution" not in k.name]
+    epilogue = [k for k in kernels if "relu" in k.name or "add" in k.name]
+    assert len(epilogue) == 1, [k.name for k in compiled.kernels]
+    src = epilogue[0].source
+    assert src.count("tl.store(") == 1 and "tl.where(" in src  # bias, relu, residual: one pass
+    if options:
+        assert compiled.stats["gemm_choices"] == {} and compiled.stats["gemm_pending"] == {}
