@@ -87,7 +87,11 @@ def check_record(record: Any) -> dict[str, Any]:
                 not isinstance(config.get(k), int) or not 0 < config[k] <= 1024
                 for k in needed):
             raise ValueError(f"bad template config in a choice record: {config!r:.200}")
-        return {"kind": TEMPLATE, "config": {k: int(config[k]) for k in needed},
+        tma = config.get("TMA", 0)
+        if tma not in (0, 1):
+            raise ValueError(f"bad TMA flag in a choice record: {tma!r:.50}")
+        checked = {k: int(config[k]) for k in needed}
+        return {"kind": TEMPLATE, "config": {**checked, "TMA": 1} if tma else checked,
                 **_evidence(record)}
     return {"kind": EXTERN, **_evidence(record)}
 

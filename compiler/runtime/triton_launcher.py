@@ -46,6 +46,13 @@ class TritonLauncher:
         gx, gy, gz = self.grid
         raw_stream = torch._C._cuda_getCurrentRawStream
         current_device = torch.cuda.current_device
+        if getattr(compiled.metadata, "global_scratch_size", 0):
+            def scratch_run(*args: Any) -> None:
+                ensure_scratch_allocator()
+                launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None,
+                       None, *args, *constexprs)
+
+            return scratch_run
 
         def run(*args: Any) -> None:
             launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None, None,
@@ -54,8 +61,30 @@ class TritonLauncher:
         return run
 
     def run(self, *args: Any) -> None:
+        if self.mode == "jit" and self.spec.kind == "template":
+            ensure_scratch_allocator()
         self._fn[self.grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
                             num_stages=int(self.config["num_stages"]))
+
+
+def _torch_scratch(size: int, alignment: int, stream: Any) -> Any:
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that build TMA descriptors on the device need global scratch memory from
+    the allocator of ``triton.set_allocator``: where none is set (in this thread's
+    context: the backward pass runs in autograd's threads), torch's allocator serves."""
+    from triton.runtime import _allocation
+
+    holder: Any = getattr(_allocation, "_allocator", None)
+    current = holder.get() if hasattr(holder, "get") else holder
+    if type(current).__name__ == "NullAllocator":
+        import triton
+
+        triton.set_allocator(_torch_scratch)
 
 
 def load_binary(spec: KernelSpec, binary: KernelBinary) -> Any:

@@ -141,6 +141,17 @@ def test_every_config_compiles_for_sm90_on_hopper_mma() -> None:
             assert binary.metadata["shared"] <= 227 * 1024, cfg
     ptx = _ptx(standalone_spec(problems[0], gemm_configs(problems[0])[1], "tem_ptx"))
     assert "wgmma.mma_async" in ptx
+    # TMA configs (16-bit, aligned unit-stride operands): descriptor loads, bulk copies.
+    tma = [c for c in gemm_configs(problems[0]) if c.get("TMA")]
+    assert len(tma) == 3 and not any(c.get("TMA") for c in gemm_configs(problems[1]))
+    spec = standalone_spec(problems[0], tma[0], "tem_tma")
+    assert "tl.make_tensor_descriptor(in_ptr0, shape=[M, K]" in spec.source
+    assert "cp.async.bulk.tensor" in _ptx(spec)
+    transposed_b = problem(b_stride=(0, 1, 4096))
+    spec = standalone_spec(transposed_b, gemm_configs(transposed_b)[-1], "tem_tma_t")
+    assert "b_desc.load([pid_n * BLOCK_N, k]).T" in spec.source
+    unaligned = problem(n=4100, b_stride=(0, 4100, 1))
+    assert not any(c.get("TMA") for c in gemm_configs(unaligned))
 
 
 def _ptx(spec):  # type: ignore[no-untyped-def]
@@ -194,6 +205,13 @@ def test_winner_rule_charges_the_extern_call_its_round_trip() -> None:
 def test_hostile_choice_records_are_refused(record: object) -> None:
     with pytest.raises(ValueError):
         check_record(record)
+
+
+def test_tma_flag_survives_the_record_check() -> None:
+    tma = gemm_configs(problem())[-1]
+    assert tma["TMA"] == 1 and check_record({"kind": "template", "config": tma})["config"] == tma
+    with pytest.raises(ValueError):
+        check_record({"kind": "template", "config": {**tma, "TMA": "yes"}})
 
 
 def test_checked_record_keeps_only_known_fields() -> None:

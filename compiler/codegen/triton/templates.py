@@ -46,6 +46,9 @@ _HALF_CONFIGS = ((128, 128, 64, 3, 4), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8
                  (128, 128, 32, 4, 4))
 _FP32_CONFIGS = ((128, 128, 32, 3, 8), (128, 64, 32, 3, 4), (64, 128, 32, 3, 4),
                  (64, 64, 32, 4, 4), (128, 128, 16, 4, 8), (64, 64, 16, 2, 4))
+# The same tiles fed by TMA (Hopper's tensor memory accelerator: descriptor loads, bounds
+# handled by the hardware), where both operands allow it.
+_TMA_CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8))
 MIN_BLOCK = 16
 GROUP_M = 8
 
@@ -63,7 +66,34 @@ def gemm_configs(problem: GemmProblem) -> list[dict[str, Any]]:
             cfg["num_warps"] = max(1, min(warps, cfg["BLOCK_M"] * cfg["BLOCK_N"] // 1024))
         if cfg not in out:
             out.append(cfg)
+    if tma_possible(problem):
+        for bm, bn, bk, stages, warps in _TMA_CONFIGS:
+            cfg = {"BLOCK_M": _clip(bm, problem.m), "BLOCK_N": _clip(bn, problem.n),
+                   "BLOCK_K": _clip(bk, problem.k), "GROUP_M": GROUP_M,
+                   "num_warps": warps, "num_stages": stages, "TMA": 1}
+            if cfg not in out:
+                out.append(cfg)
     return out
+
+
+def tma_possible(problem: GemmProblem) -> bool:
+    """TMA descriptors: 16-bit operands of one dtype, one unit stride each, the other
+    stride 16-byte aligned, and a problem large enough to be worth it."""
+    p = problem
+    if p.batch != 1 or p.dtype not in ("float16", "bfloat16") or \
+            not p.a_dtype == p.b_dtype == p.dtype or min(p.m, p.n, p.k) < 64:
+        return False
+    return _tma_layout(p.a_stride[1], p.a_stride[2]) is not None and \
+        _tma_layout(p.b_stride[1], p.b_stride[2]) is not None
+
+
+def _tma_layout(rows: int, cols: int) -> str | None:
+    """"row" (contiguous along the second dimension) or "col", if TMA can read it."""
+    if cols == 1 and rows % 8 == 0:
+        return "row"
+    if rows == 1 and cols % 8 == 0:
+        return "col"
+    return None
 
 
 def _clip(block: int, size: int) -> int:
@@ -202,6 +232,8 @@ def mainloop(problem: GemmProblem, config: dict[str, Any], a: _Operand, b: _Oper
              _wrapped("ram", "rm", "M", p.m % bm == 0, "BLOCK_M"),
              _wrapped("rbn", "rn", "N", p.n % bn == 0, "BLOCK_N"),
              "rk = tl.arange(0, BLOCK_K)"]
+    if config.get("TMA") and a.offset % 8 == 0 and b.offset % 8 == 0:
+        return lines + _tma_loop(p, a, b) + _tile_indices(p)
     (sab, sam, sak), (sbb, sbk, sbn) = p.a_stride, p.b_stride
     lines += [f"a_ptrs = {a.arg} + ({a.offset} + tb * {sab} + ram[:, None] * {sam} "
               f"+ rk[None, :] * {sak})",
@@ -217,10 +249,37 @@ def mainloop(problem: GemmProblem, config: dict[str, Any], a: _Operand, b: _Oper
     loop += [f"acc += tl.dot(a, b{_precision(p)})",
              f"a_ptrs += BLOCK_K * {sak}", f"b_ptrs += BLOCK_K * {sbk}"]
     lines += ["    " + line for line in loop]
+    return lines + _tile_indices(p)
+
+
+def _tile_indices(p: GemmProblem) -> list[str]:
     flat = f"tb * {p.m * p.n} + tm * {p.n} + tn" if p.op == "bmm" else f"tm * {p.n} + tn"
-    lines += ["tm = rm[:, None]", "tn = rn[None, :]", f"xindex = {flat}",
-              "xmask = (tm < M) & (tn < N)"]
-    return lines
+    return ["tm = rm[:, None]", "tn = rn[None, :]", f"xindex = {flat}",
+            "xmask = (tm < M) & (tn < N)"]
+
+
+def _tma_loop(p: GemmProblem, a: _Operand, b: _Operand) -> list[str]:
+    """The K loop over TMA descriptors (out-of-bounds blocks read as zeros)."""
+    a_desc, a_load = _descriptor("a", a, "M", "K", p.a_stride, "BLOCK_M", "BLOCK_K",
+                                 "pid_m * BLOCK_M", "k")
+    b_desc, b_load = _descriptor("b", b, "K", "N", p.b_stride, "BLOCK_K", "BLOCK_N",
+                                 "k", "pid_n * BLOCK_N")
+    return [a_desc, b_desc, "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            "for k in range(0, K, BLOCK_K):", f"    a = {a_load}", f"    b = {b_load}",
+            "    acc += tl.dot(a, b)"]
+
+
+def _descriptor(x: str, op: _Operand, rows: str, cols: str, stride: tuple[int, int, int],
+                block_r: str, block_c: str, at_r: str, at_c: str) -> tuple[str, str]:
+    """A descriptor over ``x`` as stored (a column-major operand is read transposed)."""
+    base = f"{op.arg} + {op.offset}" if op.offset else op.arg
+    if _tma_layout(stride[1], stride[2]) == "row":
+        desc = (f"{x}_desc = tl.make_tensor_descriptor({base}, shape=[{rows}, {cols}], "
+                f"strides=[{stride[1]}, 1], block_shape=[{block_r}, {block_c}])")
+        return desc, f"{x}_desc.load([{at_r}, {at_c}])"
+    desc = (f"{x}_desc = tl.make_tensor_descriptor({base}, shape=[{cols}, {rows}], "
+            f"strides=[{stride[2]}, 1], block_shape=[{block_c}, {block_r}])")
+    return desc, f"{x}_desc.load([{at_c}, {at_r}]).T"
 
 
 def _wrapped(name: str, rng: str, size: str, divides: bool, block: str) -> str:
