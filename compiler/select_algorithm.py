@@ -87,12 +87,14 @@ def check_record(record: Any) -> dict[str, Any]:
                 not isinstance(config.get(k), int) or not 0 < config[k] <= 1024
                 for k in needed):
             raise ValueError(f"bad template config in a choice record: {config!r:.200}")
-        tma = config.get("TMA", 0)
-        if tma not in (0, 1):
-            raise ValueError(f"bad TMA flag in a choice record: {tma!r:.50}")
         checked = {k: int(config[k]) for k in needed}
-        return {"kind": TEMPLATE, "config": {**checked, "TMA": 1} if tma else checked,
-                **_evidence(record)}
+        tma, sms = config.get("TMA", 0), config.get("NUM_SMS", 0)
+        if tma not in (0, 1) or not isinstance(sms, int) or not 0 <= sms <= 1024 or \
+                (sms and not tma):
+            raise ValueError(f"bad TMA / NUM_SMS in a choice record: {tma!r:.20} {sms!r:.20}")
+        checked.update({"TMA": 1} if tma else {})
+        checked.update({"NUM_SMS": sms} if sms else {})
+        return {"kind": TEMPLATE, "config": checked, **_evidence(record)}
     return {"kind": EXTERN, **_evidence(record)}
 
 

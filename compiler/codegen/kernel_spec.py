@@ -44,8 +44,9 @@ class KernelSpec:
         """Programs to launch with ``config``: one per tile (templates) or x block."""
         if self.tile_shape:
             batch, m, n = self.tile_shape
-            return (batch * _cdiv(m, int(config["BLOCK_M"])) * _cdiv(n, int(config["BLOCK_N"])),
-                    1, 1)
+            tiles = batch * _cdiv(m, int(config["BLOCK_M"])) * _cdiv(n, int(config["BLOCK_N"]))
+            # A persistent template runs one program per SM over all the tiles.
+            return (min(tiles, int(config.get("NUM_SMS") or tiles)), 1, 1)
         return (_cdiv(self.xnumel, int(config["XBLOCK"])), 1, 1)
 
 

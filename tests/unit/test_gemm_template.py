@@ -143,7 +143,12 @@ def test_every_config_compiles_for_sm90_on_hopper_mma() -> None:
     assert "wgmma.mma_async" in ptx
     # TMA configs (16-bit, aligned unit-stride operands): descriptor loads, bulk copies.
     tma = [c for c in gemm_configs(problems[0]) if c.get("TMA")]
-    assert len(tma) == 3 and not any(c.get("TMA") for c in gemm_configs(problems[1]))
+    assert len(tma) == 5 and not any(c.get("TMA") for c in gemm_configs(problems[1]))
+    persistent = [c for c in tma if c.get("NUM_SMS")]
+    spec = standalone_spec(problems[0], persistent[0], "tem_persistent")
+    assert spec.grid(persistent[0]) == (132, 1, 1)
+    assert "for tile in tl.range(start, tiles, 132, flatten=True):" in spec.source
+    assert "        tl.store(out_ptr0 + (xindex)" in spec.source  # inside the tile loop
     spec = standalone_spec(problems[0], tma[0], "tem_tma")
     assert "tl.make_tensor_descriptor(in_ptr0, shape=[M, K]" in spec.source
     assert "cp.async.bulk.tensor" in _ptx(spec)

@@ -49,6 +49,11 @@ _FP32_CONFIGS = ((128, 128, 32, 3, 8), (128, 64, 32, 3, 4), (64, 128, 32, 3, 4),
 # The same tiles fed by TMA (Hopper's tensor memory accelerator: descriptor loads, bounds
 # handled by the hardware), where both operands allow it.
 _TMA_CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8))
+# Persistent TMA kernels: one program per SM walks the tiles, so one tile's epilogue runs
+# while the next tile's loads are in flight. 132 SMs: the H100 SXM / H200 (a GPU with
+# fewer runs more programs than SMs, still correct).
+_PERSISTENT_CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8))
+NUM_SMS = 132
 MIN_BLOCK = 16
 GROUP_M = 8
 
@@ -67,10 +72,12 @@ def gemm_configs(problem: GemmProblem) -> list[dict[str, Any]]:
         if cfg not in out:
             out.append(cfg)
     if tma_possible(problem):
-        for bm, bn, bk, stages, warps in _TMA_CONFIGS:
+        flags = [(t, {"TMA": 1}) for t in _TMA_CONFIGS] + [
+            (t, {"TMA": 1, "NUM_SMS": NUM_SMS}) for t in _PERSISTENT_CONFIGS]
+        for (bm, bn, bk, stages, warps), flag in flags:
             cfg = {"BLOCK_M": _clip(bm, problem.m), "BLOCK_N": _clip(bn, problem.n),
                    "BLOCK_K": _clip(bk, problem.k), "GROUP_M": GROUP_M,
-                   "num_warps": warps, "num_stages": stages, "TMA": 1}
+                   "num_warps": warps, "num_stages": stages, **flag}
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -212,8 +219,34 @@ def _tile_mapping(kernel: TemplateKernel, ranges: Sequence[Expr],
 
 
 def mainloop(problem: GemmProblem, config: dict[str, Any], a: _Operand, b: _Operand,
-             index_dtype: str) -> list[str]:
-    """The tile's program: which tile, the ``tl.dot`` loop over K, the tile's indices."""
+             index_dtype: str) -> tuple[list[str], int]:
+    """The tile's program: which tile, the ``tl.dot`` loop over K, the tile's indices;
+    and the indentation the epilogue takes (inside the tile loop of a persistent kernel)."""
+    tma = bool(config.get("TMA")) and a.offset % 8 == 0 and b.offset % 8 == 0
+    if tma and config.get("NUM_SMS"):
+        return _persistent(problem, int(config["NUM_SMS"]), a, b, index_dtype), 1
+    return _tiled(problem, config, a, b, index_dtype, tma), 0
+
+
+def _persistent(p: GemmProblem, num_sms: int, a: _Operand, b: _Operand,
+                index_dtype: str) -> list[str]:
+    start = "tl.program_id(0)" + (".to(tl.int64)" if index_dtype == "tl.int64" else "")
+    loop = _tma_loop(p, a, b)
+    body = ["first_m = (tile // width) * GROUP_M",
+            "rows = tl.minimum(grid_m - first_m, GROUP_M)",
+            "pid_m = first_m + (tile % width) % rows",
+            "pid_n = (tile % width) // rows", *loop[2:],
+            "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+            "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)", *_tile_indices(p)]
+    return [f"M = {p.m}", f"N = {p.n}", f"K = {p.k}", f"start = {start}",
+            "grid_m = (M + BLOCK_M - 1) // BLOCK_M", "grid_n = (N + BLOCK_N - 1) // BLOCK_N",
+            "tiles = grid_m * grid_n", "width = GROUP_M * grid_n", "tb = 0", *loop[:2],
+            f"for tile in tl.range(start, tiles, {num_sms}, flatten=True):",
+            *("    " + line for line in body)]
+
+
+def _tiled(problem: GemmProblem, config: dict[str, Any], a: _Operand, b: _Operand,
+           index_dtype: str, tma: bool) -> list[str]:
     p, bm, bn, bk = problem, config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     pid = "tl.program_id(0)" + (".to(tl.int64)" if index_dtype == "tl.int64" else "")
     lines = [f"M = {p.m}", f"N = {p.n}", f"K = {p.k}", f"pid = {pid}",
@@ -232,7 +265,7 @@ def mainloop(problem: GemmProblem, config: dict[str, Any], a: _Operand, b: _Oper
              _wrapped("ram", "rm", "M", p.m % bm == 0, "BLOCK_M"),
              _wrapped("rbn", "rn", "N", p.n % bn == 0, "BLOCK_N"),
              "rk = tl.arange(0, BLOCK_K)"]
-    if config.get("TMA") and a.offset % 8 == 0 and b.offset % 8 == 0:
+    if tma:
         return lines + _tma_loop(p, a, b) + _tile_indices(p)
     (sab, sam, sak), (sbb, sbk, sbn) = p.a_stride, p.b_stride
     lines += [f"a_ptrs = {a.arg} + ({a.offset} + tb * {sab} + ram[:, None] * {sam} "
@@ -300,15 +333,17 @@ def _precision(p: GemmProblem) -> str:
     return ', input_precision="tf32"' if p.allow_tf32 else ', input_precision="ieee"'
 
 
-def _render(call_args: list[tuple[str, str]], mainloop_lines: list[str],
+def _render(call_args: list[tuple[str, str]], mainloop: tuple[list[str], int],
             epilogue: IndentedBuffer) -> str:
     params = [arg for arg, _ in call_args] + [f"{k}: tl.constexpr" for k in TEMPLATE_CONSTEXPRS]
     code = IndentedBuffer()
     code.writeline("@triton.jit")
     code.writeline(f"def {NAME_PLACEHOLDER}({', '.join(params)}):")
+    lines, epilogue_indent = mainloop
     with code.indent():
-        code.writelines(mainloop_lines)
-        code.splice(epilogue)
+        code.writelines(lines)
+        with code.indent(epilogue_indent):
+            code.splice(epilogue)
     return HEADER + "\n\n" + code.getvalue()
 
 
