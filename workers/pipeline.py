@@ -264,7 +264,7 @@ def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | No
 
         compiled = select_inprocess(request_bytes, key, compiled, target,
                                     cache.get_or_compile, choices or MemoryChoiceCache(),
-                                    extra_options)
+                                    extra_options, bool(request.options.get("autotune", True)))
     start = time.perf_counter()
     if local_autotune(request):
         from kiln.compiler.autotune import autotune_graph

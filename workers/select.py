@@ -147,9 +147,11 @@ def with_choices(compiled: CompiledGraph, stats: dict[str, int]) -> CompiledGrap
 
 def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
                      target: dict[str, Any], compile_job: Any, choices: ChoiceCache,
-                     extra_options: dict[str, Any] | None = None) -> CompiledGraph:
+                     extra_options: dict[str, Any] | None = None, autotune: bool = True
+                     ) -> CompiledGraph:
     """The selection in this process: cached choices, else every candidate compiled
-    (threads) and timed here where this process has a GPU of the target's arch."""
+    (threads) and timed here where this process has a GPU of the target's arch (and
+    autotuning is not turned off)."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -161,7 +163,7 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
         return compiled
     start = time.perf_counter()
     known, todo = split_known(pending, choices)
-    can_time = fake_autotune() or gpu_arch() == int(target.get("arch", -1))
+    can_time = autotune and (fake_autotune() or gpu_arch() == int(target.get("arch", -1)))
     new: dict[str, dict[str, Any]] = {}
     for choice, problem in todo.items():
         if not can_time:
