@@ -15,6 +15,7 @@ that config; the choice among configs is ``compiler.select_algorithm``'s.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -371,8 +372,6 @@ def standalone_spec(problem: GemmProblem, config: dict[str, Any], name: str) -> 
     sizes = _storage(problem)
     item = [dtype_from_name(d).itemsize for d in (problem.a_dtype, problem.b_dtype,
                                                    problem.dtype)]
-    import dataclasses
-
     return dataclasses.replace(spec, name=name,
                                arg_bytes=tuple(n * i for n, i in zip(sizes, item)))
 
