@@ -134,12 +134,19 @@ def test_backend_max_autotune_falls_back_to_extern_without_choices(
                         ("KILN_STORE", "memory://gemm-fallback"), ("KILN_LOCAL_CACHE", "off"),
                         ("KILN_STATS_FILE", "off")):
         monkeypatch.setenv(name, value)
+    from kiln.frontend import compile as frontend_compile
+
+    requests: list[Any] = []
+    real_build = frontend_compile.build_request
+    monkeypatch.setattr(frontend_compile, "build_request", lambda *a, **k: requests.append(
+        real_build(*a, **k)) or requests[-1])
     x, w = rand(16, 8), rand(8, 12)
     fn = torch.compile(lambda x, w: (x @ w).relu(), backend="kiln", mode="max-autotune")
     with warnings.catch_warnings():
         warnings.simplefilter("error", kiln.KilnFallbackWarning)
         out = fn(x, w)
     torch.testing.assert_close(out, (x @ w).relu())
+    assert [r.options.get("max_autotune") for r in requests] == [True]
     from kiln.compiler.decompositions import trace_aten
 
     gm = trace_aten(lambda x, w: x @ w, [x, w])
