@@ -491,7 +491,9 @@ class Scheduler:
         if template.group != other.group or self.score_fusion_memory(template, other) == 0:
             return False
         inputs = {d.name for d in template.get_nodes()[0].read_writes.reads}
-        if other.read_writes.write_names() & inputs:
+        written = other.read_writes.write_names() | {
+            target for n in other.get_nodes() for target in self._mutations(n)}
+        if written & inputs:  # other tiles may still be reading what it overwrites
             return False
         return self.can_fuse_vertical(template, other) and self.backend.can_fuse_vertical(
             template, other)

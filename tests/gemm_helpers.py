@@ -32,9 +32,10 @@ def config_number(i: int) -> Pick:
 
 def compile_tuned(fn: Callable[..., Any], args: Sequence[torch.Tensor],
                   options: dict[str, Any], pick: Pick = first_config,
-                  compile_kernels: bool = False, target: dict[str, Any] | None = None
-                  ) -> CompiledGraph:
-    gm = trace_aten(fn, list(args))
+                  compile_kernels: bool = False, target: dict[str, Any] | None = None,
+                  trace_args: Sequence[torch.Tensor] | None = None) -> CompiledGraph:
+    """``trace_args``: CPU tensors to trace with where fake CUDA ones cannot be traced."""
+    gm = trace_aten(fn, list(trace_args if trace_args is not None else args))
     options = {**options, "max_autotune": True}
     first = compile_graph(gm, list(args), options, name="tuned", compile_kernels=False)
     pending = first.stats["gemm_pending"]

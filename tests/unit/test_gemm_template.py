@@ -255,3 +255,16 @@ def test_convolution_is_an_extern_call_and_one_fused_epilogue_kernel(
     assert src.count("tl.store(") == 1 and "tl.where(" in src  # bias, relu, residual: one pass
     if options:
         assert compiled.stats["gemm_choices"] == {} and compiled.stats["gemm_pending"] == {}
+
+
+def test_epilogue_overwriting_a_template_input_is_not_fused() -> None:
+    """``x.copy_(relu(x @ w))``: tiles still read ``x`` while others would overwrite it."""
+    args = fake_cuda((64, 64), (64, 64))
+
+    def fn(x, w):  # type: ignore[no-untyped-def]
+        x.copy_(torch.relu(x @ w))
+        return x
+
+    compiled = compile_tuned(fn, args, {}, trace_args=[torch.randn(64, 64), torch.randn(64, 64)])
+    kinds = [k.kind for k in compiled.kernels]
+    assert kinds == ["template", "pointwise"], [k.name for k in compiled.kernels]
