@@ -88,17 +88,23 @@ def observe(histogram: dict[str, Any], seconds: float) -> None:
 
 
 def latency_quantile(histogram: Mapping[str, Any], q: float) -> float | None:
-    """Upper bound (ms) of the bucket holding quantile q; None if nothing was observed."""
+    """Estimated quantile q (ms) of a histogram: linear within the bucket that holds it,
+    and never above the largest value seen (so p50 <= p99 <= max); None if empty."""
     count = histogram.get("count", 0)
     if not count:
         return None
+    top = float(histogram.get("max_ms", 0.0))
     rank = q * count
-    seen = 0
+    seen, lower = 0, 0.0
     for bound in LATENCY_BUCKETS_MS:
-        seen += histogram["buckets"].get(_bucket_label(bound), 0)
-        if seen >= rank:
-            return float(bound)
-    return float(histogram.get("max_ms", 0.0))
+        in_bucket = histogram["buckets"].get(_bucket_label(bound), 0)
+        if in_bucket and seen + in_bucket >= rank:
+            upper = min(float(bound), top)
+            fraction = max(0.0, rank - seen) / in_bucket
+            return min(top, lower + (upper - lower) * fraction)
+        seen += in_bucket
+        lower = float(bound)
+    return top
 
 
 def merge_counters(into: dict[str, Any], delta: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,10 +21,11 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .artifact import Artifact, check_blob_name, check_key
-from .cas import sha256_hex
+from .cas import AC_DIR, sha256_hex
 from .config import StoreConfig, redact_url
 from .errors import ConfigError, IntegrityError, UnsupportedFormat, describe_exception
 from .faults import READ, WRITE, Reporter
@@ -44,6 +45,29 @@ class _Prepared:
         self.key = key
         self.blobs = blobs
         self.record = record
+
+
+@dataclass
+class Lookup:
+    """Why a lookup found what it found, for tools that must tell the cases apart
+    (`kiln inspect`): `problems` names each refusal, one (kind, detail) per tier."""
+
+    artifact: Artifact | None = None
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    # kinds of problem, worst first
+    KINDS = ("damaged", "refused", "unsupported", "unavailable", "invalid")
+
+    @property
+    def status(self) -> str:
+        """"found", "missing", or the worst problem's kind."""
+        if self.artifact is not None:
+            return "found"
+        kinds = [kind for kind, _ in self.problems]
+        return next((k for k in self.KINDS if k in kinds), "missing")
+
+    def note(self, kind: str, detail: str) -> None:
+        self.problems.append((kind, detail))
 
 
 class Store:
@@ -95,12 +119,43 @@ class Store:
 
     def get(self, key: str) -> Artifact | None:
         """The verified artifact for `key`, or None (a miss, whatever the reason)."""
-        found = self._lookup("get", key, with_blobs=True)
+        return self.lookup(key).artifact
+
+    def lookup(self, key: str) -> Lookup:
+        """`get`, telling a missing artifact from a damaged, refused or unreadable one."""
+        outcome = Lookup()
+        found = self._lookup("get", key, with_blobs=True, outcome=outcome)
         self._stats.count("hits" if found else "misses")
-        if found is None:
-            return None
-        record, blobs = found
-        return Artifact(key=key, manifest=record.meta, blobs=blobs or {})
+        if found is not None:
+            record, blobs = found
+            outcome.artifact = Artifact(key=key, manifest=record.meta, blobs=blobs or {})
+        return outcome
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Keys with a manifest in any tier that start with `prefix` (hex), sorted; for
+        tools that accept a key's first characters. Never raises: a tier that cannot be
+        listed adds nothing."""
+        folder = f"{AC_DIR}/{prefix[:2]}" if len(prefix) >= 2 else AC_DIR
+        found: set[str] = set()
+        for tier in self._tiers:
+            try:
+                names = [e.name for e in tier.io.listing(folder) if not e.is_temp]
+            except Exception as exc:
+                self._fault(tier, READ, exc)
+                continue
+            found.update(n for n in names if n.startswith(prefix))
+        return sorted(found)
+
+    def unusable_reason(self) -> str | None:
+        """Why this store cannot be used at all (disabled, its URL would not open, a store
+        on local disk that does not exist); None when it can be."""
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if self.primary is None:
+            return f"cannot open {self.url} (see the error above)"
+        if self.primary.io.is_local and not self.primary.io.fs.isdir(self.primary.io.root):
+            return f"no store at {self.primary.io.root} (the folder does not exist)"
+        return None
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:
         """The caller's metadata of `key`'s artifact (the `manifest` it was published
@@ -119,15 +174,17 @@ class Store:
         return self.get_manifest(key) is not None
 
     def _lookup(
-        self, op: str, key: str, *, with_blobs: bool
+        self, op: str, key: str, *, with_blobs: bool, outcome: Lookup | None = None
     ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
+        outcome = outcome if outcome is not None else Lookup()
         try:
             check_key(key)
         except ValueError as exc:
             self._reporter.warn_once(f"key:{key!r}", "Kiln artifact store: %s", exc)
+            outcome.note("invalid", str(exc))
             return None
         try:
-            return self._lookup_tiers(op, key, with_blobs)
+            return self._lookup_tiers(op, key, with_blobs, outcome)
         except Exception as exc:  # a bug here must still not reach the user's program
             self._reporter.once(
                 logging.ERROR, f"internal:{op}", "Kiln artifact store: %s(%s) failed "
@@ -137,14 +194,15 @@ class Store:
             return None
 
     def _lookup_tiers(
-        self, op: str, key: str, with_blobs: bool
+        self, op: str, key: str, with_blobs: bool, outcome: Lookup
     ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
         missed: list[Tier] = []
         for tier in self._tiers:
             if not tier.health.available(READ):
+                outcome.note("unavailable", f"{tier.label} is unavailable")
                 continue
             start = time.perf_counter()
-            found = self._read_from(tier, key, with_blobs)
+            found = self._read_from(tier, key, with_blobs, outcome)
             nbytes = found[0].nbytes if found and with_blobs else 0
             self._stats.lookup(tier.name, op, found is not None,
                                time.perf_counter() - start, nbytes)
@@ -156,49 +214,54 @@ class Store:
         return None
 
     def _read_from(
-        self, tier: Tier, key: str, with_blobs: bool
+        self, tier: Tier, key: str, with_blobs: bool, outcome: Lookup
     ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
         try:
             raw = tier.read_manifest(key)
         except Exception as exc:
             self._fault(tier, READ, exc)
+            outcome.note("unavailable", f"{tier.label}: {describe_exception(exc)}")
             return None
         tier.health.succeeded(READ)
         if raw is None:
             return None
-        record = self._verify(tier, key, raw)
+        record = self._verify(tier, key, raw, outcome)
         if record is None or not with_blobs:
             return None if record is None else (record, None)
         try:
             blobs = tier.read_blobs(record.blobs)
         except IntegrityError as exc:
-            self._damaged(tier, key, raw, exc)
+            self._damaged(tier, key, raw, exc, outcome)
             return None
         except Exception as exc:
             self._fault(tier, READ, exc)
+            outcome.note("unavailable", f"{tier.label}: {describe_exception(exc)}")
             return None
         tier.touch(key)
         return record, blobs
 
-    def _verify(self, tier: Tier, key: str, raw: bytes) -> ManifestRecord | None:
+    def _verify(self, tier: Tier, key: str, raw: bytes, outcome: Lookup
+                ) -> ManifestRecord | None:
         try:
             record = decode_manifest(raw)
         except UnsupportedFormat as exc:
+            outcome.note("unsupported", f"{tier.label}: {exc}")
             self._reporter.warn_once(
                 f"format:{tier.name}:{key}", "Kiln artifact store %s: artifact %s: %s; "
                 "treating it as a miss (upgrade Kiln to use it)", tier.label, key, exc,
             )
             return None
         except IntegrityError as exc:
-            self._damaged(tier, key, raw, exc)
+            self._damaged(tier, key, raw, exc, outcome)
             return None
         if record.key != key:
             self._damaged(tier, key, raw, IntegrityError(
-                f"the manifest stored under {key} is for key {record.key}"))
+                f"the manifest stored under {key} is for key {record.key}"), outcome)
             return None
         problem = self._signature_problem(record)
         if problem is not None:
             self._stats.count("signature_failures")
+            outcome.note("refused", f"{tier.label}: {problem}")
             self._reporter.warn_once(
                 f"signature:{tier.name}:{key}", "Kiln artifact store %s: refusing artifact "
                 "%s: %s. It is treated as a miss and compiled locally; check that "
@@ -227,13 +290,15 @@ class Store:
                     f"client's keys ({self.keyring.describe()})")
         return "its signature is invalid (forged, or altered after signing)"
 
-    def _damaged(self, tier: Tier, key: str, raw: bytes, exc: IntegrityError) -> None:
+    def _damaged(self, tier: Tier, key: str, raw: bytes, exc: IntegrityError,
+                 outcome: Lookup) -> None:
         if tier.role == CACHE and exc.missing and not exc.corrupt:
             # Evicted under us by another process: refetch from the store, quietly.
             logger.debug("%s: %s is incomplete (%s); refetching", tier.label, key, exc)
             tier.discard(key, raw)
             return
         self._stats.count("integrity_failures")
+        outcome.note("damaged", f"{tier.label}: {exc}")
         if not tier.writable:
             action = "left in place (read-only client)"
         else:
@@ -392,4 +457,4 @@ def keyring_for(config: StoreConfig) -> Keyring:
     return keyring
 
 
-__all__ = ["ConfigError", "Store", "keyring_for"]
+__all__ = ["ConfigError", "Lookup", "Store", "keyring_for"]

@@ -41,13 +41,19 @@ REQUEST_FORMAT_VERSION = 1
 NON_OUTPUT_OPTIONS = frozenset(
     {
         "store",
+        "store_options",
+        "store_timeout",
+        "store_read_only",
         "local_cache",
+        "local_cache_size",
         "farm",
         "farm_timeout",
         "signing_key",
         "require_signed",
+        "stats_file",
         "logs",
         "debug",
+        "debug_dir",
     }
 )
 

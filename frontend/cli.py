@@ -1,33 +1,54 @@
 """The ``kiln`` command.
 
-    kiln precompile TARGET [--shapes 8x128 16x128,128]   fill the store ahead of a job
+    kiln precompile TARGET [--shapes 8x128 16x128,128] [--mode inference|train|both]
     kiln stats [--json]                                  hits, misses, compiles, time saved
     kiln inspect KEY [--json] [--source KERNEL]          manifest, wrapper, kernels, lifetimes
-    kiln explain-miss A B                                which key part differs
+    kiln explain-miss A B                                which key parts differ, in words
     kiln gc [--max-age 7d] [--max-size 10G] [--dry-run]  collect the store
-    kiln farm up|down|status                             a Ray farm on this machine
+    kiln farm up|down|status [--json]                    a Ray farm on this machine
+    kiln --version
 
 Every command reads the same ``KILN_*`` variables as the backend (``KILN_STORE``,
-``KILN_FARM``, ...). Exit status: 0 on success, 1 when the command could not do its
-work (a key not found, a farm that will not start), 2 on bad usage.
+``KILN_FARM``, ...), checked by ``frontend.config``: a bad one is a one-line warning and
+its default. A KEY may be given by its first characters where they name one key.
+
+Exit status: 0 on success; 1 when the command could not do its work (a store it cannot
+open, a key not found or damaged, a farm that will not start or cannot be reached, a
+precompile that published nothing or ran a graph eagerly); 2 on bad usage (an unknown
+command, flag, option or value, a target that does not exist, an ambiguous key prefix).
+Every error is one line on stderr, never a traceback (``KILN_DEBUG=1`` adds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from kiln.artifact_store import default_stats_file, open_store, read_stats, summarize
+from kiln.artifact_store import (
+    ConfigError,
+    Store,
+    default_stats_file,
+    open_store,
+    read_stats,
+    summarize,
+)
 
-EXIT_OK, EXIT_FAILED = 0, 1
+from .cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, UsageError
+from .config import KilnConfig
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_HEX = re.compile(r"^[0-9a-f]+$")
+KEY_LENGTH = 64
 
 
 def parse_duration(text: str) -> float:
@@ -38,43 +59,116 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
+def parse_size_arg(text: str) -> int:
+    from kiln.artifact_store.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a size such as 10G, 512M or 1000000") from None
+
+
+def parse_port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port from 1 to 65535")
+    return int(text)
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+def _config() -> KilnConfig:
+    return KilnConfig.resolve()
+
+
+def open_cli_store(*, read_only: bool) -> Store:
+    """The configured store, or CliError saying why it cannot be opened (a bad URL, a
+    missing file system, a folder that does not exist)."""
+    kwargs = _config().store_kwargs()
+    if read_only:
+        kwargs["read_only"] = True
+    try:
+        store = open_store(**kwargs, strict=True)
+    except ConfigError as e:
+        raise CliError(f"cannot open the store: {e}") from None
+    reason = store.unusable_reason()
+    if reason is not None:
+        raise CliError(f"cannot open the store: {reason} (KILN_STORE)")
+    return store
+
+
+def resolve_key(store: Store, ref: str) -> str:
+    """A full key from a key or its first characters (unique in the store)."""
+    text = ref.strip().lower()
+    if not _HEX.match(text) or len(text) > KEY_LENGTH:
+        raise UsageError(f"{ref!r} is not a key (hex digits, or their first few)")
+    if len(text) == KEY_LENGTH:
+        return text
+    found = store.keys(text)
+    if not found:
+        raise CliError(f"no artifact with a key starting {text} in {store.url}")
+    if len(found) > 1:
+        shown = ", ".join(k[:len(text) + 4] + "..." for k in found[:4])
+        raise UsageError(f"key prefix {text} is ambiguous: {len(found)} keys start with it "
+                         f"({shown}); give more characters")
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------
 # stats
 
 
-def stats_summary(data: dict[str, Any]) -> dict[str, Any]:
-    """One object from the stats file: store hits and misses per tier, client counters."""
+CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
+                   "compile_errors", "load_errors", "kernels_compiled", "compile_seconds",
+                   "time_saved_s")
+STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
+
+
+def stats_summary(data: dict[str, Any], stats_file: str | None = None) -> dict[str, Any]:
+    """One object from the stats file: store hits and misses per tier, client counters;
+    every counter present (zeros included)."""
     store, client = data.get("store") or {}, data.get("client") or {}
     tiers = store.get("tiers") or {}
     summary: dict[str, Any] = {
-        "stats_file": default_stats_file(), "since": store.get("since"),
-        "updated": data.get("updated"),
+        "enabled": stats_file is not None, "stats_file": stats_file,
+        "since": store.get("since"), "updated": data.get("updated"),
         "hits": {"total": store.get("hits", 0),
                  **{name: tier.get("hits", 0) for name, tier in tiers.items()}},
         "misses": {"total": store.get("misses", 0),
                    **{name: tier.get("misses", 0) for name, tier in tiers.items()}},
     }
-    for name in ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
-                 "compile_errors", "kernels_compiled", "compile_seconds", "time_saved_s"):
+    for name in CLIENT_COUNTERS:
         summary[name] = client.get(name, 0)
-    for name in ("publishes", "publish_failures", "integrity_failures", "signature_failures"):
+    summary["graph_hits"] = client.get("hits", 0)  # graphs loaded from the store
+    for name in STORE_COUNTERS:
         summary[name] = store.get(name, 0)
     summary["store"] = summarize(store)
     return summary
 
 
+def _stats_file() -> str | None:
+    """Where the counters are, or None when KILN_STATS_FILE turns them off."""
+    chosen = _config().store_kwargs()["stats_file"]
+    if chosen is False:
+        return None
+    return os.path.expanduser(chosen) if chosen else default_stats_file()
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    summary = stats_summary(read_stats())
+    path = _stats_file()
+    summary = stats_summary(read_stats(path) if path else {}, path)
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))
         return EXIT_OK
+    if path is None:
+        print("stats are off (KILN_STATS_FILE=off): nothing is counted; unset it to count")
+        return EXIT_OK
     hits, misses = summary["hits"], summary["misses"]
     tiers = ", ".join(f"{k} {v}" for k, v in hits.items() if k != "total")
-    print(f"stats file      {summary['stats_file']}")
+    exists = "" if os.path.exists(path) else " (nothing counted yet)"
+    print(f"stats file      {path}{exists}")
     print(f"store lookups   {hits['total']} hits ({tiers or 'no tiers'}), "
           f"{misses['total']} misses")
     print(f"graphs          {summary['graphs']} ({summary['compiles']} compiled: "
@@ -83,7 +177,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"compile time    {summary['compile_seconds']:.1f} s; "
           f"time saved by hits {summary['time_saved_s']:.1f} s")
     print(f"problems        {summary['farm_fallbacks']} farm fallbacks, "
-          f"{summary['compile_errors']} compile errors, "
+          f"{summary['compile_errors']} compile errors, {summary['load_errors']} load errors, "
           f"{summary['integrity_failures']} damaged artifacts")
     return EXIT_OK
 
@@ -109,19 +203,47 @@ def _kernel_rows(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
     return rows
 
 
+_LOOKUP_FAILURES = {
+    "missing": "no artifact {key} in {url}",
+    "damaged": "artifact {key} in {url} is damaged: {detail}",
+    "refused": "artifact {key} in {url} is refused: {detail}",
+    "unsupported": "artifact {key} in {url} was written by a newer Kiln: {detail}",
+    "unavailable": "cannot read the store: {detail}",
+    "invalid": "{detail}",
+}
+
+
+def find_artifact(store: Store, ref: str) -> Any:
+    """The artifact a key (or unique prefix) names; CliError telling a missing artifact
+    from a damaged, refused or unreadable one."""
+    key = resolve_key(store, ref)
+    store_log = logging.getLogger("kiln.artifact_store")
+    level = store_log.level
+    store_log.setLevel(logging.ERROR)  # the store's own warning would repeat ours
+    try:
+        found = store.lookup(key)
+    finally:
+        store_log.setLevel(level)
+    if found.artifact is None:
+        detail = "; ".join(d for kind, d in found.problems if kind == found.status)
+        message = _LOOKUP_FAILURES[found.status]
+        raise CliError(message.format(key=key, url=store.url, detail=detail))
+    return found.artifact
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    store = open_store(read_only=True)
-    described = store.describe(args.key)
-    artifact = store.get(args.key) if described is not None else None
-    if described is None or artifact is None:
-        print(f"kiln inspect: no artifact {args.key} in {store.url}", file=sys.stderr)
-        return EXIT_FAILED
+    with open_cli_store(read_only=True) as store:
+        artifact = find_artifact(store, args.key)
+        described = store.describe(artifact.key)
+    if described is None:
+        raise CliError(f"artifact {artifact.key} changed while it was read; try again")
     manifest = artifact.manifest
     if args.source:
         entries = [e for e in manifest["kernels"] if e["name"] == args.source]
         if not entries:
-            print(f"kiln inspect: no kernel {args.source}", file=sys.stderr)
-            return EXIT_FAILED
+            names = ", ".join(e["name"] for e in manifest["kernels"]) or "none"
+            raise CliError(f"no kernel {args.source} in artifact {artifact.key}; its "
+                           f"kernels: {names}")
         print(artifact.blobs[entries[0]["source_blob"]].decode())
         return EXIT_OK
     if args.json:
@@ -165,41 +287,61 @@ def describe_artifact(described: dict[str, Any], manifest: dict[str, Any]) -> li
 # explain-miss
 
 
-def _key_parts_of(ref: str) -> tuple[dict[str, str], Any]:
-    """(key parts, request or None) of a key in the store, or of a request saved by
-    KILN_DEBUG (its request.msgpack, or the folder holding it)."""
-    from kiln.compiler.request import CompileRequest
-
-    from .keys import compute_key
-
+def _side_of(ref: str, store: Store | None) -> tuple[dict[str, str], dict[str, Any]]:
+    """(key parts, recorded parts) of one side of explain-miss: a request saved by
+    KILN_DEBUG (its folder, request.msgpack or key.json), or a key (or prefix) in the
+    store, whose manifest records the parts."""
     path = Path(ref)
     if path.is_dir():
         path = path / "request.msgpack"
+    if path.name == "key.json" and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            parts = dict(saved["parts"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CliError(f"{ref}: not a key.json written by KILN_DEBUG ({e})") from None
+        beside = path.with_name("request.msgpack")
+        if not beside.is_file():
+            return parts, {}
+        path = beside
     if path.is_file():
-        request = CompileRequest.from_bytes(path.read_bytes())
-        return compute_key(request).parts, request
-    manifest = open_store(read_only=True).get_manifest(ref)
-    if manifest is None:
-        raise LookupError(f"{ref} is neither a saved request nor a key in the store")
-    return dict(manifest.get("key_parts", {})), None
+        from kiln.compiler.request import CompileRequest, SerializationError
+
+        from .keys import compute_key, recorded_parts
+
+        try:
+            request = CompileRequest.from_bytes(path.read_bytes())
+        except (OSError, SerializationError, ValueError) as e:
+            raise CliError(f"{ref}: not a request saved by KILN_DEBUG ({e})") from None
+        return compute_key(request).parts, recorded_parts(request)
+    if os.sep in ref or ref.endswith((".json", ".msgpack")):
+        raise UsageError(f"no such file or folder: {ref}")
+    if store is None:
+        raise CliError(f"{ref} is not a saved request, and the store cannot be opened")
+    artifact = find_artifact(store, ref)
+    manifest = artifact.manifest
+    return dict(manifest.get("key_parts", {})), manifest
 
 
 def cmd_explain_miss(args: argparse.Namespace) -> int:
-    from .keys import diff_requests, explain_miss
+    from .keys import describe_differences, explain_miss
 
+    needs_store = [ref for ref in (args.a, args.b) if not Path(ref).exists()]
+    store = open_cli_store(read_only=True) if needs_store else None
     try:
-        (parts_a, request_a), (parts_b, request_b) = map(_key_parts_of, (args.a, args.b))
-    except (LookupError, ValueError) as e:
-        print(f"kiln explain-miss: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        (parts_a, recorded_a), (parts_b, recorded_b) = (_side_of(r, store)
+                                                        for r in (args.a, args.b))
+    finally:
+        if store is not None:
+            store.close()
     lines = explain_miss(parts_a, parts_b)
     if not lines:
         print("the keys are equal: every part matches")
         return EXIT_OK
     print("\n".join(lines))
-    if request_a is not None and request_b is not None:
-        print("\n".join(["", "in detail:"] + [f"  {line}" for line in
-                                             diff_requests(request_a, request_b)]))
+    detail = describe_differences(recorded_a, recorded_b)
+    if detail:
+        print("\n".join(["", "in detail:"] + [f"  {line}" for line in detail]))
     return EXIT_OK
 
 
@@ -208,14 +350,18 @@ def cmd_explain_miss(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from kiln.artifact_store.config import parse_size
-
-    store = open_store()
-    max_bytes = parse_size(args.max_size, "--max-size") if args.max_size else None
-    report = store.gc(max_age_s=args.max_age, max_bytes=max_bytes, dry_run=args.dry_run)
+    with open_cli_store(read_only=False) as store:
+        if store.read_only:
+            raise CliError(f"the store {store.url} is read-only (KILN_STORE_READ_ONLY=1): "
+                           "gc cannot remove anything")
+        report = store.gc(max_age_s=args.max_age, max_bytes=args.max_size,
+                          dry_run=args.dry_run)
     _print_json({"store": store.url, "dry_run": args.dry_run, "report": report})
-    failed = any(isinstance(r, dict) and "error" in r for r in report.values())
-    return EXIT_FAILED if failed else EXIT_OK
+    errors = [f"{tier}: {r['error']}" for tier, r in report.items()
+              if isinstance(r, dict) and "error" in r]
+    if errors:
+        raise CliError("gc failed for " + "; ".join(errors))
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,272 +376,157 @@ def cmd_farm(args: argparse.Namespace) -> int:
             info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                                             port=args.port)
         except (OSError, RuntimeError, TimeoutError) as e:
-            print(f"kiln farm up: {e}", file=sys.stderr)
-            return EXIT_FAILED
+            raise CliError(str(e)) from None
         if not args.no_warm:
             _warm_farm(str(info["address"]))
         state = "already running" if info.get("already_running") else "started"
-        print(f"farm {state} at {info['address']} (address in {farm.farm_file()})")
+        print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
+              f"logs in {info.get('temp_dir') or info.get('log')})")
         return EXIT_OK
     if args.action == "down":
         stopped = farm.stop_local_cluster()
-        print(f"farm at {stopped['address']} stopped" if stopped else "no farm is up")
+        if stopped is None:
+            print("no farm is up")
+        elif stopped.get("stale"):
+            print(f"no farm is up: removed the stale {farm.farm_file()} (for "
+                  f"{stopped['address']}: {stopped['stale']}); nothing was stopped")
+        else:
+            print(f"farm at {stopped['address']} stopped")
         return EXIT_OK
     return _farm_status(args)
 
 
 def _farm_status(args: argparse.Namespace) -> int:
     """The farm clients use: KILN_FARM's address, else the one of `kiln farm up`."""
-    from . import farm
-    from .config import KilnConfig
+    from .farm import farm_status
 
-    mode = KilnConfig.resolve().farm
-    if mode.lower() in (farm.LOCAL, farm.INPROCESS):
-        info = farm.read_farm_file()
-        if info is None:
-            print(f"KILN_FARM={mode}: no farm is up (local clients start an embedded Ray)")
-            return EXIT_FAILED
-        mode = str(info["address"])
-    reason = farm.probe(mode)
-    print(f"farm at {mode}: {'up' if reason is None else reason}")
-    if reason is None and args.json:
-        _print_json(farm.RayFarm(mode).stats())
-    return EXIT_OK if reason is None else EXIT_FAILED
+    status = farm_status(_config().farm)
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+    elif status["up"]:
+        counters = status["counters"]
+        print(f"farm at {status['address']}: up ({counters['requests']} requests, "
+              f"{counters['graph_compiles']} graphs and {counters['kernel_compiles']} "
+              "kernels compiled)")
+    else:
+        where = f" at {status['address']}" if status["address"] else ""
+        print(f"farm{where}: down: {status['reason']}")
+    return EXIT_OK if status["up"] else EXIT_FAILED
 
 
 def _warm_farm(address: str) -> None:
     """Start the coordinator and its workers now, so the first miss finds them warm."""
     import ray
 
-    from .farm import RayFarm
+    from .farm import FarmUnavailable, RayFarm
 
-    actor = RayFarm(address).actor()
-    ray.get(actor.wait_warm.remote(), timeout=300)
-    ray.shutdown()
-
-
-# ---------------------------------------------------------------------------------------
-# precompile
-
-
-def parse_shapes(text: str) -> list[tuple[int, ...]]:
-    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input."""
     try:
-        return [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input)"
-        ) from None
-
-
-def parse_option(text: str) -> tuple[str, Any]:
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
-    try:
-        return name.strip().lower(), json.loads(value)
-    except json.JSONDecodeError:
-        return name.strip().lower(), value
-
-
-class Progress:
-    """A one-line progress bar on stderr, fed by every graph the backend compiles."""
-
-    def __init__(self, total: int | None) -> None:
-        self.total, self.done, self.start = total, 0, time.perf_counter()
-        self.counts = {"graphs": 0, "hits": 0, "misses": 0, "farm": 0, "local": 0,
-                       "kernels": 0, "eager": 0}
-        self.tty = sys.stderr.isatty()
-
-    def graph(self, name: str, result: Any) -> None:
-        self.counts["graphs"] += 1
-        if result.source == "hit":
-            self.counts["hits"] += 1
-        else:
-            self.counts["misses"] += 1
-            self.counts[result.source] += 1
-            self.counts["kernels"] += len(result.compiled.binaries)
-        self.show()
-
-    def step(self) -> None:
-        self.done += 1
-        self.show()
-
-    def show(self) -> None:
-        c, elapsed = self.counts, time.perf_counter() - self.start
-        bar = ""
-        if self.total:
-            filled = int(20 * self.done / self.total)
-            bar = f"[{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total}  "
-        line = (f"{bar}graphs {c['graphs']} (hits {c['hits']}, misses {c['misses']})  "
-                f"kernels {c['kernels']}  {elapsed:.1f}s")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
-              file=sys.stderr, flush=True)
-
-    def summary(self) -> dict[str, Any]:
-        if self.tty:
-            print(file=sys.stderr)
-        return {**self.counts, "shape_sets": self.done,
-                "seconds": round(time.perf_counter() - self.start, 3)}
-
-
-def load_entry(target: str) -> Callable[..., Any]:
-    """``pkg.module:function`` or ``path/to/file.py:function``."""
-    import importlib
-    import runpy
-
-    where, _, name = target.rpartition(":")
-    if where.endswith(".py"):
-        namespace = runpy.run_path(where, run_name="kiln_precompile")
-        return namespace[name]  # type: ignore[no-any-return]
-    return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]
-
-
-def _example_inputs(shapes: list[tuple[int, ...]], dtype: str, device: str) -> list[Any]:
-    import torch
-
-    torch_dtype = getattr(torch, dtype)
-    if torch_dtype.is_floating_point:
-        return [torch.randn(*s, dtype=torch_dtype, device=device) for s in shapes]
-    return [torch.randint(0, 2, s, dtype=torch_dtype, device=device) for s in shapes]
-
-
-def _run_entry(args: argparse.Namespace, options: dict[str, Any], progress: Progress) -> None:
-    import torch
-
-    model = load_entry(args.target)()
-    for shapes in args.shapes or []:
-        torch._dynamo.reset()  # a fresh compile per shape set: no recompile limit
-        compiled = torch.compile(model, backend="kiln", options=options, dynamic=False)
-        out = compiled(*_example_inputs(shapes, args.dtype, args.device))
-        if args.train:
-            flat = out if isinstance(out, (list, tuple)) else [out]
-            losses = [o.float().sum() for o in flat if torch.is_tensor(o) and o.requires_grad]
-            torch.stack(losses).sum().backward()
-        progress.step()
-
-
-def _run_script(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Run a script as __main__ with torch.compile's default backend made Kiln's."""
-    import runpy
-
-    import torch
-
-    real_compile = torch.compile
-
-    def kiln_compile(model: Any = None, **kwargs: Any) -> Any:
-        if kwargs.get("backend", "inductor") == "inductor":
-            kwargs.update(backend="kiln", options={**options, **(kwargs.get("options") or {})})
-        return real_compile(model, **kwargs)
-
-    argv = sys.argv
-    sys.argv = [args.target, *args.script_args]
-    torch.compile = kiln_compile  # type: ignore[assignment]
-    try:
-        runpy.run_path(args.target, run_name="__main__")
+        actor = RayFarm(address).actor()
+        ray.get(actor.wait_warm.remote(), timeout=300)
+    except (FarmUnavailable, ray.exceptions.RayError) as e:
+        raise CliError(f"the farm at {address} started but its workers did not: {e}") \
+            from None
     finally:
-        torch.compile = real_compile
-        sys.argv = argv
-
-
-def cmd_precompile(args: argparse.Namespace) -> int:
-    import warnings
-
-    from . import compile as kiln_compile
-    from .backend import KilnFallbackWarning
-
-    options = dict(args.option or [])
-    is_script = args.target.endswith(".py") and ":" not in args.target
-    if not is_script and not args.shapes:
-        print("kiln precompile: give --shapes for a module:function entry", file=sys.stderr)
-        return 2
-    progress = Progress(None if is_script else len(args.shapes))
-    kiln_compile.observers.append(progress.graph)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", KilnFallbackWarning)
-        try:
-            _run_script(args, options) if is_script else _run_entry(args, options, progress)
-        finally:
-            kiln_compile.observers.remove(progress.graph)
-    summary = progress.summary()
-    summary["eager"] = sum(issubclass(w.category, KilnFallbackWarning) for w in caught)
-    for w in caught:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    if args.json:
-        print(json.dumps(summary, sort_keys=True))
-    else:
-        print(f"precompiled {summary['shape_sets']} shape set(s): {summary['graphs']} graphs "
-              f"({summary['hits']} hits, {summary['misses']} misses: {summary['farm']} on "
-              f"the farm, {summary['local']} locally; {summary['eager']} eager), "
-              f"{summary['kernels']} kernels compiled, {summary['seconds']:.1f} s")
-    return EXIT_OK
-
-
-def add_precompile_parser(sub: Any) -> None:
-    pre = sub.add_parser("precompile", help="compile a model's graphs into the store ahead "
-                         "of time", description="TARGET is module:function (or "
-                         "file.py:function) returning a model, run once per --shapes; or "
-                         "a script.py, run as __main__ (its arguments after --) with "
-                         "torch.compile using Kiln.")
-    pre.add_argument("target")
-    pre.add_argument("--shapes", nargs="+", type=parse_shapes, metavar="SHAPES",
-                     help="one input shape set each: 8x128 or 8x128,128 (one per input)")
-    pre.add_argument("--dtype", default="float32")
-    pre.add_argument("--device", default="cpu")
-    pre.add_argument("--train", action="store_true", help="also compile the backward")
-    pre.add_argument("--option", action="append", type=parse_option, metavar="NAME=VALUE",
-                     help="a torch.compile option for Kiln (e.g. cpu_backend=cpp)")
-    pre.add_argument("--json", action="store_true", help="the summary as JSON")
-    pre.set_defaults(func=cmd_precompile)
+        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------------------
 # Parser.
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description=__doc__.split("\n\n")[0])
+    from kiln import __version__
+
+    from .precompile import add_precompile_parser
+
+    parser = Parser(prog="kiln", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_precompile_parser(sub)
     stats = sub.add_parser("stats", help="hits, misses, compiles, kernels, time saved")
     stats.add_argument("--json", action="store_true", help="one JSON object")
     stats.set_defaults(func=cmd_stats)
     inspect = sub.add_parser("inspect", help="an artifact: manifest, wrapper, kernels")
-    inspect.add_argument("key")
+    inspect.add_argument("key", help="a key, or its first characters")
     inspect.add_argument("--json", action="store_true", help="the manifest as JSON")
     inspect.add_argument("--source", metavar="KERNEL", help="print one kernel's source")
     inspect.add_argument("--no-wrapper", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
-    explain = sub.add_parser("explain-miss", help="which key part differs between two")
-    explain.add_argument("a", help="a key, or a request saved with KILN_DEBUG=1")
+    explain = sub.add_parser("explain-miss", help="which key parts differ between two")
+    explain.add_argument("a", help="a key (or its first characters), or a KILN_DEBUG "
+                         "folder, its request.msgpack or key.json")
     explain.add_argument("b")
     explain.set_defaults(func=cmd_explain_miss)
     gc = sub.add_parser("gc", help="collect the store by age and size")
     gc.add_argument("--max-age", type=parse_duration, help="e.g. 7d")
-    gc.add_argument("--max-size", help="e.g. 10G")
+    gc.add_argument("--max-size", type=parse_size_arg, help="e.g. 10G")
     gc.add_argument("--dry-run", action="store_true")
     gc.set_defaults(func=cmd_gc)
     farm = sub.add_parser("farm", help="a Ray farm on this machine for local clients")
     farm.add_argument("action", choices=["up", "down", "status"])
     farm.add_argument("--num-cpus", type=int)
     farm.add_argument("--num-gpus", type=int)
-    farm.add_argument("--port", type=int)
+    farm.add_argument("--port", type=parse_port, help="up: the head's port (checked free)")
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
-    farm.add_argument("--json", action="store_true", help="status: the farm's counters")
+    farm.add_argument("--json", action="store_true", help="status: one JSON object")
     farm.set_defaults(func=cmd_farm)
     return parser
 
 
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """Warnings as one line each: Kiln's own as they are, others with their category."""
+    text = str(message).strip().replace("\n", " ")
+    if text.startswith("kiln: "):
+        text = text.removeprefix("kiln: ")
+    else:
+        text = f"{category.__name__}: {text}"
+    print(f"warning: {text}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``kiln`` command; returns the exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args: list[str] = []
     if "--" in argv:  # `kiln precompile train.py -- --epochs 1`: the script's own
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
-    args = build_parser().parse_args(argv)
-    args.script_args = script_args
-    func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    prog = f"kiln {command}".strip()
+    saved = warnings.showwarning
+    warnings.showwarning = _show_warning
+    try:
+        args = build_parser().parse_args(argv)
+        args.script_args = script_args
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except CliError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug: still one line, the traceback only when asked
+        if _config().debug:
+            import traceback
+
+            traceback.print_exc()
+        text = (str(e).strip().splitlines() or [""])[0]
+        print(f"{prog}: unexpected {type(e).__name__}: {text} (KILN_DEBUG=1 shows the "
+              "traceback)", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        warnings.showwarning = saved
+
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ here. Counters go to the stats file's ``client`` section (``kiln stats``).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ class CompileResult:
     source: str  # "hit", "farm" or "local"
     timings: dict[str, float] = field(default_factory=dict)
     recorded_compile_s: float = 0.0  # on a hit: what compiling it cost when it was made
+    published_bytes: int | None = None  # on a miss: bytes the store took; None: not stored
 
 
 class ClientCounters:
@@ -93,9 +95,7 @@ class KilnClient:
     def __init__(self, config: KilnConfig, *, store: Store | None = None,
                  farm: Farm | None = None) -> None:
         self.config = config
-        self.store = store if store is not None else open_store(
-            config.store, local_cache=config.local_cache, signing_key=config.signing_key,
-            require_signed=True if config.require_signed else None)
+        self.store = store if store is not None else open_store(**config.store_kwargs())
         self.farm = farm if farm is not None else farm_for(config.farm)
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
             else InProcessFarm()
@@ -106,17 +106,20 @@ class KilnClient:
         self._inflight: dict[str, Future[CompileResult]] = {}
         self._lock = threading.Lock()
 
-    def compile(self, request: CompileRequest, name: str = "graph") -> CompileResult:
-        """The compiled graph of ``request``: from the store, or compiled and published."""
+    def compile(self, request: CompileRequest, name: str = "graph", *,
+                count_hit: bool = True) -> CompileResult:
+        """The compiled graph of ``request``: from the store, or compiled and published.
+
+        A caller that loads the result passes ``count_hit=False`` and reports the load
+        with :meth:`loaded` (a hit that fails to load is an error, not time saved)."""
         start = time.perf_counter()
         key = compute_key(request)
         hashed = time.perf_counter()
         result = self._lookup(key)
         if result is not None:
             result.timings.update(hash_s=hashed - start, total_s=time.perf_counter() - start)
-            saved = max(0.0, result.recorded_compile_s - result.timings["total_s"])
-            self.counters.add(graphs=1, hits=1, time_saved_s=saved,
-                              hit_seconds=result.timings["total_s"])
+            if count_hit:
+                self.loaded(result, ok=True)
             return result
         with self._lock:
             future = self._inflight.get(key.key)
@@ -139,6 +142,18 @@ class KilnClient:
             with self._lock:
                 self._inflight.pop(key.key, None)
 
+    def loaded(self, result: CompileResult, *, ok: bool) -> None:
+        """Count a graph once it is loaded: a hit saves its recorded compile time; a graph
+        that fails to load counts as a load error (and a hit saves nothing)."""
+        if not ok:
+            self.counters.add(load_errors=1, **({"graphs": 1} if result.source == "hit"
+                                               else {}))
+            return
+        if result.source == "hit":
+            total = result.timings.get("total_s", 0.0)
+            saved = max(0.0, result.recorded_compile_s - total)
+            self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total)
+
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
         artifact = self.store.get(key.key)
@@ -149,6 +164,7 @@ class KilnClient:
             compiled = from_artifact(artifact)
         except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
             log.warning("kiln: artifact %s cannot be read (%s); compiling it again", key.key, e)
+            self.counters.add(load_errors=1)
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         return CompileResult(compiled, key, "hit", timings,
@@ -167,7 +183,8 @@ class KilnClient:
                           kernels_compiled=len(compiled.binaries), compile_seconds=wall,
                           publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
-        return CompileResult(compiled, key, source, timings)
+        nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
+        return CompileResult(compiled, key, source, timings, published_bytes=nbytes)
 
     def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
                            ) -> tuple[CompiledGraph, str]:
@@ -211,8 +228,8 @@ _clients_lock = threading.Lock()
 
 def client_for(config: KilnConfig) -> KilnClient:
     """The process's client for a configuration's store and farm settings."""
-    ident = (config.store, config.local_cache, config.signing_key, config.require_signed,
-             config.farm, config.farm_timeout)
+    ident = (json.dumps(config.store_kwargs(), sort_keys=True, default=str), config.farm,
+             config.farm_timeout)
     with _clients_lock:
         if ident not in _clients:
             _clients[ident] = KilnClient(config)

@@ -28,6 +28,12 @@ from .serialize import make_request
 log = logging.getLogger("kiln.compile")
 
 
+class LoadFailure(RuntimeError):
+    """A compiled graph (a hit, or just compiled) that could not be loaded here."""
+
+    stage = "load"
+
+
 def graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Tensor constants of ``gm`` by the names the compiler gives them (in node order)."""
     out: dict[str, torch.Tensor] = {}
@@ -59,9 +65,11 @@ def target_for(device: torch.device) -> dict[str, Any]:
 
 
 def request_options(config: KilnConfig) -> dict[str, Any]:
-    """Options that reach the compiler and the key (autotuning changes chosen configs;
-    max-autotune changes how matmuls lower, and fp32 templates follow torch's TF32 flag)."""
-    options = {**config.compiler_options(), "autotune": config.autotune}
+    """Options that reach the compiler and the key: those that change compiled code
+    (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs), and,
+    only when on, max-autotune (matmuls lower otherwise; fp32 templates follow torch's
+    TF32 flag)."""
+    options = config.compiler_options()
     if config.max_autotune:
         options.update(max_autotune=True, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
     return options
@@ -85,9 +93,15 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     start = time.perf_counter()
     request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
-    result = compile_request(request, config, name)
+    client = client_for(config)
+    result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
-    fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    try:
+        fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+    except Exception as e:
+        client.loaded(result, ok=False)
+        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+    client.loaded(result, ok=True)
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)

@@ -23,8 +23,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -133,6 +136,58 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return f"{target[0]}:{target[1]} does not answer ({e})"
 
 
+AUTH_HINT = ("the cluster uses token authentication and this client's token is missing or "
+             "wrong: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token "
+             "(`ray get-auth-token` on the head)")
+_AUTH_MARKERS = ("invalidauthtoken", "unauthenticated", "authentication token",
+                 "auth token", "token authentication")
+
+
+def explain_join_failure(address: str, error: BaseException, ray_output: str) -> str:
+    """One line on why joining ``address`` failed, naming the fix where it is known."""
+    text = f"{error}\n{ray_output}".lower()
+    if any(marker in text for marker in _AUTH_MARKERS):
+        return f"the Ray cluster at {address} refused this client: {AUTH_HINT}"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"cannot join the Ray cluster at {address}: {type(error).__name__}: {first}"
+
+
+@contextmanager
+def ray_output_captured() -> Iterator[Path]:
+    """Ray's own output (C++ core logs written to file descriptors 1 and 2: reconnect
+    attempts, auth failures, ...) goes to a Kiln log file instead of the user's terminal
+    while this block runs; the file's path is yielded, and kept (its tail explains a
+    failure)."""
+    folder = user_cache_dir() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"ray-join-{os.getpid()}.log"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    saved = [os.dup(1), os.dup(2)]
+    with path.open("ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield path
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def _tail(path: Path, nbytes: int = 20000) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - nbytes))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def use_auth_token() -> None:
     """Send this machine's Ray token when joining a cluster: Ray enables token auth by
     default for the clusters it starts, but a joining driver only if told to."""
@@ -215,13 +270,27 @@ class RayFarm:
                           runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
         else:
             kwargs["address"] = address
-            use_auth_token()
-        try:
-            ray.init(**kwargs)
-        except Exception as e:
-            where = f"connect to {address}" if address else "start"
-            raise FarmUnavailable(f"Ray did not {where}: {e}") from e
+        if address is None:
+            try:
+                ray.init(**kwargs)
+            except Exception as e:
+                raise FarmUnavailable(f"Ray did not start: {e}") from e
+        else:
+            self._join(ray, address, kwargs)
         self.joined = address or "embedded"
+
+    @staticmethod
+    def _join(ray: Any, address: str, kwargs: dict[str, Any]) -> None:
+        """``ray.init`` to a cluster, with Ray's own output kept out of the terminal."""
+        with ray_output_captured() as log_path:
+            try:
+                use_auth_token()
+                ray.init(**kwargs)
+                return
+            except Exception as e:
+                error: Exception = e
+        raise FarmUnavailable(f"{explain_join_failure(address, error, _tail(log_path))} "
+                              f"(Ray's output: {log_path})") from error
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0) -> CompiledGraph:
@@ -251,9 +320,44 @@ class RayFarm:
         return FarmUnavailable(f"{type(cause).__name__}: {cause}")
 
     def stats(self) -> dict[str, Any]:
+        """The coordinator's counters, every one of ``FARM_COUNTERS`` present."""
         import ray
 
-        return dict(ray.get(self.actor().stats.remote(), timeout=self.connect_timeout))
+        from kiln.workers import FARM_COUNTERS
+
+        try:
+            stats = ray.get(self.actor().stats.remote(), timeout=self.connect_timeout)
+        except FarmUnavailable:
+            raise
+        except Exception as e:
+            raise FarmUnavailable(f"the farm's coordinator did not answer: {e}") from e
+        return {**dict.fromkeys(FARM_COUNTERS, 0), **dict(stats)}
+
+
+def farm_status(mode: str) -> dict[str, Any]:
+    """What ``kiln farm status`` reports for a ``KILN_FARM`` value: the address, whether
+    it is up (else why not) and the coordinator's counters (zeros when down)."""
+    from kiln.workers import FARM_COUNTERS
+
+    status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
+                              "counters": dict.fromkeys(FARM_COUNTERS, 0)}
+    address = mode
+    if mode.lower() in (LOCAL, INPROCESS):
+        info = read_farm_file()
+        if info is None:
+            status["reason"] = (f"no farm is up (KILN_FARM={mode}: local clients compile in "
+                                "process or start an embedded Ray; `kiln farm up` starts one)")
+            return status
+        address = str(info["address"])
+    status["address"] = address
+    status["reason"] = probe(address)
+    if status["reason"] is None:
+        try:
+            status["counters"] = RayFarm(address).stats()
+            status["up"] = True
+        except FarmUnavailable as e:
+            status["reason"] = str(e)
+    return status
 
 
 _farms: dict[str, Farm] = {}
@@ -290,6 +394,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def check_port(port: int) -> None:
+    """OSError naming the port unless it is valid and free on this machine."""
+    if not 0 < port < 65536:
+        raise OSError(f"port {port} is out of range (1 to 65535)")
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise OSError(f"port {port} is in use on this machine ({e.strerror}); pick "
+                          "another with --port, or leave --port out for a free one") from None
+
+
 def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
                         port: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
     """`ray start --head` in the background; its address goes to the farm file, which
@@ -299,8 +415,14 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
         return {**info, "already_running": True}
     log_path = farm_file().with_name("farm-head.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if port is not None:
+        check_port(port)
     port = port or _free_port()
+    # Ray's session logs and sockets in a folder of Kiln's own, not the shared /tmp/ray
+    # (short: Ray's socket paths must fit 107 bytes); removed by `kiln farm down`.
+    temp_dir = tempfile.mkdtemp(prefix="kiln-ray-")
     command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
+               f"--temp-dir={temp_dir}",
                f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
                "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
     if num_gpus is not None:
@@ -309,9 +431,14 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    address = _wait_for_head(proc, log_path, timeout)
-    info = {"address": address, "pid": proc.pid, "log": str(log_path),
-            "num_cpus": num_cpus or os.cpu_count(), "started": time.time()}
+    try:
+        address = _wait_for_head(proc, log_path, timeout)
+    except (RuntimeError, TimeoutError):
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
+            "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
+            "started": time.time()}
     write_farm_file(info)
     return info
 
@@ -324,21 +451,58 @@ def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float
         if "Ray runtime started" in text and found:
             return found.group(1)
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start failed (see {log_path}):\n{text[-2000:]}")
+            raise RuntimeError(f"ray start failed: {_last_error_line(text)} (see {log_path})")
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     raise TimeoutError(f"ray start did not come up in {timeout:g}s (see {log_path})")
 
 
+def _last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["it exited before it was up"])[-1][:300]
+
+
+def head_process_problem(info: dict[str, Any]) -> str | None:
+    """Why the process named by the farm file cannot be proved to be that farm's Ray
+    head (`ray start --head` on the recorded port, by its command line); None if it is."""
+    try:
+        pid = int(info.get("pid", 0))
+    except (TypeError, ValueError):
+        pid = 0
+    if pid <= 0:
+        return "it names no process"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return f"process {pid} is not running"
+    target = _host_port(str(info.get("address", "")))
+    port = info.get("port") or (target[1] if target else None)
+    is_ray = any(Path(arg).name == "ray" for arg in argv[:3])
+    if not (is_ray and "start" in argv and "--head" in argv):
+        return f"process {pid} is not a Ray head ({' '.join(argv)[:80]})"
+    if port is None or f"--port={port}" not in argv:
+        return f"process {pid} is a Ray head on another port than the farm's {port}"
+    return None
+
+
 def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
-    """Stop the cluster of `kiln farm up` (its process group) and forget its address."""
-    info = read_farm_file()
-    if info is None:
+    """Stop the cluster of `kiln farm up` and forget its address. Only a process proved
+    to be that farm's head is stopped (with its process group); a stale farm file is
+    removed, and the returned info's ``stale`` says why. None when there is no file."""
+    path = farm_file()
+    if not path.exists():
         return None
-    pid = int(info.get("pid", 0))
-    if pid > 0:
-        _kill_group(pid, grace_s)
-    farm_file().unlink(missing_ok=True)
+    info = read_farm_file() or {"address": "?", "stale": "the farm file is unreadable"}
+    problem = info.get("stale") or head_process_problem(info)
+    if problem is None:
+        _kill_group(int(info["pid"]), grace_s)
+        if str(info.get("temp_dir", "")).startswith(os.path.join(tempfile.gettempdir(),
+                                                                 "kiln-ray-")):
+            shutil.rmtree(str(info["temp_dir"]), ignore_errors=True)
+    else:
+        info["stale"] = problem
+    path.unlink(missing_ok=True)
     return info
 
 

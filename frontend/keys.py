@@ -49,8 +49,9 @@ PART_DESCRIPTIONS = {
 
 # Versions live beside the compiler (workers check them); re-exported for callers here.
 __all__ = [
-    "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo", "compute_key", "diff_requests",
-    "explain_miss", "hash_source_tree", "key_parts", "kiln_version", "schema", "versions",
+    "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo", "compute_key", "describe_differences",
+    "diff_requests", "explain_miss", "recorded_parts", "hash_source_tree", "key_parts",
+    "kiln_version", "schema", "versions",
 ]
 
 
@@ -123,25 +124,55 @@ def explain_miss(parts_a: Mapping[str, str], parts_b: Mapping[str, str]) -> list
     return lines
 
 
-def _diff_mapping(name: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    return [
-        f"{name}.{k}: {a.get(k, '<unset>')!r} vs {b.get(k, '<unset>')!r}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
-    ]
+INPUT_FIELDS = ("shape", "stride", "dtype", "device", "storage offset")
+
+
+def recorded_parts(request: CompileRequest) -> dict[str, Any]:
+    """What a request's key covers, as plain values: the same fields an artifact's
+    manifest records (``frontend.artifact``), so either can be explained."""
+    return {"graph_bytes": len(request.graph), "inputs": [m.to_wire() for m in request.inputs],
+            "options": dict(request.options), "versions": dict(request.versions),
+            "target": dict(request.target)}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return "(" + ", ".join(_show(v) for v in value) + (",)" if len(value) == 1 else ")")
+    return repr(value)
+
+
+def _diff_mapping(label: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    return [f"{label} {k}: {_show(a[k]) if k in a else '<unset>'} vs "
+            f"{_show(b[k]) if k in b else '<unset>'}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) or (k in a) != (k in b)]
+
+
+def _diff_inputs(a: list[Any], b: list[Any]) -> list[str]:
+    lines = [f"inputs: {len(a)} vs {len(b)} inputs"] if len(a) != len(b) else []
+    for i, (wire_a, wire_b) in enumerate(zip(a, b)):
+        changes = [f"{name} {_show(x)} vs {_show(y)}"
+                   for name, x, y in zip(INPUT_FIELDS, wire_a, wire_b) if x != y]
+        if changes:
+            lines.append(f"input {i}: " + "; ".join(changes))
+    return lines
+
+
+def describe_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """In words, what differs between two sides' recorded parts (:func:`recorded_parts`,
+    or a manifest): which input's shape or dtype, which option with both values, which
+    version or target field. Parts a side did not record are skipped."""
+    lines = []
+    graph_a, graph_b = a.get("graph_bytes"), b.get("graph_bytes")
+    if graph_a is not None and graph_b is not None and graph_a != graph_b:
+        lines.append(f"graph: the ATen graphs differ ({graph_a} vs {graph_b} bytes)")
+    if a.get("inputs") is not None and b.get("inputs") is not None:
+        lines += _diff_inputs(list(a["inputs"]), list(b["inputs"]))
+    for part, label in (("options", "option"), ("versions", "version"), ("target", "target")):
+        if a.get(part) is not None and b.get(part) is not None:
+            lines += _diff_mapping(label, a[part], b[part])
+    return lines
 
 
 def diff_requests(a: CompileRequest, b: CompileRequest) -> list[str]:
     """Detailed differences between two requests (which input, option, version...)."""
-    lines = []
-    if a.graph != b.graph:
-        lines.append(f"graph: bytes differ ({len(a.graph)} vs {len(b.graph)} bytes)")
-    if len(a.inputs) != len(b.inputs):
-        lines.append(f"inputs: {len(a.inputs)} vs {len(b.inputs)} inputs")
-    for i, (ma, mb) in enumerate(zip(a.inputs, b.inputs)):
-        if ma != mb:
-            lines.append(f"inputs[{i}]: {ma} vs {mb}")
-    lines += _diff_mapping("options", a.options, b.options)
-    lines += _diff_mapping("versions", a.versions, b.versions)
-    lines += _diff_mapping("target", a.target, b.target)
-    return lines
+    return describe_differences(recorded_parts(a), recorded_parts(b))

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "kiln_backend": ("kiln.frontend.backend", "kiln_backend"),
     "main": ("kiln.frontend.cli", "main"),
     "KilnFallbackWarning": ("kiln.frontend.backend", "KilnFallbackWarning"),
+    "KilnConfigWarning": ("kiln.frontend.config", "KilnConfigWarning"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -11,3 +11,8 @@ de-duplication.
 Importing this package does not import Ray; ``workers.actors`` and
 ``workers.coordinator`` do. Workers import ``compiler`` and never ``frontend``.
 """
+
+# The coordinator's counters (``KilnFarm.stats``), every one reported, zeros included.
+FARM_COUNTERS = ("requests", "recent_hits", "deduplicated", "failures", "graph_compiles",
+                 "kernel_compiles", "kernel_cache_hits", "autotune_calls",
+                 "autotuned_kernels", "gemm_benchmarks")

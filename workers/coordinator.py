@@ -32,6 +32,7 @@ from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
+from kiln.workers import FARM_COUNTERS
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
 from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
@@ -110,7 +111,8 @@ class KilnFarm:
         return len(set(pids))
 
     async def stats(self) -> dict[str, Any]:
-        return {**dict(self.counters), "inflight": len(self.inflight),
+        return {**dict.fromkeys(FARM_COUNTERS, 0), **dict(self.counters),
+                "inflight": len(self.inflight),
                 "kernel_cache": len(self.kernels), "recent": len(self.recent),
                 "graph_workers": len(self.workers), "autotuners": len(self.autotuners)}
 

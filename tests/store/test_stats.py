@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from store_helpers import ROOT, make_artifact
 
 from kiln.artifact_store import open_store, read_stats, summarize
@@ -91,6 +92,13 @@ def test_merge_and_quantiles() -> None:
     histogram = new_histogram()
     for ms in (0.05, 0.2, 0.2, 0.7, 30.0):
         observe(histogram, ms / 1000)
-    assert latency_quantile(histogram, 0.5) == 0.25
-    assert latency_quantile(histogram, 1.0) == 50
+    # Linear within the bucket holding the rank: 1 value below 0.1, 2 in (0.1, 0.25].
+    assert latency_quantile(histogram, 0.5) == pytest.approx(0.1 + 0.15 * 0.75)
+    assert latency_quantile(histogram, 1.0) == 30.0  # the largest seen, not the bucket's 50
     assert latency_quantile(new_histogram(), 0.5) is None
+    # p50 is never above max (a single 0.3 ms lookup used to report p50 0.5 ms, max 0.3).
+    single = new_histogram()
+    observe(single, 0.3 / 1000)
+    p50, p99 = latency_quantile(single, 0.5), latency_quantile(single, 0.99)
+    assert p50 is not None and p99 is not None
+    assert 0.25 <= p50 <= p99 <= single["max_ms"] == pytest.approx(0.3)

@@ -347,9 +347,11 @@ def test_diff_requests_details() -> None:
         target={**CUDA_TARGET, "arch": 80},
     )
     lines = diff_requests(a, b)
-    assert lines[0].startswith("inputs[2]: ")
-    assert "options.max_autotune: False vs True" in lines
-    assert "target.arch: 90 vs 80" in lines
+    assert lines[0] == "input 2: stride (6, 1) vs (1, 4)"
+    assert "option max_autotune: False vs True" in lines
+    assert "target arch: 90 vs 80" in lines
+    c = request_for(gm, [meta, meta, dataclasses.replace(meta, shape=(8, 6), dtype="float16")])
+    assert diff_requests(a, c)[0] == "input 2: shape (4, 6) vs (8, 6); dtype 'float32' vs 'float16'"
     assert diff_requests(a, a) == []
 
 

@@ -1,0 +1,219 @@
+"""A newcomer's first hour with the `kiln` command: every command, with good and bad
+arguments, each in a fresh process as a user would type it. None may print a traceback;
+each exits with the status the CLI's docstring promises (0 ok, 1 could not do its work,
+2 bad usage), and an error is one line that names what went wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import kiln.frontend.cli as cli
+
+MLP = """
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+"""
+SCRIPT = """
+import torch
+from helper import SIZE  # a sibling module: the script's folder is on the path
+model = torch.compile(torch.nn.Linear(SIZE, 4))
+with torch.no_grad():
+    print("script ran", tuple(model(torch.randn(2, SIZE)).shape))
+"""
+
+
+@dataclass
+class World:
+    root: Path
+    env: dict[str, str]
+    keys: list[str] = field(default_factory=list)
+    key_json: str = ""
+
+    def kiln(self, *argv: str, cwd: Path | None = None, **env: str
+             ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *argv],
+                              cwd=cwd or self.root / "proj", env={**self.env, **env},
+                              capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """A folder holding a model, a script and its helper; a store filled by a precompile
+    (with KILN_DEBUG, for a key.json)."""
+    root = tmp_path_factory.mktemp("newcomer")
+    proj = root / "proj"
+    proj.mkdir()
+    (proj / "mlp.py").write_text(MLP)
+    (proj / "helper.py").write_text("SIZE = 16\n")
+    (proj / "script.py").write_text(SCRIPT)
+    env = {**os.environ, "KILN_STORE": str(root / "store"), "KILN_FARM": "inprocess",
+           "KILN_LOCAL_CACHE": "off", "XDG_CACHE_HOME": str(root / "cache"),
+           "KILN_CACHE_DIR": str(root / "kernels"), "PYTHONPATH": ""}
+    env.pop("KILN_STATS_FILE", None)
+    world = World(root, env)
+    filled = world.kiln("precompile", "mlp:build_model", "--shapes", "4x16", "8x16",
+                        KILN_DEBUG="1", KILN_DEBUG_DIR=str(root / "debug"))
+    assert filled.returncode == 0, filled.stderr[-3000:]
+    assert "published 2 artifacts" in filled.stdout
+    world.keys = sorted(p.name for p in (root / "store" / "ac").rglob("*") if p.is_file())
+    world.key_json = str(next((root / "debug").rglob("key.json")))
+    yield world
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: tuple[str, ...]
+    code: int
+    says: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def case(*argv: str, code: int, says: str = "", **env: str) -> Case:
+    return Case(argv, code, says, tuple(env.items()))
+
+
+BOGUS_STORE = "bogus://x/y"
+CASES = [
+    case("--version", code=0, says="kiln 0.1.0"),
+    case("--help", code=0, says="precompile"),
+    case(code=2, says="required: command"),
+    case("bogus", code=2, says="invalid choice: 'bogus'"),
+    # precompile
+    case("precompile", "mlp.py:build_model", "--shapes", "4x16", code=0,
+         says="1 already in the store"),
+    case("precompile", "script.py", code=0, says="script ran (2, 4)"),
+    case("precompile", "nofile.py", code=2, says="no such file: nofile.py"),
+    case("precompile", "mlp.py:nope", "--shapes", "4x16", code=2,
+         says="mlp.py has no function 'nope' (it defines: build_model)"),
+    case("precompile", "nomodule:fn", "--shapes", "4x16", code=2, says="no module named"),
+    case("precompile", "mlp:build_model", code=2, says="give --shapes"),
+    case("precompile", "mlp:build_model", "--shapes", "4xq", code=2, says="expected shapes"),
+    case("precompile", "mlp:build_model", "--shapes", "4x17", code=2,
+         says="does not run on --shapes 4x17"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", "--dtype", "float99", code=2,
+         says="'float99' is not a dtype"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", "--mode", "sideways", code=2,
+         says="invalid choice: 'sideways'"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", "--option", "bogus=1", code=2,
+         says="unknown option 'bogus'"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", "--option",
+         "cpu_backend=fortran", code=2, says="expected one of cpp, triton-interpret"),
+    case("precompile", "script.py", "--shapes", "4x16", code=2,
+         says="--shapes apply to module:function targets"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", code=1,
+         says="is read-only (KILN_STORE_READ_ONLY=1): nothing could be published",
+         KILN_STORE_READ_ONLY="1"),
+    case("precompile", "mlp:build_model", "--shapes", "4x16", code=1,
+         says="cannot open the store", KILN_STORE=BOGUS_STORE),
+    # stats
+    case("stats", code=0, says="store lookups"),
+    case("stats", code=0, says="stats are off (KILN_STATS_FILE=off)", KILN_STATS_FILE="off"),
+    case("stats", code=0, says="KILN_FARM_TIMEOUT='abc': expected a number of seconds, such "
+         "as 30 or 2.5; using the default 300", KILN_FARM_TIMEOUT="abc"),
+    # inspect
+    case("inspect", "{key}", "--no-wrapper", code=0, says="== kernels =="),
+    case("inspect", "{prefix}", "--no-wrapper", code=0, says="== buffer lifetimes =="),
+    case("inspect", "{key}", "--source", "nope", code=1, says="its kernels: cpp_"),
+    case("inspect", "f" * 64, code=1, says="no artifact ffff"),
+    case("inspect", "zz", code=2, says="is not a key"),
+    case("inspect", "{key}", code=1, says="cannot open the store", KILN_STORE=BOGUS_STORE),
+    case("inspect", "{key}", code=1, says="the folder does not exist",
+         KILN_STORE="/nonexistent/kiln-store"),
+    # explain-miss
+    case("explain-miss", "{key}", "{other}", code=0, says="input 2: shape ("),
+    case("explain-miss", "{key_json}", "{other}", code=0, says="differs"),
+    case("explain-miss", "{key}", "nowhere/key.json", code=2, says="no such file"),
+    case("explain-miss", "{key}", "f" * 64, code=1, says="no artifact"),
+    # gc
+    case("gc", "--dry-run", code=0, says='"dry_run": true'),
+    case("gc", "--max-size", "10Q", code=2, says="expected a size"),
+    case("gc", "--max-age", "soon", code=2, says="expected a duration"),
+    case("gc", code=1, says="cannot open the store", KILN_STORE=BOGUS_STORE),
+    case("gc", code=1, says="the folder does not exist", KILN_STORE="/nonexistent/store"),
+    # farm
+    case("farm", "sideways", code=2, says="invalid choice"),
+    case("farm", "status", code=1, says="no farm is up"),
+    case("farm", "status", code=1, says="does not answer", KILN_FARM="127.0.0.1:1"),
+    case("farm", "up", "--port", "99999", code=2, says="port from 1 to 65535"),
+    case("farm", "up", "--port", "{busy_port}", code=1, says="is in use on this machine"),
+    case("farm", "down", code=0, says="no farm is up"),
+]
+
+
+def _fill(arg: str, world: World, busy_port: int) -> str:
+    return arg.format(key=world.keys[0], prefix=world.keys[0][:8], other=world.keys[1],
+                      key_json=world.key_json, busy_port=busy_port)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr less warnings and the progress display."""
+    return [line for line in stderr.splitlines() if line.strip() and "\r" not in line
+            and not line.startswith(("warning: ", "precompile:"))]
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: " ".join(c.argv + tuple(
+    f"{k}={v}" for k, v in c.env)) or "(nothing)")
+def test_command(world: World, c: Case) -> None:
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        argv = [_fill(a, world, busy.getsockname()[1]) for a in c.argv]
+        done = world.kiln(*argv, **dict(c.env))
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output[-3000:]
+    assert done.returncode == c.code, output[-3000:]
+    assert c.says in output, output[-3000:]
+    if c.code != 0:  # one line saying why: an error on stderr, or a status on stdout
+        (line,) = _error_lines(done.stderr) or done.stdout.splitlines()
+        assert line.startswith(("kiln", "farm"))
+
+
+def test_promised_exit_codes_are_documented() -> None:
+    doc = cli.__doc__ or ""
+    assert "0 on success; 1 when the command could not do its work" in doc
+    assert "2 on bad usage" in doc
+
+
+def test_farm_status_json_is_pure_json_with_every_counter(world: World) -> None:
+    from kiln.workers import FARM_COUNTERS
+
+    done = world.kiln("farm", "status", "--json", KILN_FARM="127.0.0.1:1")
+    status = json.loads(done.stdout)  # nothing but the JSON on stdout
+    assert done.returncode == 1 and status["up"] is False
+    assert status["counters"] == dict.fromkeys(FARM_COUNTERS, 0)
+    assert "127.0.0.1:1 does not answer" in status["reason"]
+
+
+def test_farm_down_never_stops_a_process_it_cannot_prove_is_its_farm(world: World) -> None:
+    """A stale farm.json naming this test's own process: removed, and nothing stopped."""
+    farm_json = world.root / "cache" / "kiln" / "farm.json"
+    farm_json.parent.mkdir(parents=True, exist_ok=True)
+    farm_json.write_text(json.dumps({"address": "127.0.0.1:1", "pid": os.getpid(),
+                                     "port": 1}))
+    status = world.kiln("farm", "status")
+    assert status.returncode == 1 and "does not answer" in status.stdout
+    down = world.kiln("farm", "down")
+    assert down.returncode == 0 and "stale" in down.stdout
+    assert f"process {os.getpid()} is not a Ray head" in down.stdout
+    assert not farm_json.exists()  # and this process is still here to check it
+
+
+def test_stats_json_counts_every_graph_and_no_load_error(world: World) -> None:
+    stats = json.loads(world.kiln("stats", "--json").stdout)
+    assert stats["enabled"] is True and stats["load_errors"] == 0
+    assert stats["compiles"] >= 2 and stats["publishes"] >= 2
+    off = json.loads(world.kiln("stats", "--json", KILN_STATS_FILE="off").stdout)
+    assert off["enabled"] is False and off["stats_file"] is None and off["graphs"] == 0
