@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,36 @@ def normalize_url(url: str) -> str:
         path = url.split("://", 1)[1]
         return "file://" + os.path.abspath(os.path.expanduser(path))
     return url
+
+
+def is_private_store(url: str) -> bool:
+    """Whether only this user can write the store: memory:// (this process), a path
+    under the user's own cache directory, or a local folder owned by this user that no
+    one else may write (nor its `ac/` and `cas/`; a folder not made yet counts if its
+    nearest existing parent is this user's alone, or sticky like /tmp). An unsigned store
+    anywhere else (a bucket, a shared disk) lets whoever can write it run code in every
+    reader."""
+    if url_protocol(url) == "memory" and "::" not in url:
+        return True
+    if not is_local_url(url):
+        return False
+    path = os.path.realpath(normalize_url(url).split("://", 1)[1])
+    root = os.path.realpath(user_cache_dir())
+    if path == root or path.startswith(root + os.sep):
+        return True
+    if os.path.exists(path):
+        return all(_only_mine(p) for p in (path, os.path.join(path, "ac"),
+                                           os.path.join(path, "cas")) if os.path.exists(p))
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    return _only_mine(parent) or bool(os.stat(parent).st_mode & stat.S_ISVTX)
+
+
+def _only_mine(path: str) -> bool:
+    info = os.stat(path)
+    owner_ok = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+    return owner_ok and not info.st_mode & 0o022
 
 
 def redact_url(url: str) -> str:

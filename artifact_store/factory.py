@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .config import StoreConfig, redact_url, url_protocol
+from .config import StoreConfig, is_private_store, redact_url, url_protocol
 from .errors import ConfigError, describe_exception
 from .faults import TierHealth, shared_pool
 from .signing import Keyring
@@ -71,6 +71,8 @@ def open_store(
     stats = StoreStats(config.stats_file)
     cache = _open_tier(config, CACHE, strict) if config.local_cache else None
     primary = _open_tier(config, PRIMARY, strict, has_cache=cache is not None)
+    if primary is not None and not keyring and not is_private_store(config.url):
+        warn_unsigned(config.url)
     _describe_fallbacks(primary, cache)
     if cache is not None:
         cache.bound = LruBound(
@@ -78,6 +80,26 @@ def open_store(
             on_evict=lambda n: stats.count("evictions", n),
         )
     return Store(config, primary=primary, cache=cache, keyring=keyring, stats=stats)
+
+
+_warned_unsigned: set[str] = set()
+
+
+def warn_unsigned(url: str) -> None:
+    """One loud warning per process (and store) that an unsigned shared store is open."""
+    if url in _warned_unsigned:
+        return
+    _warned_unsigned.add(url)
+    logging.getLogger("kiln.trust").warning(
+        "Kiln: the artifact store %s is shared (others can write it) but no "
+        "KILN_SIGNING_KEY is set: anyone who can write to it can make this process run "
+        "their code (artifacts are Python and shared objects that Kiln loads), and nothing "
+        "this process publishes can be told from a forgery. Give builders (farm, precompile "
+        "jobs) KILN_SIGNING_KEY=ed25519:<private>, clients KILN_SIGNING_KEY=ed25519-pub:"
+        "<public> and KILN_REQUIRE_SIGNED=1 (see infra/README.md); an unsigned store is for "
+        "a folder only you can write",
+        redact_url(url),
+    )
 
 
 def _open_tier(

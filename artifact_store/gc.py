@@ -12,7 +12,12 @@ One pass, the same for `Store.gc` on the store and for the local tier's LRU boun
    they named.
 
 Manifests go before blobs, so a reader never finds a manifest whose blobs were collected
-by design. If a manifest from a newer Kiln is present, its blob references are unknown:
+by design. A publish that runs during the pass may reuse a blob the pass means to delete
+(it found the blob present and skipped writing it): before deleting blobs, the pass lists
+the manifests again and spares every blob named by one it had not read (new, or
+rewritten since); the publisher, for its part, checks after writing its manifest that the
+blobs it reused are still there, and writes back any that are not (`Tier.write_artifact`).
+If a manifest from a newer Kiln is present, its blob references are unknown:
 no blob is collected, and the report says so. A read error aborts the pass: collecting
 on partial knowledge could delete blobs that a live manifest names.
 """
@@ -48,6 +53,8 @@ class _Plan:
         self.refs: dict[str, set[str]] = {}  # manifest path -> digests it names
         self.refcount: Counter[str] = Counter()
         self.blob_entries: dict[str, Entry] = {}
+        self.seen: dict[str, float] = {}  # manifest path -> mtime when the pass read it
+        self.spared = 0  # blobs kept because a publish during the pass named them
         self.sweep = True  # False when some manifest's references are unknown
 
     def drop(self, bucket: list[Entry], entry: Entry) -> None:
@@ -98,6 +105,7 @@ def collect(
             plan.drop(plan.quarantine, entry)
     plan.blob_entries = {e.name: e for e in cas if not e.is_temp}
     manifests = [e for e in ac if not e.is_temp]
+    plan.seen = {e.path: e.mtime for e in manifests}
     _read_refs(tier, manifests, plan)
     kept = _plan_drops(plan, manifests, max_age_s, max_bytes)
     if not dry_run:
@@ -106,6 +114,8 @@ def collect(
                      blobs_kept=len(plan.blob_entries) - len(plan.blobs))
     if not plan.sweep:
         report["blob_sweep"] = "skipped: manifests from a newer Kiln are present"
+    if plan.spared:
+        report["blobs_spared"] = plan.spared
     return report
 
 
@@ -148,8 +158,27 @@ def _execute(tier: Tier, plan: _Plan) -> None:
     # Manifests first: once they are gone no reader looks for these blobs.
     paths = [e.path for e in plan.broken + plan.manifests]
     paths += [e.path for e in plan.temps + plan.quarantine]
-    paths += [e.path for e in plan.blobs.values()]
     tier.remove_many(paths)
+    if plan.blobs:
+        _spare_reused(tier, plan)
+    tier.remove_many([e.path for e in plan.blobs.values()])
+
+
+def _spare_reused(tier: Tier, plan: _Plan) -> None:
+    """Keep the blobs named by manifests published since the pass read them (a publish
+    in flight that reused them); keep every blob if one of those cannot be read."""
+    fresh = [e.path for e in tier.io.listing(AC_DIR)
+             if not e.is_temp and plan.seen.get(e.path) != e.mtime]
+    for raw in tier.read_many(fresh):
+        if raw is None:
+            continue
+        try:
+            digests = decode_manifest(raw).digests()
+        except (UnsupportedFormat, IntegrityError):
+            digests = set(plan.blobs)
+        for digest in digests & set(plan.blobs):
+            plan.total += plan.blobs.pop(digest).size
+            plan.spared += 1
 
 
 def _report(plan: _Plan, before: int, *, kept: int, blobs_kept: int,

@@ -8,7 +8,11 @@ remote code execution. A keyring is parsed from one specification string
     ed25519:<private>      Ed25519 private key; signs and verifies (writers, the farm)
     ed25519-pub:<public>   Ed25519 public key; verifies only (clients)
     @<path>                read the specification, or a PEM key, from a file
-    <anything else>        the whole string is an HMAC secret
+    -----BEGIN ...         a PEM Ed25519 key (private: signs; public: verifies only)
+
+Anything else is a ConfigError: a mistyped prefix (`ed25519_pub:...`, `hmac-...`) or a
+bare string must never become an HMAC secret, which would silently turn a verify-only
+client into one that signs with the text of a public key.
 
 Ed25519 keys are 32 raw bytes in base64 or hex, or PEM text. Several specifications
 separated by commas (each with a prefix above) form a keyring for key rotation: the first
@@ -198,7 +202,15 @@ def _parse_one(spec: str) -> SigningKey:
         return _ed25519_from_text(spec[len("ed25519:"):], public=False)
     if spec.startswith("-----BEGIN"):
         return _ed25519_from_pem(spec)
-    return HmacKey(spec.encode())
+    raise ConfigError(_malformed(spec))
+
+
+def _malformed(spec: str) -> str:
+    """Why a key specification is refused, without echoing the secret it may hold."""
+    head = spec.split(":", 1)[0] + ":" if ":" in spec[:24] else ""
+    what = f"unknown prefix {head!r}" if head else "no prefix"
+    return (f"malformed signing key ({what}): expected hmac:<secret>, ed25519:<private>, "
+            "ed25519-pub:<public>, @<file> or a PEM key")
 
 
 def _require_cryptography() -> None:

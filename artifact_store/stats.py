@@ -148,12 +148,15 @@ class StoreStats:
         return tiers[name]
 
     def lookup(self, tier: str, op: str, hit: bool, seconds: float, nbytes: int = 0) -> None:
-        prefix = "" if op == "get" else "manifest_"
+        # "get", "manifest", or "<kind>_get" (kernel lookups: counted on their own)
+        prefix = "" if op == "get" else (op[:-3] if op.endswith("_get") else "manifest_")
         with self._lock:
             counters = self._tier(tier)
-            counters[prefix + ("hits" if hit else "misses")] += 1
+            name = prefix + ("hits" if hit else "misses")
+            counters[name] = counters.get(name, 0) + 1
             counters["bytes_read"] += nbytes
-            observe(counters["latency"][op], seconds)
+            latency = counters["latency"]
+            observe(latency.setdefault(op, new_histogram()), seconds)
         self._maybe_flush()
 
     def write(self, tier: str, seconds: float, nbytes: int) -> None:
@@ -170,6 +173,7 @@ class StoreStats:
             errors[kind] = errors.get(kind, 0) + 1
 
     def count(self, name: str, n: int = 1) -> None:
+        """Add to a top-level counter (kernel_hits, kernel_misses, ... start at 0)."""
         with self._lock:
             self._delta[name] = self._delta.get(name, 0) + n
         self._maybe_flush()

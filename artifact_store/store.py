@@ -101,6 +101,32 @@ class Store:
     def url(self) -> str:
         return redact_url(self.config.url)
 
+    @property
+    def can_publish(self) -> bool:
+        """Whether this process is a builder for the store: it may write (not read-only)
+        and either holds a key that signs, or the store is unsigned and signatures are
+        not required. A client holding only a public key verifies and reads."""
+        if self.read_only or self.primary is None:
+            return False
+        if self.keyring.signer is not None:
+            return True
+        return not self.keyring and not self.require_signed
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Set aside `key`'s artifact, which verified but failed to load (a compiler
+        bug, or a builder's key used to sign bad code): removed from the local tier,
+        moved to quarantine/ in the store where this client may write. Never raises."""
+        for tier in self._tiers:
+            try:
+                raw = tier.read_manifest(key)
+            except Exception as exc:
+                self._fault(tier, READ, exc)
+                continue
+            if raw is not None:
+                logger.debug("%s: quarantining %s: %s", tier.label, key, reason)
+                tier.discard(key, raw)
+        self._stats.count("integrity_failures")
+
     def __repr__(self) -> str:
         tiers = ", ".join(f"{t.name}={t.label}" for t in self._tiers) or "disabled"
         return f"Store({tiers}, read_only={self.read_only}, keys={self.keyring.describe()})"
@@ -117,15 +143,20 @@ class Store:
 
     # Reads
 
-    def get(self, key: str) -> Artifact | None:
-        """The verified artifact for `key`, or None (a miss, whatever the reason)."""
-        return self.lookup(key).artifact
+    def get(self, key: str, *, kind: str = "") -> Artifact | None:
+        """The verified artifact for `key`, or None (a miss, whatever the reason).
 
-    def lookup(self, key: str) -> Lookup:
+        `kind` (e.g. "kernel") counts the lookup as `<kind>_hits` / `<kind>_misses`
+        instead of the graph `hits` / `misses` that `kiln stats` reports."""
+        return self.lookup(key, kind=kind).artifact
+
+    def lookup(self, key: str, *, kind: str = "") -> Lookup:
         """`get`, telling a missing artifact from a damaged, refused or unreadable one."""
         outcome = Lookup()
-        found = self._lookup("get", key, with_blobs=True, outcome=outcome)
-        self._stats.count("hits" if found else "misses")
+        op = f"{kind}_get" if kind else "get"
+        found = self._lookup(op, key, with_blobs=True, outcome=outcome)
+        prefix = f"{kind}_" if kind else ""
+        self._stats.count(prefix + ("hits" if found else "misses"))
         if found is not None:
             record, blobs = found
             outcome.artifact = Artifact(key=key, manifest=record.meta, blobs=blobs or {})

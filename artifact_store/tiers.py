@@ -156,21 +156,33 @@ class Tier:
     def write_artifact(self, blobs: Mapping[str, bytes], key: str, manifest: bytes) -> int:
         """Blobs (by digest) first, the manifest last; the bytes actually written."""
         items = sorted(blobs.items())
-        if self.uses_threads:
-            total = sum(len(data) for data in blobs.values())
-            calls = [(self._put_blob, item) for item in items]
-            written = sum(self.pool.run_all(self.deadline(total), calls))
-        else:
-            written = sum(self._put_blob(digest, data) for digest, data in items)
+        sizes = self._put_blobs(items)
         self._call(len(manifest), self.io.write, self.io.manifest_path(key), manifest)
-        written += len(manifest)
+        written = sum(sizes) + len(manifest)
+        # Blobs found present were not written: a gc pass may have collected them since
+        # (gc.py); write back any that are gone, now that the manifest protects them.
+        reused = [item for item, size in zip(items, sizes) if size == 0 and item[1]]
+        gone = [item for item in reused
+                if self._call(0, self.io.size, self.io.blob_path(item[0])) is None]
+        if gone:
+            logger.info("%s: %d reused blobs were collected during the publish of %s; "
+                        "written again", self.label, len(gone), key)
+            written += sum(self._put_blobs(gone, force=True))
         if self.bound is not None:
             self.bound.note_write(written)
         return written
 
-    def _put_blob(self, digest: str, data: bytes) -> int:
+    def _put_blobs(self, items: list[tuple[str, bytes]], force: bool = False) -> list[int]:
+        """Bytes written per blob: 0 for one found present (and `force` off)."""
+        if self.uses_threads:
+            total = sum(len(data) for _, data in items)
+            calls = [(self._put_blob, (*item, force)) for item in items]
+            return list(self.pool.run_all(self.deadline(total), calls))
+        return [self._put_blob(digest, data, force) for digest, data in items]
+
+    def _put_blob(self, digest: str, data: bytes, force: bool = False) -> int:
         path = self.io.blob_path(digest)
-        if self._blob_present(path, digest, data):
+        if not force and self._blob_present(path, digest, data):
             return 0
         self.io.write(path, data)
         return len(data)

@@ -2,14 +2,27 @@
 
     python3 bench/gpu_bench.py [--only NAME[,NAME]] [--reps 50] [--json OUT]
                                [--max-autotune [MODE]]
+    python3 bench/gpu_bench.py --dynamic [--reps 50] [--json OUT]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
 warm-up, rotating over several fresh random input sets when they would fit in L2), the
 Kiln / Inductor ratio, achieved GB/s of the kernels (memory-bound workloads: ideal bytes
 over the GPU kernel time from the profiler) against the device-to-device copy bandwidth
-measured in the same run, and cold compile seconds for Kiln and Inductor (fresh caches,
-first call, Dynamo's tracing included for both). ``--max-autotune`` compiles both with
-``mode="max-autotune"`` (or the mode given) and adds Kiln's default mode as a column.
+measured in the same run, kernel launches per call (kernel events in the profiler), and
+cold compile seconds for Kiln and Inductor (fresh caches, first call, Dynamo's tracing
+included for both). ``--max-autotune`` compiles both with ``mode="max-autotune"`` (or
+the mode given) and adds Kiln's default mode as a column.
+
+Every row first checks Kiln against eager: the outputs (and, for training steps, every
+parameter's gradient) must match, and a graph that falls back to eager
+(``KilnFallbackWarning``) fails the row. The process exits non-zero if any row failed.
+Rows named ``reduce-overhead`` compile Kiln and Inductor with ``mode="reduce-overhead"``
+(CUDA graphs); their outputs are overwritten by the next replay, so they are cloned
+before comparison.
+
+``--dynamic``: a decoder-only transformer forward (fp16) with a dynamic sequence length,
+at 128, 512, 1024 and 2048 tokens: Kiln with the length marked dynamic (one compile must
+serve all four), Kiln static (one compile per length) and Inductor with ``dynamic=True``.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +63,8 @@ class Workload:
     make_inputs: Callable[[], list[Any]]
     bytes_moved: int = 0  # ideal HBM traffic, for memory-bound workloads
     train: bool = False
+    mode: str | None = None  # torch.compile mode for Kiln and Inductor ("reduce-overhead")
+    params: list[torch.nn.Parameter] = field(default_factory=list)  # gradients compared
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -105,6 +121,8 @@ def workloads() -> list[Workload]:
     out.append(Workload("rms_norm 8192x4096 bf16",
                         lambda x: F.rms_norm(x, (4096,), w, eps=1e-6),
                         lambda: [rand(8192, 4096, dtype=bf)], 2 * 2 * 8192 * 4096))
+    out.append(Workload("layer_norm backward 8192x4096 bf16", layer_norm_backward,
+                        lambda: _ln_backward_inputs(8192, 4096, bf), 3 * 2 * 8192 * 4096))
     out.append(Workload("softmax 8192x8192 bf16", lambda x: torch.softmax(x, -1),
                         lambda: [rand(8192, 8192, dtype=bf)], 2 * 2 * 8192 * 8192))
     out.append(Workload("cross_entropy 4096x32000 bf16",
@@ -112,8 +130,26 @@ def workloads() -> list[Workload]:
                         lambda: [rand(4096, 32000, dtype=bf),
                                  torch.randint(0, 32000, (4096,), device="cuda")],
                         2 * 4096 * 32000))
+    out.append(Workload("seed 64x128 fp32 reduce-overhead", seed_fn,
+                        lambda: [rand(64, 128), rand(64, 128), rand(64, 128)],
+                        mode="reduce-overhead"))
     out += model_workloads()
+    out += encoder_workloads()
     return out
+
+
+def layer_norm_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                        rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+    """Input, weight and bias gradients of a layer norm (the weight and bias ones are
+    column sums over all rows: split reductions)."""
+    return torch.ops.aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                                     [True, True, True])
+
+
+def _ln_backward_inputs(rows: int, cols: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    x, w, b = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    return [rand(rows, cols, dtype=dtype), x, mean, rstd, w, b]
 
 
 def model_workloads() -> list[Workload]:
@@ -126,20 +162,96 @@ def model_workloads() -> list[Workload]:
         return loss
 
     out.append(Workload("MLP training step 4096x1024 fp32", mlp_step,
-                        lambda: [rand(4096, 1024)], train=True))
+                        lambda: [rand(4096, 1024)], train=True, params=list(mlp.parameters())))
     block = Block().cuda().half().eval()
     out.append(Workload("transformer block fwd 8x512x1024 fp16", block,
                         lambda: [rand(8, 512, 1024, dtype=torch.float16)]))
     gpt2 = _gpt2()
     if gpt2 is not None:
-        out.append(Workload("GPT-2 (HF, random weights) fwd 8x512 fp16",
-                            lambda ids: gpt2(ids).logits,
-                            lambda: [torch.randint(0, 50257, (8, 512), device="cuda")]))
+        for mode in (None, "reduce-overhead"):
+            out.append(Workload("GPT-2 (HF, random weights) fwd 8x512 fp16"
+                                + (" reduce-overhead" if mode else ""),
+                                lambda ids: gpt2(ids).logits,
+                                lambda: [torch.randint(0, 50257, (8, 512), device="cuda")],
+                                mode=mode))
     resnet = _resnet18()
     if resnet is not None:
         out.append(Workload("ResNet-18 (torchvision) fwd 64x3x224x224 fp16", resnet,
                             lambda: [rand(64, 3, 224, 224, dtype=torch.float16)]))
     return out
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm BERT-style layer: attention through SDPA with an additive mask."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = self.ln1(x + self.proj(y.transpose(1, 2).reshape(b, s, d)))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class Encoder(nn.Module):
+    """Token, position and segment embeddings (three embedding backwards in training),
+    ``layers`` encoder layers, a pooled two-class head; the padding mask is built once
+    per call and shared by every layer."""
+
+    def __init__(self, layers: int, vocab: int = 30000, d: int = 512, heads: int = 8,
+                 seq: int = 512) -> None:
+        super().__init__()
+        self.tok, self.pos, self.seg = (nn.Embedding(vocab, d), nn.Embedding(seq, d),
+                                        nn.Embedding(2, d))
+        self.ln = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(EncoderLayer(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, ids: torch.Tensor, segments: torch.Tensor, keep: torch.Tensor
+                ) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.ln(self.tok(ids) + self.pos(positions) + self.seg(segments))
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(
+            ~keep, float("-inf"))[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(x[:, 0])
+
+
+def _encoder_inputs(batch: int, seq: int) -> list[torch.Tensor]:
+    ids = torch.randint(0, 30000, (batch, seq), device="cuda")
+    segments = torch.randint(0, 2, (batch, seq), device="cuda")
+    lengths = torch.randint(seq // 2, seq + 1, (batch, 1), device="cuda")
+    keep = torch.arange(seq, device="cuda")[None, :] < lengths
+    return [ids, segments, keep]
+
+
+def encoder_workloads() -> list[Workload]:
+    torch.manual_seed(0)
+    train = Encoder(layers=4, seq=256).cuda()
+    labels = torch.randint(0, 2, (8,), device="cuda")
+
+    def train_step(ids: torch.Tensor, segments: torch.Tensor, keep: torch.Tensor
+                   ) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(train(ids, segments, keep).float(), labels)
+        loss.backward()
+        return loss
+
+    infer = Encoder(layers=12, seq=512).cuda().half().eval()
+    return [
+        Workload("encoder training step 4 layers 8x256 bf16 autocast", train_step,
+                 lambda: _encoder_inputs(8, 256), train=True,
+                 params=list(train.parameters())),
+        Workload("encoder fwd 12 layers 8x512 fp16", infer, lambda: _encoder_inputs(8, 512)),
+    ]
 
 
 def _gpt2() -> Any:
@@ -178,10 +290,11 @@ def time_fn(fn: Callable[..., Any], input_sets: list[list[Any]], reps: int) -> f
 
 
 def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10,
-              top: int = 0) -> float:
-    """GPU kernel time per call (sum of the call's kernels), from the profiler: what the
-    memory-bound figures use, free of Python launch overhead. ``top`` prints the
-    costliest kernels."""
+              top: int = 0) -> tuple[float, float]:
+    """(GPU kernel ms per call, kernel events per call), from the profiler: the time is
+    the sum of the call's kernels, free of Python launch overhead; the count is what the
+    table calls launches (kernels replayed from a CUDA graph count one each). ``top``
+    prints the costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(*args)
@@ -195,7 +308,9 @@ def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10,
     for e in events[:top]:
         print(f"#    {e.self_device_time_total / calls / 1e3:8.3f} ms  x{e.count // calls:<3} "
               f"{e.key[:90]}", file=sys.stderr)
-    return sum(e.self_device_time_total for e in events) / calls / 1e3
+    kernels = sum(1 for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(e.self_device_time_total for e in events) / calls / 1e3, kernels / calls
 
 
 def copy_bandwidth() -> float:
@@ -208,16 +323,86 @@ def copy_bandwidth() -> float:
 
 def compiled(w: Workload, backend: str, mode: str | None = None
              ) -> tuple[Callable[..., Any], float]:
-    """The workload compiled by ``backend`` and its cold compile seconds (first call)."""
+    """The workload compiled by ``backend`` (with ``mode``, else the workload's) and its
+    cold compile seconds (first call).
+
+    A Kiln graph that falls back to eager makes the row fail: the figures would be eager's.
+    """
+    from kiln import KilnFallbackWarning
+
+    mode = mode or w.mode
     torch._dynamo.reset()
     fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
     args = w.make_inputs()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with _grad(w):
+    with warnings.catch_warnings(record=True) as caught, _grad(w):
+        warnings.simplefilter("always")
         fn(*args)
+        fn(*args)  # a second call: CUDA graphs record on a later call than the first
     torch.cuda.synchronize()
-    return fn, time.perf_counter() - start
+    secs = time.perf_counter() - start
+    fallbacks = [str(c.message) for c in caught if issubclass(c.category, KilnFallbackWarning)]
+    if fallbacks:
+        raise RuntimeError(f"kiln fell back to eager: {fallbacks[0]}")
+    if backend == "kiln":
+        # The first output came from heuristic configs; runtime is measured with what
+        # background autotuning chose: wait for it, then load the tuned artifacts (a hit).
+        from kiln.frontend.client import wait_for_background
+
+        wait_for_background(900)
+        torch._dynamo.reset()
+        fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
+        with _grad(w):
+            fn(*args)
+            fn(*args)
+        torch.cuda.synchronize()
+    return fn, secs
+
+
+def _outputs(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value.detach().clone()]  # a CUDA graph's output is overwritten on replay
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _outputs(v)]
+    return []
+
+
+def _results(w: Workload, fn: Callable[..., Any], args: list[Any]) -> list[torch.Tensor]:
+    """The call's outputs, then (training steps) every parameter's fresh gradient."""
+    for p in w.params:
+        p.grad = None
+    with _grad(w):
+        outs = _outputs(fn(*args))
+    torch.cuda.synchronize()
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+             for p in w.params]
+    for p in w.params:
+        p.grad = None
+    return outs + grads
+
+
+def check_against_eager(w: Workload, fn: Callable[..., Any], args: list[Any]) -> float:
+    """Largest relative error (norm of the difference over the norm of eager's) over the
+    outputs and gradients; raises when one is off by more than the dtype allows."""
+    got, want = _results(w, fn, args), _results(w, w.fn, args)
+    if len(got) != len(want) or not want:
+        raise RuntimeError(f"kiln returned {len(got)} tensors, eager {len(want)}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise RuntimeError(f"tensor {i}: kiln {a.dtype}{list(a.shape)}, "
+                               f"eager {b.dtype}{list(b.shape)}")
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                raise RuntimeError(f"tensor {i}: integers differ")
+            continue
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+        low = b.dtype in (torch.float16, torch.bfloat16) or w.name.find("autocast") >= 0
+        if not err <= (3e-2 if low else 1e-3):  # also catches NaN
+            raise RuntimeError(f"tensor {i} of {len(want)}: relative error {err:.2e}")
+        worst = max(worst, err)
+    return worst
 
 
 class _grad:
@@ -240,6 +425,7 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
     for backend in ("inductor", "kiln"):
         fn, secs = compiled(w, backend, MODE)
         fns[backend], row[f"{backend}_compile_s"] = fn, secs
+    row["kiln_max_rel_err"] = check_against_eager(w, fns["kiln"], first)
     if MODE:
         fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
     for name, fn in fns.items():
@@ -248,10 +434,11 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
     row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
     if MODE:
         row["mode"] = MODE
-    for name in ("inductor", "kiln"):
+    for name in ("eager", "inductor", "kiln"):
         print(f"# {w.name}: {name} top kernels", file=sys.stderr)
         with _grad(w):
-            row[f"{name}_kernel_ms"] = kernel_ms(fns[name], sets[0], top=PROFILE_TOP)
+            row[f"{name}_kernel_ms"], row[f"{name}_launches"] = kernel_ms(
+                fns[name], sets[0], top=PROFILE_TOP)
     if w.bytes_moved:
         for name in ("inductor", "kiln"):
             gbs = w.bytes_moved / row[f"{name}_kernel_ms"] / 1e6
@@ -264,7 +451,8 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
     print(f"copy bandwidth (d2d, read+write): {copy_gbs:.0f} GB/s")
     head = ("workload", "eager ms", "inductor ms", "kiln ms", "kiln/inductor",
             "kiln GPU ms", "inductor GPU ms", "kiln kernel GB/s", "kiln %copy",
-            "inductor %copy", "kiln compile s", "inductor compile s")
+            "inductor %copy", "launches eager/inductor/kiln", "kiln compile s",
+            "inductor compile s")
     tuned = any("kiln_default_ms" in r for r in rows)
     if tuned:
         print(f"mode: {rows[0].get('mode')} (Inductor and Kiln); kiln default = Kiln's "
@@ -279,10 +467,74 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
                  f"{r.get('kiln_GBps', 0):.0f}" if "kiln_GBps" in r else "-",
                  f"{r['kiln_pct_copy']:.0f}%" if "kiln_pct_copy" in r else "-",
                  f"{r['inductor_pct_copy']:.0f}%" if "inductor_pct_copy" in r else "-",
+                 f"{r['eager_launches']:.0f}/{r['inductor_launches']:.0f}/"
+                 f"{r['kiln_launches']:.0f}",
                  f"{r['kiln_compile_s']:.1f}", f"{r['inductor_compile_s']:.1f}"]
         if tuned:
             cells.insert(4, f"{r.get('kiln_default_ms', float('nan')):.3f}")
         print("| " + " | ".join(cells) + " |")
+
+
+DYNAMIC_LENGTHS = (128, 512, 1024, 2048)
+
+
+def _decoder() -> nn.Module:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.models import Decoder
+
+    return Decoder(vocab=32000, d=1024, heads=16, layers=4).cuda().half().eval()
+
+
+def _kiln_graphs() -> list[str]:
+    """Names of the graphs Kiln compiles or loads from now on (its observer list)."""
+    from kiln.frontend import compile as kiln_compile
+
+    names: list[str] = []
+    kiln_compile.observers.append(lambda name, result: names.append(result.source))
+    return names
+
+
+def run_dynamic(reps: int) -> list[dict[str, Any]]:
+    """Per length: ms of Kiln dynamic, Kiln static and Inductor dynamic=True; graphs
+    Kiln compiled for each mode (dynamic: one for all four lengths)."""
+    model = _decoder()
+    inputs = {n: torch.randint(0, 32000, (4, n), device="cuda") for n in DYNAMIC_LENGTHS}
+    modes = {"kiln_dynamic": dict(backend="kiln"), "kiln_static": dict(backend="kiln",
+             dynamic=False), "inductor_dynamic": dict(backend="inductor", dynamic=True)}
+    rows = {n: {"workload": f"decoder fwd 4x{n} fp16"} for n in DYNAMIC_LENGTHS}
+    for mode, kwargs in modes.items():
+        torch._dynamo.reset()
+        graphs = _kiln_graphs()
+        fn = torch.compile(model, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad(), warnings.catch_warnings():
+            from kiln import KilnFallbackWarning
+
+            warnings.simplefilter("error", KilnFallbackWarning)  # a fallback fails the run
+            for k, n in enumerate(DYNAMIC_LENGTHS):
+                if k == 0 and mode == "kiln_dynamic":
+                    torch._dynamo.mark_dynamic(inputs[n], 1)
+                out = fn(inputs[n])
+                torch.testing.assert_close(out, model(inputs[n]), rtol=3e-2, atol=3e-2)
+                rows[n][f"{mode}_ms"] = time_fn(fn, [[inputs[n]]], reps)
+        rows[DYNAMIC_LENGTHS[0]][f"{mode}_graphs"] = len(graphs)
+        print(f"# {mode}: {len(graphs)} Kiln graph(s) ({', '.join(graphs)})", file=sys.stderr)
+    for r in rows.values():
+        r["dynamic/static"] = r["kiln_dynamic_ms"] / r["kiln_static_ms"]
+        r["dynamic/inductor"] = r["kiln_dynamic_ms"] / r["inductor_dynamic_ms"]
+    return list(rows.values())
+
+
+def print_dynamic(rows: list[dict[str, Any]]) -> None:
+    head = ("workload", "kiln dynamic ms", "kiln static ms", "inductor dynamic ms",
+            "dynamic/static (<=1.1)", "dynamic/inductor (<=1.0)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print(f"| {r['workload']} | {r['kiln_dynamic_ms']:.3f} | {r['kiln_static_ms']:.3f} | "
+              f"{r['inductor_dynamic_ms']:.3f} | {r['dynamic/static']:.2f} | "
+              f"{r['dynamic/inductor']:.2f} |")
+    print(f"Kiln graphs: dynamic {rows[0]['kiln_dynamic_graphs']} (one compile must serve "
+          f"all four lengths), static {rows[0]['kiln_static_graphs']}")
 
 
 def main() -> None:
@@ -292,18 +544,28 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--max-autotune", nargs="?", const="max-autotune", default=None,
                         metavar="MODE", help="compile with this torch.compile mode")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="the decoder with a dynamic sequence length only")
     ns = parser.parse_args()
     global MODE
     MODE = ns.max_autotune
     torch.manual_seed(0)
+    if ns.dynamic:
+        dyn = run_dynamic(ns.reps)
+        print_dynamic(dyn)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"rows": dyn}, f, indent=1)
+        return
     copy_gbs = copy_bandwidth()
-    rows = []
+    rows, failed = [], []
     for w in workloads():
         if ns.only and not any(k.strip() in w.name for k in ns.only.split(",")):
             continue
         try:
             rows.append(run(w, ns.reps, copy_gbs))
         except Exception as e:  # report and go on: one failure must not hide the rest
+            failed.append(f"{w.name}: {type(e).__name__}: {e}")
             print(f"# {w.name}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
         print(f"# done: {w.name}", file=sys.stderr, flush=True)
     print(f"# torch {torch.__version__}, triton {_triton_version()}, "
@@ -311,7 +573,10 @@ def main() -> None:
     print_table(rows, copy_gbs)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"copy_GBps": copy_gbs, "rows": rows}, f, indent=1)
+            json.dump({"copy_GBps": copy_gbs, "rows": rows, "failed": failed}, f, indent=1)
+    if failed:
+        print("FAILED rows:\n  " + "\n  ".join(failed))
+        sys.exit(1)
 
 
 def _triton_version() -> str:

@@ -61,7 +61,9 @@ MAX_CANDIDATES = 4
 
 
 def candidates(spec: KernelSpec) -> list[dict[str, Any]]:
-    if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes:
+    # A kernel of a graph with dynamic shapes (size arguments) keeps the heuristic config
+    # of its size bucket (recorded in the artifact): tuning per bucket is not done yet.
+    if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes or spec.size_args:
         return [dict(spec.configs[0])]
     return [dict(c) for c in spec.configs[:MAX_CANDIDATES]]
 
@@ -115,6 +117,7 @@ def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],
     device = device or torch.device("cuda", torch.cuda.current_device())
     specs = [s for s in compiled.kernels if s.backend == "triton"]
     compiled_candidates = compile_candidates(specs, target)
+    tunable = timed = 0
     for spec in specs:
         binary, results = autotune_kernel(spec, target, device,
                                           compiled_candidates[spec.name])
@@ -122,4 +125,9 @@ def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],
         compiled.configs[spec.name] = dict(binary.config)
         compiled.stats.setdefault("autotune", {})[spec.name] = [
             {"config": c, "ms": ms} for c, ms in results]
-    compiled.autotuned = True
+        if len(compiled_candidates[spec.name]) > 1:
+            tunable += 1
+            timed += bool(results)
+    # Only a graph whose every kernel with candidates was timed counts as autotuned: one
+    # of heuristic configs alone (small kernels, configs that failed) must not claim it.
+    compiled.autotuned = tunable > 0 and timed == tunable

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .kernel_compile import KernelBinary
 
@@ -31,6 +32,8 @@ class CompiledGraph:
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     lifetimes: str = ""
+    # Where a farm that built this graph published it ("" if nowhere); not stored.
+    published_to: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +65,8 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     device = device or _default_device(compiled.device_type)
     namespace: dict[str, Any] = {"DEVICE": device}
     for spec in compiled.kernels:
-        namespace[spec.name] = _launcher(compiled, spec, device)
+        with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
+            namespace[spec.name] = _launcher(compiled, spec, device)
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
@@ -92,12 +96,33 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -
         return TritonLauncher(spec, config, "interpret")
     binary = compiled.binaries.get(spec.name)
     if binary is not None and binary.binary and _arch_matches(binary, device):
+        static = _static_launcher(spec, binary)
+        if static is not None:
+            return static
         try:
             return TritonLauncher(spec, binary.config, "binary", binary)
         except Exception as e:  # a binary that will not load: JIT the source instead
             log.warning("kiln: kernel %s binary did not load (%s); using Triton's JIT",
                         spec.name, e)
     return TritonLauncher(spec, config, "jit")
+
+
+def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
+    """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch),
+    or None where it cannot take this kernel."""
+    from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
+    from .runtime.triton_launcher import TritonLauncher, launch_grid
+
+    if spec.size_args:  # dynamic shapes: the grid follows each launch's xnumel
+        log.debug("kiln: kernel %s has a dynamic grid: Triton's launcher", spec.name)
+        return None
+    try:
+        return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
+                                fallback=lambda: TritonLauncher(spec, binary.config, "binary",
+                                                                binary))
+    except StaticLaunchUnsupported as e:
+        log.debug("kiln: kernel %s uses Triton's launcher: %s", spec.name, e)
+        return None
 
 
 def _arch_matches(binary: KernelBinary, device: torch.device) -> bool:

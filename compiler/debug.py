@@ -114,6 +114,9 @@ def debug_dir(name: str, options: dict[str, Any] | None = None) -> Path:
     return path
 
 
-def write_debug_file(folder: Path | None, filename: str, text: str) -> None:
+def write_debug_file(folder: Path | None, filename: str, text: str | Callable[[], str]
+                     ) -> None:
+    """Write a debug file; ``text`` may be a function, called only when there is a
+    folder (the IR and schedule dumps cost seconds on a large graph)."""
     if folder is not None:
-        (folder / filename).write_text(text + "\n")
+        (folder / filename).write_text((text() if callable(text) else text) + "\n")

@@ -36,6 +36,7 @@ _KEEP = {
     aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.native_dropout.default, aten.index_select.default, aten.gather.default,
     aten.where.self, aten.full.default, aten.arange.start_step, aten.arange.default,
+    aten.embedding_dense_backward.default,  # one fp32 scatter-add (lowering/scatter.py)
 }
 
 

@@ -8,6 +8,7 @@ readers) and keeps nothing alive.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,8 +60,13 @@ class WeakDep:
 Dep = MemoryDep | StarDep | WeakDep
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_dep(dep: MemoryDep) -> MemoryDep:
     """Drop size-1 loops and merge adjacent loops that the index walks contiguously.
+
+    Memoized: deps are frozen and sympy expressions immutable, and fusion asks for the
+    same deps over and over (every candidate pair, every round); uncached, this was most
+    of the graph stage of a large graph.
 
     ``c1 + 128*c0`` over (64, 128) and ``c0`` over (8192,) are the same access; after
     normalization they compare equal, which is how fusion decides two nodes touch the
@@ -71,7 +77,7 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
     var_list = list(dep.var_names[: len(sizes)])
     for v, s in zip(list(var_list), list(sizes)):
         if s == 1:
-            index = index.subs(v, 0)
+            index = index.xreplace({v: 0})
     keep = [(v, s) for v, s in zip(var_list, sizes) if s != 1]
     merged: list[tuple[Expr, Expr]] = []  # (expression of the loop, size)
     for v, s in keep:
@@ -80,12 +86,13 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
             c_prev, c_cur = index.coeff(pv), index.coeff(v)
             if c_prev != 0 and c_prev == c_cur * s and not index.has(FloorDiv, ModularIndexing):
                 new = sympy.Symbol(f"m{len(merged)}", integer=True, nonnegative=True)
-                index = sympy.expand(index.subs({pv: 0, v: 0}) + c_cur * new)
+                index = sympy.expand(index.xreplace({pv: 0, v: 0}) + c_cur * new)
                 merged[-1] = (new, ps * s)
                 continue
         merged.append((v, s))
     canon = canonical_vars(len(merged))
-    index = sympy.expand(index.subs({v: c for (v, _), c in zip(merged, canon)}, simultaneous=True))
+    # xreplace, not subs: symbols for symbols, all at once, without subs's pattern search
+    index = sympy.expand(index.xreplace({v: c for (v, _), c in zip(merged, canon)}))
     return MemoryDep(dep.name, index, canon, tuple(s for _, s in merged))
 
 
@@ -130,6 +137,10 @@ _PLUMBING = frozenset({"load", "store", "store_reduction", "constant", "index_ex
                        "to_dtype_bitcast"})
 
 
+_SCATTER_NAMES = {"atomic_add": "scatter_add", "atomic_max": "scatter_max",
+                  "atomic_min": "scatter_min"}
+
+
 @dataclass
 class RecordLoadStore(DefaultHandler[_Token]):
     """The recording ops handler: every load and store becomes a MemoryDep."""
@@ -154,7 +165,10 @@ class RecordLoadStore(DefaultHandler[_Token]):
         return _Token()
 
     def store(self, name: str, index: Expr, value: Any, mode: str | None = None) -> None:
-        self.writes.add(self._dep(name, index))
+        dep = self._dep(name, index)
+        self.writes.add(dep)
+        if mode is not None or dep.is_indirect():  # a scatter names its kernel
+            self._note(_SCATTER_NAMES.get(mode or "", "scatter"))
 
     def store_reduction(self, name: str, index: Expr, value: Any) -> None:
         # A reduction's output is indexed by its non-reduced variables only.
@@ -237,3 +251,28 @@ def extract_read_writes(
             body(index)
     return ReadWrites(frozenset(handler.reads), frozenset(handler.writes),
                       frozenset(handler.index_exprs), tuple(handler.op_names))
+
+
+def reduction_access_order(rw: ReadWrites, num_index_vars: int) -> tuple[int, int]:
+    """(inner, outer): elements of the reads of a reduction body that walk memory along
+    the reduced dimension (a row sum) or along the last kept dimension (a column sum).
+
+    Each read counts the elements it touches, so a row vector broadcast over the columns
+    (layer norm's mean and rstd in its weight gradient) does not outvote the matrices.
+    """
+    inner = outer = 0
+    for dep in rw.reads:
+        if not isinstance(dep, MemoryDep) or dep.is_indirect() or not dep.size:
+            continue
+        r_last = dep.var_names[len(dep.size) - 1]
+        cx = dep.index.coeff(dep.var_names[num_index_vars - 1]) if num_index_vars else 0
+        used = dep.index.free_symbols
+        weight = 1
+        for var, size in zip(dep.var_names, dep.size):
+            if var in used and isinstance(size, sympy.Integer):
+                weight *= int(size)
+        if dep.index.coeff(r_last) == 1:
+            inner += weight
+        elif cx == 1:
+            outer += weight
+    return inner, outer

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import debug
+from . import debug, trace
 from .codegen.cpp.build import DEFAULT_ISA
 from .codegen.simd import SIMDScheduling
 from .compiled_graph import CompiledGraph
@@ -25,10 +25,11 @@ from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .runtime.kernel_files import write_source
 from .scheduler import Scheduler
+from .sizevars import SizeVars, SymbolRange, size_symbol
 from .virtualized import V
 
 DEFAULT_TARGETS: dict[str, dict[str, Any]] = {
-    "cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32},
+    "cuda": {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 132},
     "cpu": {"kind": "cpu", "isa": DEFAULT_ISA}}
 
 
@@ -45,35 +46,45 @@ class ScheduledGraph:
 
 def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                        name: str = "graph", options: dict[str, Any] | None = None,
-                       target: dict[str, Any] | None = None) -> ScheduledGraph:
-    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan."""
+                       target: dict[str, Any] | None = None,
+                       symbols: Sequence[SymbolRange] = ()) -> ScheduledGraph:
+    """FX graph -> loop-level IR -> scheduled, fused nodes -> memory plan.
+
+    ``symbols`` are the ranges of the size symbols ``s0, s1, ...`` of a graph with
+    dynamic shapes (its inputs' sizes are sympy expressions over them)."""
     timings: dict[str, float] = {}
     folder = debug.debug_dir(name, options) if debug.debug_enabled(options) else None
-    debug.write_debug_file(folder, "fx_graph.txt", gm.print_readable(print_output=False))
-    graph = GraphLowering(gm, example_inputs, name)
+    debug.write_debug_file(folder, "fx_graph.txt",
+                           lambda: gm.print_readable(print_output=False))
+    sizevars = SizeVars({size_symbol(i): r for i, r in enumerate(symbols)})
+    graph = GraphLowering(gm, example_inputs, name, options, target, sizevars)
     # Matmuls: extern calls, or (max-autotune) the template configs chosen for them.
     graph.gemm_selection = gemm_selection(graph, options or {}, target)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
-        # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
-        graph.run()
-        # 2. Layouts: every buffer whose strides are still free becomes contiguous.
-        graph.finalize_layouts()
+        with trace.span("lowering", cat="compiler", graph=name):
+            # 1. Lowering: FX nodes -> TensorBoxes of lazy loops; realize() names buffers.
+            graph.run()
+            # 2. Layouts: every buffer whose strides are still free becomes contiguous.
+            graph.finalize_layouts()
         timings["lowering"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_pre_fusion.txt", debug.ir_str(graph.buffers))
+        debug.write_debug_file(folder, "ir_pre_fusion.txt",
+                               lambda: debug.ir_str(graph.buffers))
         t = time.perf_counter()
-        # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes removed.
-        scheduler = Scheduler(graph.buffers, backend=SIMDScheduling())
-        # 4. Fusion: vertical and horizontal, by score, never making a cycle.
-        scheduler.fuse_nodes()
+        with trace.span("scheduling and fusion", cat="compiler", graph=name):
+            # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes out.
+            scheduler = Scheduler(graph.buffers, backend=SIMDScheduling())
+            # 4. Fusion: vertical and horizontal, by score, never making a cycle.
+            scheduler.fuse_nodes()
         timings["scheduling"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str())
+        debug.write_debug_file(folder, "ir_post_fusion.txt", scheduler.debug_str)
         t = time.perf_counter()
-        # 5. Memory plan: last uses, in-kernel buffers, reuse, peak estimate.
-        memory = plan_memory(scheduler)
+        with trace.span("memory plan", cat="compiler", graph=name):
+            # 5. Memory plan: last uses, in-kernel buffers, reuse, peak estimate.
+            memory = plan_memory(scheduler)
         timings["memory_plan"] = time.perf_counter() - t
-        debug.write_debug_file(folder, "schedule.txt",
-                               scheduler.debug_str() + "\n\n" + describe(memory, scheduler.nodes))
+        debug.write_debug_file(folder, "schedule.txt", lambda: scheduler.debug_str() + "\n\n"
+                               + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
 
 
@@ -82,7 +93,9 @@ def gemm_selection(graph: GraphLowering, options: dict[str, Any],
     from .codegen.graph_codegen import kernel_backend
 
     device_type = graph.default_device.type
-    templates = kernel_backend(device_type, options) == "triton"
+    # Templates are generated for static shapes: a dynamic graph's matmuls are extern calls.
+    templates = (kernel_backend(device_type, options) == "triton"
+                 and not graph.sizevars.is_dynamic())
     return GemmSelection.from_options(options, templates,
                                       target or DEFAULT_TARGETS.get(device_type))
 
@@ -90,14 +103,15 @@ def gemm_selection(graph: GraphLowering, options: dict[str, Any],
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   options: dict[str, Any] | None = None, name: str = "graph",
                   target: dict[str, Any] | None = None,
-                  compile_kernels: bool = True) -> CompiledGraph:
+                  compile_kernels: bool = True,
+                  symbols: Sequence[SymbolRange] = ()) -> CompiledGraph:
     """Stages 1 to 6: a graph to wrapper and kernel sources (and, in-process, binaries)."""
     from .codegen.graph_codegen import generate_code
 
     options = dict(options or {})
-    sg = lower_and_schedule(gm, example_inputs, name, options, target)
+    sg = lower_and_schedule(gm, example_inputs, name, options, target, symbols)
     t = time.perf_counter()
-    with V.set_graph_handler(sg.graph):
+    with V.set_graph_handler(sg.graph), trace.span("codegen", cat="compiler", graph=name):
         # 6. Code generation: a kernel per fused node, then the wrapper.
         source, kernels = generate_code(sg, options)
     sg.timings["codegen"] = time.perf_counter() - t
@@ -110,10 +124,16 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         constant_names=list(sg.graph.constants), timings=sg.timings,
         stats={"kernels": len(kernels), "buffers": len(sg.memory.allocations),
                "peak_bytes": sg.memory.peak_bytes,
-               "fused_nodes": len(sg.scheduler.nodes)},
+               "fused_nodes": len(sg.scheduler.nodes),
+               # Inputs the wrapper writes in place (CUDA graphs copy them back).
+               "mutated_inputs": sorted(sg.graph.graph_input_names.index(n)
+                                        for n in sg.graph.mutated_inputs
+                                        if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
     record_gemm_choices(compiled, sg.graph.gemm_selection)
+    if sg.graph.sizevars.is_dynamic():
+        compiled.stats["dynamic"] = dynamic_stats(sg.graph.sizevars)
     if compile_kernels:
         chosen: dict[str, Any] = dict(target or DEFAULT_TARGETS.get(device_type) or {})
         if _can_autotune(options, chosen):
@@ -126,6 +146,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             compile_all(compiled, chosen)
     _log_output_code(options, compiled)
     return compiled
+
+
+def dynamic_stats(sizevars: SizeVars) -> dict[str, Any]:
+    """What an artifact records of its size symbols: their ranges, and the size bucket
+    (each symbol's hint, rounded up to a power of two) its kernel configs were chosen for."""
+    from .codegen.common import next_power_of_2
+
+    symbols = {s.name: [sizevars.ranges[s].lower, sizevars.ranges[s].upper]
+               for s in sizevars.symbols}
+    bucket = {s.name: next_power_of_2(sizevars.size_hint(s)) for s in sizevars.symbols}
+    return {"symbols": symbols, "bucket": bucket}
 
 
 def _can_autotune(options: dict[str, Any], target: dict[str, Any]) -> bool:

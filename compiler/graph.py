@@ -35,6 +35,8 @@ from .ir.nodes import (
 from .ir.sym import sympify_tuple
 from .ir.template import GemmSelection
 from .lowering import lowerings
+from .lowering.symbolic import SYMBOLIC_OPS
+from .sizevars import SizeVars, SymbolicTensor
 from .virtualized import V
 
 log = logging.getLogger("kiln.graph")
@@ -46,10 +48,17 @@ REALIZE_READS_THRESHOLD = 4
 class GraphLowering(torch.fx.Interpreter):
     """Lower ``gm`` (an ATen FX graph) for inputs shaped like ``example_inputs``."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                 name: str = "graph") -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 name: str = "graph", options: dict[str, Any] | None = None,
+                 target: dict[str, Any] | None = None, sizevars: SizeVars | None = None
+                 ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.name = name
+        self.options = dict(options or {})  # compile options lowerings read (deterministic)
+        self.target = dict(target or {})  # the machine, where lowering depends on it (SMs)
+        self.sizevars = sizevars or SizeVars()
+        # size symbol -> how the wrapper reads it from the inputs (``arg0_1.size(0)``)
+        self.symbol_sources: dict[sympy.Symbol, str] = {}
         self.example_inputs = list(example_inputs)
         self.buffers: list[Buffer] = []
         self.name_to_buffer: dict[str, Buffer] = {}
@@ -65,7 +74,7 @@ class GraphLowering(torch.fx.Interpreter):
 
     def _default_device(self) -> torch.device:
         for t in self.example_inputs:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, (torch.Tensor, SymbolicTensor)):
                 return torch.device(t.device.type)
         return torch.device("cpu")
 
@@ -100,20 +109,44 @@ class GraphLowering(torch.fx.Interpreter):
 
     def run(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         with V.set_graph_handler(self):
-            return super().run(*self.example_inputs)
+            result = super().run(*self.example_inputs)
+        self.check_symbol_sources()
+        return result
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         example = super().placeholder(target, args, kwargs)
         name = self.current_node.name if self.current_node is not None else str(target)
-        if not isinstance(example, torch.Tensor):
+        if isinstance(example, sympy.Expr):  # a SymInt input: the wrapper receives it
+            self._add_symbol_source(example, name)
+            self.graph_input_names.append(name)
+            return example
+        if not isinstance(example, (torch.Tensor, SymbolicTensor)):
             return example  # a Python scalar input is baked into the graph
-        layout = FixedLayout(torch.device(example.device.type), example.dtype,
-                             sympify_tuple(example.shape), sympify_tuple(example.stride()),
-                             sympy.Integer(example.storage_offset()))
+        size, stride = sympify_tuple(example.shape), sympify_tuple(example.stride())
+        offset = sympy.sympify(example.storage_offset())
+        for d, s in enumerate(size):
+            self._add_symbol_source(s, f"{name}.size({d})")
+        for d, s in enumerate(stride):
+            self._add_symbol_source(s, f"{name}.stride({d})")
+        self._add_symbol_source(offset, f"{name}.storage_offset()")
+        layout = FixedLayout(torch.device(example.device.type), example.dtype, size, stride,
+                             offset)
         box = TensorBox.create(InputBuffer(name=name, layout=layout))
         self.graph_inputs[name] = box
         self.graph_input_names.append(name)
         return box
+
+    def _add_symbol_source(self, expr: sympy.Expr, source: str) -> None:
+        if isinstance(expr, sympy.Symbol) and expr not in self.symbol_sources:
+            self.symbol_sources[expr] = source
+
+    def check_symbol_sources(self) -> None:
+        """Every size symbol must be readable from an input as it is (not only inside an
+        expression such as a stride ``2*s0``): the wrapper computes sizes from them."""
+        missing = [s for s in self.sizevars.symbols if s not in self.symbol_sources]
+        if missing:
+            raise LoweringError(f"size symbols {missing} appear in no input size as such",
+                                node="inputs", op="placeholder", graph=self.name)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         value = super().get_attr(target, args, kwargs)
@@ -132,6 +165,8 @@ class GraphLowering(torch.fx.Interpreter):
         node_name = node.name if node is not None else "?"
         if target is operator.getitem and isinstance(args[0], (list, tuple)):
             return args[0][args[1]]
+        if target in SYMBOLIC_OPS:  # size arithmetic (SymInt inputs, sym_size)
+            return self._lower(SYMBOLIC_OPS[target], target, args, kwargs, node_name)
         if target not in lowerings:
             if not isinstance(target, torch._ops.OpOverload):
                 raise MalformedGraphError(

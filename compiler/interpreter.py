@@ -17,7 +17,7 @@ import torch
 
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput, fill_template
 from .ir.layout import Layout, MutationLayout
-from .ir.nodes import Buffer, ComputedBuffer, IRNode, Reduction, ReinterpretView
+from .ir.nodes import Buffer, ComputedBuffer, IRNode, Reduction, ReinterpretView, Scatter
 from .ir.sym import Expr, FloorDiv, ModularIndexing
 from .ops_handler import BINARY_OPS, UNARY_OPS, DefaultHandler
 from .virtualized import V
@@ -212,14 +212,7 @@ def evaluate_loops(node: IRNode, storages: dict[str, Tensor]) -> Tensor:
     ranges = [int(s) for s in node.get_size()]
     rranges = [int(s) for s in node.get_reduction_size()] if isinstance(node, Reduction) else []
     shape = tuple(ranges + rranges)
-    syms = [sympy.Symbol(f"ev{i}", integer=True, nonnegative=True) for i in range(len(shape))]
-    env: dict[sympy.Symbol, Any] = {}
-    for i, (sym, n) in enumerate(zip(syms, shape)):
-        view = [1] * len(shape)
-        view[i] = n
-        env[sym] = torch.arange(n, dtype=torch.int64).reshape(view)
-    handler = InterpreterHandler(storages, env, len(rranges))
-    handler.full_shape = shape
+    syms, handler = _handler_over(shape, storages, len(rranges))
     with V.set_ops_handler(handler):
         if isinstance(node, Reduction):
             value = handler.reduction(node.dtype, node.src_dtype, node.reduction_type,
@@ -229,6 +222,40 @@ def evaluate_loops(node: IRNode, storages: dict[str, Tensor]) -> Tensor:
             return torch.as_tensor(value).to(node.dtype).expand(tuple(ranges)).contiguous()
         value = node.inner_fn(syms)  # type: ignore[attr-defined]
     return torch.as_tensor(value).to(node.get_dtype()).expand(shape).contiguous()
+
+
+def _handler_over(shape: tuple[int, ...], storages: dict[str, Tensor], reduction_axes: int
+                  ) -> tuple[list[sympy.Symbol], InterpreterHandler]:
+    """Index symbols bound to aranges along their own axes, and a handler over them."""
+    syms = [sympy.Symbol(f"ev{i}", integer=True, nonnegative=True) for i in range(len(shape))]
+    env: dict[sympy.Symbol, Any] = {}
+    for i, (sym, n) in enumerate(zip(syms, shape)):
+        view = [1] * len(shape)
+        view[i] = n
+        env[sym] = torch.arange(n, dtype=torch.int64).reshape(view)
+    handler = InterpreterHandler(storages, env, reduction_axes)
+    handler.full_shape = shape
+    return syms, handler
+
+
+def evaluate_scatter(node: Scatter, layout: MutationLayout, storages: dict[str, Tensor]
+                     ) -> None:
+    """Write a Scatter's values into its target's storage, as its kernel would."""
+    shape = tuple(int(s) for s in node.get_size())
+    syms, handler = _handler_over(shape, storages, 0)
+    with V.set_ops_handler(handler):
+        value = node.inner_fn(syms)
+        where = eval_expr(layout.make_indexer()(node.output_indexer(syms)), handler.env)
+    target = storages[layout.target]
+    flat = torch.as_tensor(where, dtype=torch.int64).expand(shape).reshape(-1)
+    value = torch.as_tensor(value).to(target.dtype).expand(shape).reshape(-1)
+    if node.scatter_mode is None:
+        target[flat] = value
+    elif node.scatter_mode == "atomic_add":
+        target.index_put_((flat,), value, accumulate=True)
+    else:
+        reduce = {"atomic_max": "amax", "atomic_min": "amin"}[node.scatter_mode]
+        target.scatter_reduce_(0, flat, value, reduce)
 
 
 def flat_storage(t: Tensor) -> Tensor:
@@ -267,8 +294,13 @@ def run_graph(graph: Any, inputs: Sequence[Tensor]) -> list[Any]:
 def _evaluate_buffer(buf: Buffer, storages: dict[str, Tensor], tensors: dict[str, Any]) -> None:
     name = buf.get_name()
     if isinstance(buf, ComputedBuffer):
-        value = evaluate_loops(buf.data, storages)
         layout = buf.get_layout()
+        if isinstance(buf.data, Scatter) and isinstance(layout, MutationLayout):
+            evaluate_scatter(buf.data, layout, storages)
+            storages[name], tensors[name] = storages[layout.target], _strided(
+                storages[layout.target], layout)
+            return
+        value = evaluate_loops(buf.data, storages)
         if isinstance(layout, MutationLayout):
             target = _strided(storages[layout.target], layout)
             target.copy_(value)

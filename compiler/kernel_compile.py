@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .errors import KilnCompileError
 
@@ -53,7 +54,9 @@ def compile_kernel(spec: KernelSpec, config: dict[str, Any], target: dict[str, A
     """Compile one kernel for one config; ``target`` like {"kind": "cuda", "arch": 90}."""
     start = time.perf_counter()
     try:
-        binary, meta = _compile_for(spec, config, target)
+        with trace.span("kernel compile", cat="kernel", kernel=spec.name,
+                        config=json.dumps(config, sort_keys=True)):
+            binary, meta = _compile_for(spec, config, target)
     except Exception as e:  # name the kernel and where its source is, whatever failed
         from .runtime.kernel_files import write_source
 

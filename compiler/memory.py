@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
+
 from .dependencies import MemoryDep
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout, MutationLayout
 from .ir.nodes import Buffer, ComputedBuffer, InputBuffer, TemplateBuffer
+from .ir.sym import Expr
 from .scheduler import BaseSchedulerNode, Scheduler
 from .virtualized import V
 
@@ -24,11 +27,17 @@ class MemoryPlan:
     lifetimes: dict[str, tuple[int, int]] = field(default_factory=dict)  # buf -> (def, last)
 
 
-def buffer_bytes(buf: Buffer) -> int:
+def storage_bytes(buf: Buffer) -> Expr:
+    """Bytes of a buffer's storage: a sympy expression over the size symbols."""
     layout = buf.layout
     if not isinstance(layout, Layout):
-        return 0
-    return int(layout.storage_size()) * layout.dtype.itemsize
+        return sympy.Integer(0)
+    return sympy.expand(layout.storage_size() * layout.dtype.itemsize)
+
+
+def buffer_bytes(buf: Buffer) -> int:
+    """Bytes of a buffer's storage (at the size hints, for a graph with dynamic shapes)."""
+    return V.graph.sizevars.size_hint(storage_bytes(buf))
 
 
 def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
@@ -49,6 +58,25 @@ def compute_last_usage(nodes: list[BaseSchedulerNode], outputs: set[str]) -> Non
                 sub_used = sub.used_buffer_names()
                 sub.last_usage = sub_used - future_inner
                 future_inner |= sub_used
+
+
+def extend_alias_lifetimes(nodes: list[BaseSchedulerNode], outputs: set[str]) -> None:
+    """A scatter's result aliases the buffer it writes in place: that storage lives until
+    the alias's last use (forever, if the alias is an output), not its own last use."""
+    step_of = {name: i for i, node in enumerate(nodes) for name in node.last_usage}
+    for buf in V.graph.buffers:
+        layout = buf.layout
+        if not isinstance(layout, MutationLayout) or layout.target not in V.graph.name_to_buffer:
+            continue
+        alias, target = buf.get_name(), layout.target
+        if target not in step_of:
+            continue
+        nodes[step_of[target]].last_usage.discard(target)
+        if alias in outputs or alias not in step_of:
+            outputs.add(target)  # never freed nor reused
+            continue
+        nodes[step_of[alias]].last_usage.add(target)
+        step_of[target] = step_of[alias]
 
 
 def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
@@ -84,6 +112,7 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
     outputs = set(graph.get_output_names())
     nodes = scheduler.nodes
     compute_last_usage(nodes, outputs)
+    extend_alias_lifetimes(nodes, outputs)
     removed = find_removed_buffers(scheduler, outputs) - (stored or set())
     plan = MemoryPlan(removed_buffers=removed)
     free_pool: list[str] = []
@@ -190,11 +219,14 @@ def _same_storage(a: Buffer, b: Buffer) -> bool:
 
 
 def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
-    """A freed buffer with the same device, dtype and storage size, if there is one."""
-    want = (buf.get_device().type, buf.get_dtype(), buffer_bytes(buf))
+    """A freed buffer with the same device, dtype and storage size, if there is one
+    (sizes provably equal for every admitted size, in a graph with dynamic shapes)."""
+    want = (buf.get_device().type, buf.get_dtype())
+    nbytes = storage_bytes(buf)
     for i, name in enumerate(pool):
         other = graph.name_to_buffer[name]  # type: ignore[attr-defined]
-        if (other.get_device().type, other.get_dtype(), buffer_bytes(other)) == want:
+        if (other.get_device().type, other.get_dtype()) == want and \
+                V.graph.sizevars.statically_known_equals(storage_bytes(other), nbytes):
             return pool.pop(i)
     return None
 

@@ -23,18 +23,32 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import sympy
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .sizevars import SymbolicTensor, SymbolRange
+from .symwire import (
+    SymbolicSizeError,
+    SymbolTable,
+    decode_expr,
+    decode_ranges,
+    encode_canonical,
+    encode_range,
+)
+
 # Bump when the graph or request encoding changes: it is the key's "schema" part.
 GRAPH_FORMAT_VERSION = 1
 REQUEST_FORMAT_VERSION = 1
+# A request with symbolic sizes carries one more field: the symbols' ranges.
+_STATIC_REQUEST_FIELDS, _DYNAMIC_REQUEST_FIELDS = 7, 8
 
 # Option names that never change a compiled artifact (where it is stored, how it is
 # logged, who signs it); everything else is assumed to change the output.
@@ -56,6 +70,22 @@ NON_OUTPUT_OPTIONS = frozenset(
         "debug_dir",
     }
 )
+
+# Options a request may carry to a worker: the ones that change the compiled output.
+# Anything else in a request (debug folders, log settings, a store) is dropped there:
+# a caller never picks a path on a worker.
+COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_autotune",
+                             "allow_tf32"})
+
+# Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
+# attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
+OP_NAMESPACES = frozenset({"aten", "prims"})
+_OP_PART_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*|_[A-Za-z0-9][A-Za-z0-9_]*")
+
+# Bounds on tensor metadata from a request: a constant's storage is allocated for real.
+MAX_RANK = 16
+MAX_DIM = 2**40
+MAX_CONSTANT_PADDING = 2**20  # storage elements a constant may hold beyond its values
 
 # msgpack integers: int64 and uint64.
 _INT_MIN = -(2**63)
@@ -116,32 +146,73 @@ def _storage_numel(shape: Sequence[int], stride: Sequence[int], offset: int) -> 
     return offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
 
 
+def _size_expr(value: Any) -> Any:
+    """A torch size (int or SymInt) as an int or Dynamo's sympy expression."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr) if expr.is_Integer else expr
+    return int(value)
+
+
+def _canonical_sizes(values: Sequence[Any], symbols: SymbolTable, shape_env: Any
+                     ) -> tuple[Any, ...]:
+    """Declare the symbols of ``values`` in order and return them in canonical names."""
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        symbols.declare(v, shape_env)
+        out.append(decode_expr(symbols.encode(v), len(symbols.ranges)))
+    return tuple(out)
+
+
+def _shape_env(values: Sequence[Any]) -> Any:
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            return v.node.shape_env
+    return None
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a compiled graph may depend on about one tensor: never its values."""
+    """What a compiled graph may depend on about one tensor: never its values.
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    In a graph with dynamic shapes, sizes, strides and the offset may be sympy
+    expressions over the canonical size symbols ``s0, s1, ...`` (never their values).
+    """
+
+    shape: tuple[Any, ...]
+    stride: tuple[Any, ...]
     dtype: str
     device_type: str
-    storage_offset: int
+    storage_offset: Any
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> TensorMeta:
-        """Metadata of a real, fake or meta tensor; the device ordinal is dropped."""
-        sizes = (*t.shape, *t.stride(), t.storage_offset())
-        if not all(isinstance(s, int) for s in sizes):
-            raise SerializationError(
-                f"tensor with symbolic sizes {tuple(t.shape)}: Kiln compiles static shapes "
-                "only; this graph should run eagerly"
-            )
-        return cls(
-            shape=tuple(int(s) for s in t.shape),
-            stride=tuple(int(s) for s in t.stride()),
-            dtype=_dtype_name(t.dtype),
-            device_type=t.device.type,
-            storage_offset=int(t.storage_offset()),
-        )
+    def from_tensor(cls, t: torch.Tensor, symbols: SymbolTable | None = None) -> TensorMeta:
+        """Metadata of a real, fake or meta tensor; the device ordinal is dropped.
+
+        Symbolic sizes need ``symbols``, which names them canonically (and grows)."""
+        raw = (*t.shape, *t.stride(), t.storage_offset())
+        if not all(isinstance(s, int) for s in raw):
+            if symbols is None:
+                raise SerializationError(
+                    f"tensor with symbolic sizes {tuple(t.shape)} outside a dynamic request")
+            try:
+                sizes = _canonical_sizes([_size_expr(v) for v in raw], symbols, _shape_env(raw))
+            except SymbolicSizeError as exc:
+                raise SerializationError(str(exc)) from exc
+        else:
+            sizes = tuple(int(s) for s in raw)
+        n = t.dim()
+        return cls(shape=tuple(sizes[:n]), stride=tuple(sizes[n:2 * n]),
+                   dtype=_dtype_name(t.dtype), device_type=t.device.type,
+                   storage_offset=sizes[2 * n])
+
+    @property
+    def is_symbolic(self) -> bool:
+        return not all(isinstance(v, int) for v in (*self.shape, *self.stride,
+                                                    self.storage_offset))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -153,20 +224,87 @@ class TensorMeta:
 
     def to_wire(self) -> list[Any]:
         return [
-            list(self.shape),
-            list(self.stride),
+            [encode_canonical(v) for v in self.shape],
+            [encode_canonical(v) for v in self.stride],
             self.dtype,
             self.device_type,
-            self.storage_offset,
+            encode_canonical(self.storage_offset),
         ]
 
     @classmethod
-    def from_wire(cls, wire: Any) -> TensorMeta:
+    def from_wire(cls, wire: Any, nsymbols: int = 0) -> TensorMeta:
+        def size(v: Any) -> Any:
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            return decode_expr(v, nsymbols)
+
         try:
             shape, stride, dtype, device_type, offset = wire
-            return cls(tuple(shape), tuple(stride), str(dtype), str(device_type), int(offset))
+            meta = cls(tuple(size(v) for v in shape), tuple(size(v) for v in stride),
+                       str(dtype), str(device_type), size(offset))
         except (TypeError, ValueError) as exc:
-            raise SerializationError(f"bad tensor metadata {wire!r}") from exc
+            raise SerializationError(f"bad tensor metadata {wire!r:.200}") from exc
+        # Bounds: rank, and plain sizes, strides and offset as non-negative ints (a
+        # symbolic one was bounded by decode_expr: depth, declared symbols, int range).
+        numbers = [n for n in (*meta.shape, *meta.stride, meta.storage_offset)
+                   if not isinstance(n, sympy.Expr)]
+        if (len(meta.shape) != len(meta.stride) or len(meta.shape) > MAX_RANK
+                or not all(type(n) is int and 0 <= n <= MAX_DIM for n in numbers)):
+            raise SerializationError(
+                f"tensor metadata out of bounds {wire!r:.200}: at most {MAX_RANK} dims, "
+                f"sizes, strides and offset integers in [0, {MAX_DIM}]")
+        dtype_from_name(meta.dtype)
+        return meta
+
+
+@dataclass(frozen=True)
+class SymIntMeta:
+    """A SymInt graph input (a dynamic size passed as a value): its expression."""
+
+    expr: Any
+
+    def to_wire(self) -> list[Any]:
+        return ["symint", encode_canonical(self.expr)]
+
+    @classmethod
+    def from_wire(cls, wire: Any, nsymbols: int) -> SymIntMeta:
+        try:
+            return cls(decode_expr(wire[1], nsymbols))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise SerializationError(f"bad SymInt input {wire!r:.200}") from exc
+
+
+InputMeta = TensorMeta | SymIntMeta
+
+
+def input_meta_from_wire(wire: Any, nsymbols: int) -> InputMeta:
+    if isinstance(wire, list) and wire and wire[0] == "symint":
+        return SymIntMeta.from_wire(wire, nsymbols)
+    return TensorMeta.from_wire(wire, nsymbols)
+
+
+def symint_meta(x: torch.SymInt, symbols: SymbolTable) -> SymIntMeta:
+    """The meta of a SymInt graph input, declaring its symbols in ``symbols``."""
+    try:
+        sizes = _canonical_sizes([_size_expr(x)], symbols, _shape_env([x]))
+    except SymbolicSizeError as exc:
+        raise SerializationError(str(exc)) from exc
+    return SymIntMeta(sympy.sympify(sizes[0]))
+
+
+def symbolic_tensor(meta: TensorMeta) -> SymbolicTensor:
+    return SymbolicTensor(meta.shape, meta.stride, meta.torch_dtype,
+                          torch.device(meta.device_type), meta.storage_offset)
+
+
+def compiler_input(meta: InputMeta, fake_mode: FakeTensorMode) -> Any:
+    """The example input the compiler lowers with: a FakeTensor (static sizes), a
+    SymbolicTensor, or the sympy expression of a SymInt input."""
+    if isinstance(meta, SymIntMeta):
+        return meta.expr
+    if meta.is_symbolic:
+        return symbolic_tensor(meta)
+    return fake_tensor_from_meta(meta, fake_mode)
 
 
 def _strided_from_flat(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -244,6 +382,11 @@ def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
     if values.numel() != math.prod(meta.shape):
         raise SerializationError(f"constant has {values.numel()} values for shape {meta.shape}")
+    if meta.storage_numel > values.numel() + MAX_CONSTANT_PADDING:
+        raise SerializationError(
+            f"constant of {values.numel()} values asks for a storage of {meta.storage_numel} "
+            f"elements (offset {meta.storage_offset}, strides {meta.stride}); at most "
+            f"{MAX_CONSTANT_PADDING} beyond its values")
     if meta.stride == _contiguous_stride(meta.shape) and meta.storage_offset == 0:
         return values.reshape(meta.shape).to(device or "cpu")
     # Scatter the values into a storage laid out like the original: each element's
@@ -318,28 +461,39 @@ _ARG_DECODERS.update(
 # Node metadata: node.meta["val"] as shapes, strides and dtypes.
 
 
-def _encode_val(val: Any) -> Any:
+def _encode_val(val: Any, symbols: SymbolTable | None = None) -> Any:
     if val is None or isinstance(val, (bool, int, float)):
         return val
     if isinstance(val, torch.Tensor):
-        return ["tensor", TensorMeta.from_tensor(val).to_wire()]
+        return ["tensor", TensorMeta.from_tensor(val, symbols).to_wire()]
     if isinstance(val, (list, tuple)):
         tag = "list" if isinstance(val, list) else "tuple"
-        return [tag, [_encode_val(v) for v in val]]
+        return [tag, [_encode_val(v, symbols) for v in val]]
+    if isinstance(val, torch.SymInt) and symbols:
+        expr = _size_expr(val)
+        try:
+            return ["symint", symbols.encode(expr)]
+        except SymbolicSizeError as exc:
+            raise SerializationError(str(exc)) from exc
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise SerializationError(f"symbolic value {val}: Kiln compiles static shapes only")
+        raise SerializationError(f"symbolic value {val} ({type(val).__name__}) is not "
+                                 "supported here")
     raise SerializationError(f"unsupported meta['val'] of type {type(val).__name__}")
 
 
-def _decode_val(wire: Any, fake_mode: FakeTensorMode) -> Any:
+def _decode_val(wire: Any, fake_mode: FakeTensorMode, nsymbols: int = 0) -> Any:
     if not isinstance(wire, list):
         return wire
     tag, body = wire
     if tag == "tensor":
-        return fake_tensor_from_meta(TensorMeta.from_wire(body), fake_mode)
+        meta = TensorMeta.from_wire(body, nsymbols)
+        return symbolic_tensor(meta) if meta.is_symbolic else fake_tensor_from_meta(meta,
+                                                                                   fake_mode)
+    if tag == "symint":
+        return decode_expr(body, nsymbols)
     if tag not in ("list", "tuple"):
         raise SerializationError(f"bad meta encoding {wire!r}")
-    items = [_decode_val(v, fake_mode) for v in body]
+    items = [_decode_val(v, fake_mode, nsymbols) for v in body]
     return items if tag == "list" else tuple(items)
 
 
@@ -361,21 +515,32 @@ def _encode_target(target: Any) -> list[str]:
 
 
 def _resolve_target(wire: Any) -> Any:
+    """An op from its wire name: a listed Python function, or an ATen/prims overload
+    (packet) named by identifier parts; nothing else on ``torch.ops`` is reachable."""
     try:
         kind, qualname = wire
         parts = qualname.split(".")
-        if kind == "py" and qualname in _PY_FUNCTIONS:
-            return _PY_FUNCTIONS[qualname]
-        if kind in ("op", "packet") and len(parts) == (3 if kind == "op" else 2):
-            target: Any = torch.ops
-            for part in parts:
-                target = getattr(target, part)
-            return target
-    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SerializationError(f"bad call target {wire!r:.200}") from exc
+    if kind == "py" and qualname in _PY_FUNCTIONS:
+        return _PY_FUNCTIONS[qualname]
+    if kind not in ("op", "packet") or len(parts) != (3 if kind == "op" else 2):
+        raise SerializationError(f"bad call target {wire!r:.200}")
+    if parts[0] not in OP_NAMESPACES or not all(
+            _OP_PART_RE.fullmatch(part) and not part.startswith("__") for part in parts[1:]):
         raise SerializationError(
-            f"cannot resolve op {wire!r} (is the library that defines it imported?)"
-        ) from exc
-    raise SerializationError(f"bad call target {wire!r}")
+            f"op {qualname!r:.200} is not allowed in a request: ops come from the "
+            f"{sorted(OP_NAMESPACES)} namespaces, named by identifiers (no dunders)")
+    try:
+        target: Any = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if kind == "op":
+            target = getattr(target, parts[2])
+    except (AttributeError, RuntimeError) as exc:
+        raise SerializationError(f"unknown op {qualname!r}") from exc
+    wanted = torch._ops.OpOverload if kind == "op" else torch._ops.OpOverloadPacket
+    if not isinstance(target, wanted):
+        raise SerializationError(f"{qualname!r} is not an operator overload")
+    return target
 
 
 # ---------------------------------------------------------------------------------------
@@ -389,9 +554,10 @@ def _node_error(node: torch.fx.Node, exc: Exception) -> SerializationError:
 
 
 def _encode_node(
-    node: torch.fx.Node, gm: torch.fx.GraphModule, index: Mapping[torch.fx.Node, int]
+    node: torch.fx.Node, gm: torch.fx.GraphModule, index: Mapping[torch.fx.Node, int],
+    symbols: SymbolTable | None = None,
 ) -> list[Any]:
-    meta = [_encode_val(node.meta["val"])] if "val" in node.meta else []
+    meta = [_encode_val(node.meta["val"], symbols)] if "val" in node.meta else []
     if node.op == "placeholder":
         return ["placeholder", None, [], [], meta]
     if node.op == "get_attr":
@@ -409,13 +575,16 @@ def _encode_node(
     raise SerializationError(f"opcode {node.op!r} is not allowed in an ATen graph")
 
 
-def serialize_graph(gm: torch.fx.GraphModule) -> bytes:
-    """Canonical msgpack bytes of an ATen graph; see the module docstring."""
+def serialize_graph(gm: torch.fx.GraphModule, symbols: SymbolTable | None = None) -> bytes:
+    """Canonical msgpack bytes of an ATen graph; see the module docstring.
+
+    A graph with dynamic shapes needs the ``symbols`` its inputs declared
+    (:func:`input_metas`): node metadata names sizes by them."""
     index: dict[torch.fx.Node, int] = {}
     encoded = []
     for i, node in enumerate(gm.graph.nodes):
         try:
-            encoded.append(_encode_node(node, gm, index))
+            encoded.append(_encode_node(node, gm, index, symbols))
         except SerializationError as exc:
             raise _node_error(node, exc) from exc
         index[node] = i
@@ -469,13 +638,15 @@ def deserialize_graph(
     with_fake_meta: bool = False,
     fake_mode: FakeTensorMode | None = None,
     constants_device: str | None = None,
+    nsymbols: int = 0,
 ) -> torch.fx.GraphModule:
     """Rebuild a GraphModule from :func:`serialize_graph` bytes.
 
     Placeholders are named ``arg0_1, arg1_1, ...``; constants ``_tensor_constant0, ...``
     and live on ``constants_device`` (CPU by default). With ``with_fake_meta``, every
     node's ``meta["val"]`` is rebuilt as FakeTensors under ``fake_mode`` (a new
-    FakeTensorMode unless given).
+    FakeTensorMode unless given); symbolic tensors as :class:`SymbolicTensor` over
+    ``nsymbols`` size symbols.
     """
     wires = _decode_nodes(data)
     mode = (fake_mode or FakeTensorMode()) if with_fake_meta else None
@@ -484,7 +655,7 @@ def deserialize_graph(
         try:
             node = builder.add(wire)
             if mode is not None and wire[4]:
-                node.meta["val"] = _decode_val(wire[4][0], mode)
+                node.meta["val"] = _decode_val(wire[4][0], mode, nsymbols)
         except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:
             position = len(builder.nodes)
             raise SerializationError(f"bad node #{position} {wire!r:.200}: {exc}") from exc
@@ -522,6 +693,11 @@ def canonical(value: Any, where: str = "value") -> Any:
     raise SerializationError(f"{where} has unsupported type {type(value).__name__}")
 
 
+def compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's options a worker hands the compiler (``COMPILE_OPTIONS`` only)."""
+    return {k: v for k, v in options.items() if k in COMPILE_OPTIONS}
+
+
 def output_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options that may change a compiled artifact, sorted by name."""
     kept = {k: v for k, v in options.items() if k.lower() not in NON_OUTPUT_OPTIONS}
@@ -532,40 +708,59 @@ def output_options(options: Mapping[str, Any]) -> dict[str, Any]:
 class CompileRequest:
     """Everything a worker needs to compile one graph, and all that the key covers.
 
-    Dict fields are stored in canonical form (sorted keys, tuples as lists).
+    Dict fields are stored in canonical form (sorted keys, tuples as lists). A graph
+    with dynamic shapes has ``symbols``: the range of each size symbol ``s<k>``.
     """
 
     graph: bytes
-    inputs: tuple[TensorMeta, ...]
+    inputs: tuple[InputMeta, ...]
     options: dict[str, Any]
     target: dict[str, Any]
     versions: dict[str, Any]
+    symbols: tuple[SymbolRange, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "symbols", tuple(self.symbols))
         for name in ("options", "target", "versions"):
             object.__setattr__(self, name, canonical(getattr(self, name), name))
 
+    def inputs_wire(self) -> list[Any]:
+        """The inputs as the key's ``inputs`` part sees them (symbol ranges included)."""
+        wire = [m.to_wire() for m in self.inputs]
+        if self.symbols:
+            wire.append(["symbols", [encode_range(r) for r in self.symbols]])
+        return wire
+
     def to_bytes(self) -> bytes:
-        return _pack(
-            [
-                "kiln-request",
-                REQUEST_FORMAT_VERSION,
-                self.graph,
-                [m.to_wire() for m in self.inputs],
-                self.options,
-                self.target,
-                self.versions,
-            ]
-        )
+        fields = [
+            "kiln-request",
+            REQUEST_FORMAT_VERSION,
+            self.graph,
+            [m.to_wire() for m in self.inputs],
+            self.options,
+            self.target,
+            self.versions,
+        ]
+        if self.symbols:
+            fields.append([encode_range(r) for r in self.symbols])
+        return _pack(fields)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> CompileRequest:
         wire = _unpack(data)
-        if not (isinstance(wire, list) and len(wire) == 7 and wire[0] == "kiln-request"):
+        if not (isinstance(wire, list) and wire[:1] == ["kiln-request"]
+                and len(wire) in (_STATIC_REQUEST_FIELDS, _DYNAMIC_REQUEST_FIELDS)):
             raise SerializationError("not a serialized Kiln compile request")
         if wire[1] != REQUEST_FORMAT_VERSION:
             raise SerializationError(f"request format {wire[1]} is not {REQUEST_FORMAT_VERSION}")
-        _, _, graph, inputs, options, target, versions = wire
-        metas = tuple(TensorMeta.from_wire(m) for m in inputs)
-        return cls(graph=graph, inputs=metas, options=options, target=target, versions=versions)
+        graph, inputs, options, target, versions = wire[2:7]
+        try:
+            symbols = decode_ranges(wire[7]) if len(wire) == _DYNAMIC_REQUEST_FIELDS else ()
+        except (TypeError, ValueError) as exc:
+            raise SerializationError(f"bad symbol ranges: {exc}") from exc
+        if not isinstance(inputs, list):
+            raise SerializationError("request inputs are not a list")
+        metas = tuple(input_meta_from_wire(m, len(symbols)) for m in inputs)
+        return cls(graph=graph, inputs=metas, options=options, target=target,
+                   versions=versions, symbols=symbols)

@@ -7,6 +7,7 @@ ranked by ``score_fusion_memory`` (bytes the merge saves) and refused by
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
@@ -26,7 +27,7 @@ from .dependencies import (
 )
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout
-from .ir.nodes import Buffer, ComputedBuffer, ReinterpretView, TemplateBuffer
+from .ir.nodes import Buffer, ComputedBuffer, ReinterpretView, Scatter, TemplateBuffer
 from .ir.sym import Expr, prod
 from .virtualized import V
 
@@ -103,6 +104,19 @@ def _dep_str(dep: Dep) -> str:
     return f"{type(dep).__name__}({dep.name})"
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _accesses(read_writes: ReadWrites) -> dict[tuple[str, Expr], int]:
+    """Each normalized memory access of a node, with its largest size in elements (the
+    node's read_writes are frozen: fusion scores every candidate pair from this cache)."""
+    out: dict[tuple[str, Expr], int] = {}
+    for dep in read_writes.reads | read_writes.writes:
+        if isinstance(dep, MemoryDep):
+            d = normalize_dep(dep)
+            numel = int(d.numel()) if d.numel().is_Integer else 1
+            out[(d.name, d.index)] = max(out.get((d.name, d.index), 0), numel)
+    return out
+
+
 class SchedulerNode(BaseSchedulerNode):
     """A ComputedBuffer (or TemplateBuffer): a loop body the backend turns into a kernel."""
 
@@ -123,8 +137,11 @@ class SchedulerNode(BaseSchedulerNode):
                                          node.get_size()).writes
             return ReadWrites(frozenset(reads), writes)
         data = node.data
-        return extract_read_writes(node.store_body(), data.get_size(),
-                                   data.get_reduction_size())
+        rw = extract_read_writes(node.store_body(), data.get_size(), data.get_reduction_size())
+        # A scatter into a buffer the graph computed runs after all of that buffer is
+        # written, and never in the same kernel (its writes land anywhere in it).
+        targets = {t for t in node.get_mutation_names() if t in V.graph.name_to_buffer}
+        return rw.with_read({StarDep(t) for t in targets}) if targets else rw
 
     def get_name(self) -> str:
         return self.node.get_name()
@@ -272,6 +289,12 @@ def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
         r.index.free_symbols & extra)
 
 
+def has_scatter(node: BaseSchedulerNode) -> bool:
+    """True when ``node`` (or a node fused into it) is a Scatter: stores to indirect indices."""
+    return any(isinstance(getattr(getattr(n, "node", None), "data", None), Scatter)
+               for n in node.get_nodes())
+
+
 class Scheduler:
     """Build scheduler nodes for ``V.graph.buffers``, fuse them, and order them."""
 
@@ -404,10 +427,14 @@ class Scheduler:
             self._refresh_ancestors(fused)
 
     def _refresh_ancestors(self, fused: FusedSchedulerNode) -> None:
+        # In place: every node owns its set, and copying each descendant's whole set on
+        # every fusion made this quadratic in the graph's length.
         names = fused.get_names()
         for n in self.nodes:
-            if n.ancestors & names:
-                n.ancestors = (n.ancestors | fused.ancestors | names) - n.get_names()
+            if n is not fused and not n.ancestors.isdisjoint(names):
+                n.ancestors |= fused.ancestors
+                n.ancestors |= names
+                n.ancestors -= n.get_names()
 
     def get_possible_fusions(self) -> list[tuple[BaseSchedulerNode, BaseSchedulerNode]]:
         """Pairs of nodes touching a common buffer, best score first."""
@@ -436,20 +463,12 @@ class Scheduler:
 
     def score_fusion_memory(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> int:
         """Elements of memory traffic the fusion saves: accesses the two nodes share."""
-        deps1 = {normalize_dep(d) for d in node1.read_writes.reads | node1.read_writes.writes
-                 if isinstance(d, MemoryDep)}
-        deps2 = {normalize_dep(d) for d in node2.read_writes.reads | node2.read_writes.writes
-                 if isinstance(d, MemoryDep)}
-        common = {(d.name, d.index) for d in deps1} & {(d.name, d.index) for d in deps2}
+        deps1 = _accesses(node1.read_writes)
+        deps2 = _accesses(node2.read_writes)
+        common = deps1.keys() & deps2.keys()
         # Per shared access, the larger of its sizes (a reduction's output is written once per
         # row and read once per element by an epilogue): a max, so set order never matters.
-        saved: dict[tuple[str, Expr], int] = {}
-        for d in deps1 | deps2:
-            key = (d.name, d.index)
-            if key in common:
-                numel = int(d.numel()) if d.numel().is_Integer else 1
-                saved[key] = max(saved.get(key, 0), numel)
-        return sum(saved.values())
+        return sum(max(deps1[key], deps2[key]) for key in common)
 
     def can_fuse(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         if node1 is node2:
@@ -461,7 +480,14 @@ class Scheduler:
             return False
         if len(node1.get_nodes()) + len(node2.get_nodes()) > MAX_FUSION_SIZE:
             return False
+        # A scatter's atomic stores stay out of reduction loops.
+        if (has_scatter(node1) and node2.is_reduction()) or (
+                has_scatter(node2) and node1.is_reduction()):
+            return False
         if node1.is_template() or node2.is_template():
+            # A template's epilogue stores plainly: no scatter's atomic stores in it.
+            if has_scatter(node1) or has_scatter(node2):
+                return False
             return self.can_fuse_epilogue(node1, node2)
         # A fusion that shares no access (same buffer, same element per iteration) saves no
         # memory traffic: it is not profitable, and the two loops may walk memory in

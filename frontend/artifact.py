@@ -1,130 +1,14 @@
-"""A ``CompiledGraph`` as a store ``Artifact``, and back.
+"""The artifact layout, as the client names it: ``kiln.workers.artifact`` (builders on the
+farm publish with it too)."""
 
-Blobs (content-addressed by the store, so identical kernels are stored once):
+from kiln.workers.artifact import (
+    LAYOUT_VERSION,
+    WRAPPER_BLOB,
+    ArtifactFormatError,
+    compile_seconds,
+    from_artifact,
+    to_artifact,
+)
 
-    wrapper.py                     the wrapper's source
-    kernels/<name>.py | .cpp       each kernel's source
-    kernels/<name>.cubin | .so     each kernel's binary for the artifact's target
-
-Manifest (msgpack-able): ``layout``; the key and its named part digests (what
-``kiln explain-miss`` compares); the request's target, versions, options and input
-metadata; the graph's name, device type, constants, stats, stage timings and buffer
-lifetimes; per kernel its launch metadata (grid sizes, candidate and chosen config,
-warps, stages, shared memory), its blobs and whether it was autotuned; and how it was
-compiled (farm or in process, wall time), from which ``kiln stats`` counts time saved.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-from kiln.artifact_store import Artifact
-from kiln.compiler.codegen.kernel_spec import KernelSpec
-from kiln.compiler.compiled_graph import CompiledGraph
-from kiln.compiler.kernel_compile import KernelBinary
-from kiln.compiler.request import CompileRequest
-
-from .keys import KeyInfo
-
-LAYOUT_VERSION = 1
-WRAPPER_BLOB = "wrapper.py"
-_GRAPH_FIELDS = ("name", "device_type", "constant_names", "autotuned", "timings", "stats",
-                 "lifetimes", "configs")
-
-
-class ArtifactFormatError(ValueError):
-    """A stored artifact this Kiln cannot read (another layout, a missing blob)."""
-
-
-def _source_blob(spec: KernelSpec) -> str:
-    return f"kernels/{spec.name}.{'cpp' if spec.backend == 'cpp' else 'py'}"
-
-
-def _binary_blob(spec: KernelSpec, binary: KernelBinary) -> str:
-    ext = str(binary.metadata.get("binary_ext") or ("so" if spec.backend == "cpp" else "bin"))
-    return f"kernels/{spec.name}.{ext}"
-
-
-def _launch(binary: KernelBinary | None) -> dict[str, Any]:
-    if binary is None:
-        return {}
-    meta = binary.metadata
-    return {key: meta[key] for key in ("num_warps", "num_stages", "shared", "num_ctas")
-            if key in meta}
-
-
-def _kernel_entry(compiled: CompiledGraph, spec: KernelSpec, blobs: dict[str, bytes]
-                  ) -> dict[str, Any]:
-    entry = spec.to_dict()
-    source_name = _source_blob(spec)
-    blobs[source_name] = entry.pop("source").encode()
-    entry["source_blob"] = source_name
-    entry["config"] = compiled.config_for(spec)
-    entry["autotune"] = compiled.stats.get("autotune", {}).get(spec.name)
-    binary = compiled.binaries.get(spec.name)
-    entry["launch"] = _launch(binary)
-    if binary is not None:
-        record = binary.to_dict()
-        name = _binary_blob(spec, binary)
-        blobs[name] = record.pop("binary")
-        record["blob"] = name
-        entry["binary"] = record
-    return entry
-
-
-def to_artifact(key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
-                compile_info: dict[str, Any] | None = None) -> Artifact:
-    """The store's view of a compiled graph (see the module docstring for the layout)."""
-    blobs: dict[str, bytes] = {WRAPPER_BLOB: compiled.wrapper_source.encode()}
-    graph = compiled.to_dict()
-    manifest: dict[str, Any] = {
-        "layout": LAYOUT_VERSION,
-        "key": key.key,
-        "key_parts": dict(key.parts),
-        "target": request.target,
-        "versions": request.versions,
-        "options": request.options,
-        "inputs": [meta.to_wire() for meta in request.inputs],
-        "graph": {name: graph[name] for name in _GRAPH_FIELDS},
-        "kernels": [_kernel_entry(compiled, spec, blobs) for spec in compiled.kernels],
-        "compile": dict(compile_info or {}),
-    }
-    return Artifact(key=key.key, manifest=manifest, blobs=blobs)
-
-
-def _blob(artifact: Artifact, name: str) -> bytes:
-    try:
-        return artifact.blobs[name]
-    except KeyError:
-        raise ArtifactFormatError(f"artifact {artifact.key} has no blob {name!r}") from None
-
-
-def from_artifact(artifact: Artifact) -> CompiledGraph:
-    """The ``CompiledGraph`` an artifact holds; ``ArtifactFormatError`` if unreadable."""
-    manifest = artifact.manifest
-    if manifest.get("layout") != LAYOUT_VERSION:
-        raise ArtifactFormatError(
-            f"artifact {artifact.key} has layout {manifest.get('layout')!r}, "
-            f"not {LAYOUT_VERSION}")
-    kernels, binaries = [], {}
-    for entry in manifest["kernels"]:
-        spec_fields = {k: v for k, v in entry.items()
-                       if k not in ("source_blob", "config", "autotune", "launch", "binary")}
-        spec_fields["source"] = _blob(artifact, entry["source_blob"]).decode()
-        spec = KernelSpec.from_dict(spec_fields)
-        kernels.append(spec)
-        if entry.get("binary") is not None:
-            record = dict(entry["binary"])
-            record["binary"] = _blob(artifact, record.pop("blob"))
-            binaries[spec.name] = KernelBinary.from_dict(record)
-    graph = dict(manifest["graph"])
-    return CompiledGraph.from_dict({
-        **graph, "wrapper_source": _blob(artifact, WRAPPER_BLOB).decode(),
-        "kernels": [k.to_dict() for k in kernels],
-        "binaries": {name: b.to_dict() for name, b in binaries.items()},
-    })
-
-
-def compile_seconds(manifest: dict[str, Any]) -> float:
-    """How long the artifact took to compile when it was made (0 if not recorded)."""
-    return float((manifest.get("compile") or {}).get("wall_s", 0.0))
+__all__ = ["LAYOUT_VERSION", "WRAPPER_BLOB", "ArtifactFormatError", "compile_seconds",
+           "from_artifact", "to_artifact"]

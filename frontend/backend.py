@@ -1,7 +1,8 @@
 """The ``kiln`` Dynamo backend: AOTAutograd with Kiln's decompositions, then each forward
 and backward ATen graph compiled by Kiln and loaded as a callable.
 
-A graph Kiln cannot compile (symbolic sizes, a compile error) runs eagerly, with one
+Graphs with symbolic sizes (dynamic shapes) compile once for every size Dynamo's guards
+admit. A graph Kiln cannot compile (a size it cannot encode, a compile error) runs eagerly, with one
 warning naming the graph and the stage; the backend never raises into the user's program.
 """
 
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch
 
+from kiln.compiler import trace
 from kiln.compiler.decompositions import kiln_decompositions
 
 from .config import KilnConfig
+from .trace import flush as flush_trace
+from .trace import start_recording, trace_path
 
 log = logging.getLogger("kiln.backend")
 _graph_ids = itertools.count()
@@ -34,6 +38,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     from torch._dynamo.backends.common import aot_autograd
 
     config = KilnConfig.resolve(options).with_mode(mode)
+    if start_recording(config.debug):
+        register_dynamo_spans()
     model_id = next(_graph_ids)
     from kiln.compiler.fx_passes import fuse_attention
 
@@ -45,10 +51,13 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
         return compile_fn
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"),
-                        decompositions=kiln_decompositions(),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    with trace.span("AOTAutograd (compiles inside)", cat="client", model=model_id,
+                    nodes=len(gm.graph.nodes)):
+        return aot_autograd(fw_compiler=compiler("forward"),
+                            bw_compiler=compiler("backward"),
+                            inference_compiler=compiler("inference"),
+                            decompositions=kiln_decompositions(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -71,12 +80,52 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return make_boxed_func(gm.forward)
 
 
+class _DynamoSpans:
+    """Dynamo's whole compile of a frame (its trace, AOT, Kiln) as a span, through
+    torch's compile callbacks; registered when a timeline is asked for."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+
+    def start(self, *args: Any) -> None:
+        import threading
+
+        self.started[threading.get_ident()] = trace.now_us()
+
+    def end(self, *args: Any) -> None:
+        import threading
+
+        began = self.started.pop(threading.get_ident(), None)
+        if began is not None and trace.recording():
+            trace.complete("Dynamo compile of a frame", began, trace.now_us(), cat="client")
+            flush_trace()
+
+
+_dynamo_spans = _DynamoSpans()
+
+
+def register_dynamo_spans() -> None:
+    """Time Dynamo's compiles (idempotent; ``torch._dynamo.reset()`` drops callbacks, so
+    the backend calls it again: frames compiled after a reset are timed from the next)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # a torch without compile callbacks: no Dynamo span
+        return
+    if _dynamo_spans.start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_dynamo_spans.start)
+        callback_handler.register_end_callback(_dynamo_spans.end)
+
+
+# torch.compile imports this module when it looks the backend up, before Dynamo starts.
+if trace_path() or KilnConfig.resolve().debug:
+    start_recording(True)
+    register_dynamo_spans()
+
+
 def unsupported_reason(example_inputs: Sequence[Any]) -> str | None:
     for i, x in enumerate(example_inputs):
-        if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride()))):
-            return (f"input {i} has symbolic sizes; Kiln compiles static shapes only "
-                    "(mark the model static, or pass dynamic=False to torch.compile)")
+        if isinstance(x, (torch.SymFloat, torch.SymBool)):
+            return f"input {i} is a {type(x).__name__}; Kiln compiles integer sizes only"
         if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "cuda"):
             return f"input {i} is on {x.device.type}, which Kiln does not target"
     return None

@@ -6,6 +6,7 @@
     kiln explain-miss A B                                which key parts differ, in words
     kiln gc [--max-age 7d] [--max-size 10G] [--dry-run]  collect the store
     kiln farm up|down|status [--json]                    a Ray farm on this machine
+    kiln trace summary PATH [--json]                     a KILN_TRACE timeline's critical path
     kiln --version
 
 Every command reads the same ``KILN_*`` variables as the backend (``KILN_STORE``,
@@ -122,7 +123,8 @@ def resolve_key(store: Store, ref: str) -> str:
 
 CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
                    "compile_errors", "load_errors", "kernels_compiled", "compile_seconds",
-                   "time_saved_s")
+                   "time_saved_s", "hits_autotuned", "autotune_publishes",
+                   "kernels_from_store", "farm_not_up")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -374,7 +376,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
     if args.action == "up":
         try:
             info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                            port=args.port)
+                                            port=args.port, host=args.host)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
@@ -382,6 +384,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
+        print(farm.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":
         stopped = farm.stop_local_cluster()
@@ -418,8 +421,9 @@ def _warm_farm(address: str) -> None:
     """Start the coordinator and its workers now, so the first miss finds them warm."""
     import ray
 
-    from .farm import FarmUnavailable, RayFarm
+    from .farm import FarmUnavailable, RayFarm, read_farm_file, use_farm_token
 
+    use_farm_token(read_farm_file() or {})
     try:
         actor = RayFarm(address).actor()
         ray.get(actor.wait_warm.remote(), timeout=300)
@@ -474,9 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     farm.add_argument("--num-cpus", type=int)
     farm.add_argument("--num-gpus", type=int)
     farm.add_argument("--port", type=parse_port, help="up: the head's port (checked free)")
+    farm.add_argument("--host", help="up: the address other machines join the farm by "
+                      "(default: this machine only); Ray token auth is on either way")
     farm.add_argument("--no-warm", action="store_true", help="do not start workers now")
     farm.add_argument("--json", action="store_true", help="status: one JSON object")
     farm.set_defaults(func=cmd_farm)
+    from .trace import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 

@@ -2,7 +2,15 @@
 
     key = compute_key(request)
     store.get(key)       hit  -> CompiledGraph from the artifact (no compiler runs)
-                         miss -> farm.compile(key, request) -> store.publish -> CompiledGraph
+                         miss -> farm.compile(request) -> CompiledGraph
+                                 (the farm, a builder, publishes it signed itself)
+                              -> or compile here -> store.publish, only if this process
+                                 is a builder (a key that signs, or an unsigned store)
+
+Roles as in Bazel remote execution: builders (farm workers, precompile jobs holding the
+private key) compile, sign and publish; clients holding only the public key verify and
+read. An artifact that verifies but does not load is quarantined, compiled again and
+republished where this process may publish (``repair``), with one warning.
 
 Threads of one process asking for the same key wait for one compile (across processes,
 the farm's coordinator de-duplicates). A farm that is unreachable, dies or is slower than
@@ -22,16 +30,25 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.artifact_store import Store, default_stats_file, open_store
+from kiln.artifact_store import Artifact, Store, default_stats_file, open_store
 from kiln.artifact_store.stats import merge_counters, persist_counters
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, test_delay
+from kiln.workers.kernel_store import KernelStore
+from kiln.workers.pipeline import (
+    CompileFailure,
+    KernelCache,
+    autotune_inprocess,
+    kernel_jobs,
+    test_delay,
+)
 
-from .artifact import ArtifactFormatError, compile_seconds, from_artifact, to_artifact
+from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
-from .farm import Farm, FarmUnavailable, InProcessFarm, farm_for
+from .farm import Farm, FarmNotUp, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
+from .tuning import BackgroundTuner
 
 log = logging.getLogger("kiln.client")
 
@@ -41,6 +58,10 @@ FLUSH_INTERVAL_S = 5.0
 
 class KilnFarmWarning(UserWarning):
     """The farm could not compile; this process compiles its graphs itself."""
+
+
+class KilnRepairWarning(UserWarning):
+    """A stored artifact did not load: it is quarantined and the graph compiled again."""
 
 
 @dataclass
@@ -97,13 +118,22 @@ class KilnClient:
         self.config = config
         self.store = store if store is not None else open_store(**config.store_kwargs())
         self.farm = farm if farm is not None else farm_for(config.farm)
+        # Kernels compiled here are shared through the store, by content key.
+        self.kernel_store = KernelStore(self.store)
+        kernels = KernelCache(backing=self.kernel_store)
+        if isinstance(self.farm, InProcessFarm):
+            if farm is None:  # the process-wide one may serve clients of other stores
+                self.farm = InProcessFarm(kernels)
+            elif self.farm.kernels.backing is None:
+                self.farm.kernels.backing = self.kernel_store
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
-            else InProcessFarm()
+            else InProcessFarm(kernels)
         self.local.attach_store(self.store)  # max-autotune choices, shared through the store
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())
         self._inflight: dict[str, Future[CompileResult]] = {}
+        self.tuner = BackgroundTuner()
         self._lock = threading.Lock()
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
@@ -113,7 +143,8 @@ class KilnClient:
         A caller that loads the result passes ``count_hit=False`` and reports the load
         with :meth:`loaded` (a hit that fails to load is an error, not time saved)."""
         start = time.perf_counter()
-        key = compute_key(request)
+        with trace.span("hash request", cat="client", graph=name):
+            key = compute_key(request)
         hashed = time.perf_counter()
         result = self._lookup(key)
         if result is not None:
@@ -152,19 +183,23 @@ class KilnClient:
         if result.source == "hit":
             total = result.timings.get("total_s", 0.0)
             saved = max(0.0, result.recorded_compile_s - total)
-            self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total)
+            self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total,
+                              hits_autotuned=int(result.compiled.autotuned))
 
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
-        artifact = self.store.get(key.key)
+        with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
+            artifact = self.store.get(key.key)
+            found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:
             return None
         try:
-            compiled = from_artifact(artifact)
-        except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
-            log.warning("kiln: artifact %s cannot be read (%s); compiling it again", key.key, e)
+            with trace.span("decode artifact", cat="client", key=key.key[:16]):
+                compiled = from_artifact(artifact)
+        except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
+            self._set_aside(key.key, f"{type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         return CompileResult(compiled, key, "hit", timings,
@@ -172,19 +207,86 @@ class KilnClient:
 
     def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str) -> CompileResult:
         start = time.perf_counter()
+        cache = self.local.kernels
+        compiles, from_store = cache.compiles, cache.store_hits
         compiled, source = self._compile_somewhere(key, request, name)
         wall = time.perf_counter() - start
+        if source == "local":
+            kernels = {"kernels_compiled": cache.compiles - compiles,
+                       "kernels_from_store": cache.store_hits - from_store}
+        else:
+            kernels = {"kernels_compiled": len(compiled.binaries)}
+            self.tuner.submit(key.key, lambda: self._share_kernels(compiled, request),
+                              lambda graph: None, label="share kernels")
         info = {"wall_s": wall, "mode": source, "farm": self.farm.description,
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)
-        published = self.store.publish(artifact)
+        with trace.span("publish", cat="client", key=key.key[:16]):
+            published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
-                          kernels_compiled=len(compiled.binaries), compile_seconds=wall,
-                          publishes=int(published))
+                          **kernels, compile_seconds=wall, publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
+        if compiled.stats.get("autotune_pending"):
+            self._tune_later(key, request, compiled, source, info)
         return CompileResult(compiled, key, source, timings, published_bytes=nbytes)
+
+    def _share_kernels(self, compiled: CompiledGraph, request: CompileRequest) -> None:
+        """Put the farm's binaries in the store by content key (in the background), so
+        that a graph compiled in process anywhere finds them."""
+        jobs = kernel_jobs(compiled, request.target)
+        for name, binary in compiled.binaries.items():
+            if name in jobs and binary.config == jobs[name][0].config:
+                self.kernel_store.put(jobs[name][0], binary)
+        return None
+
+    def _tune_later(self, key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
+                    source: str, info: dict[str, Any]) -> None:
+        """Autotune in the background (the farm's GPUs, or this process's); the tuned
+        artifact then supersedes the heuristic one under the same key."""
+        def publish(tuned: CompiledGraph) -> None:
+            if not self.store.can_publish:  # a reader: the farm publishes what it tunes
+                return
+            published = self.store.publish(to_artifact(key, request, tuned,
+                                                       {**info, "autotuned_after": True}))
+            self.counters.add(autotune_publishes=int(published))
+            self.counters.flush()
+
+        farm: Any = self.farm
+        if source == "farm" and hasattr(farm, "tuned"):
+            timeout = self.config.farm_timeout
+            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
+        elif source == "local":
+            self.tuner.submit(key.key, lambda: autotune_inprocess(
+                compiled, request.target, self.local.kernels), publish)
+
+    def _publish(self, key: KeyInfo, compiled: CompiledGraph, artifact: Artifact) -> bool:
+        """Publish where this process is a builder and the farm did not already."""
+        if compiled.published_to and compiled.published_to == self.store.url:
+            return True
+        if not self.store.can_publish:
+            log.debug("kiln: not publishing %s: this client only verifies and reads %s",
+                      key.key, self.store.url)
+            return False
+        return self.store.publish(artifact)
+
+    def repair(self, request: CompileRequest, name: str, error: BaseException
+               ) -> CompileResult:
+        """An artifact that verified but failed to load: set it aside, compile the graph
+        again (locally or on the farm) and republish it where this process may."""
+        key = compute_key(request)
+        self._set_aside(key.key, f"{type(error).__name__}: {error}")
+        result = self._compile_miss(key, request, name)
+        result.source = f"repaired ({result.source})"
+        return result
+
+    def _set_aside(self, key: str, reason: str) -> None:
+        self.counters.add(repairs=1)
+        warnings.warn(f"kiln: the stored artifact {key} passed its checks but does not load "
+                      f"({reason}); it is quarantined and the graph compiled again",
+                      KilnRepairWarning, stacklevel=4)
+        self.store.quarantine(key, reason)
 
     def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
                            ) -> tuple[CompiledGraph, str]:
@@ -192,6 +294,8 @@ class KilnClient:
             try:
                 return self.farm.compile(key.key, request, timeout=self.config.farm_timeout,
                                          delay=test_delay()), "farm"
+            except FarmNotUp:  # the default with no farm up: compile here, at once
+                self.counters.add(farm_not_up=1)
             except FarmUnavailable as e:
                 self._give_up_farm(str(e))
             except CompileFailure:
@@ -206,7 +310,8 @@ class KilnClient:
         if self.config.debug:
             debug.update(debug="1", debug_dir=self.config.debug_dir)
         try:
-            return self.local.compile(key.key, request, debug_options=debug), "local"
+            with trace.span("local compile", cat="client", key=key.key[:16]):
+                return self.local.compile(key.key, request, debug_options=debug), "local"
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise
@@ -220,6 +325,9 @@ class KilnClient:
         warnings.warn(f"kiln: the compile farm ({self.farm.description}) cannot compile: "
                       f"{reason}. This process compiles its graphs itself from now on.",
                       KilnFarmWarning, stacklevel=4)
+        release = getattr(self.farm, "release", None)
+        if release is not None:
+            release()
 
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}
@@ -234,6 +342,15 @@ def client_for(config: KilnConfig) -> KilnClient:
         if ident not in _clients:
             _clients[ident] = KilnClient(config)
         return _clients[ident]
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Wait until every client's background work (autotuning and its publish, kernel
+    sharing) is done; True if none is left. Benchmarks that time runtime call it, then
+    compile again to load the tuned artifacts."""
+    with _clients_lock:
+        clients = list(_clients.values())
+    return all([client.tuner.wait(timeout) for client in clients])
 
 
 def reset_clients() -> None:

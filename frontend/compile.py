@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler import debug
+from kiln.compiler import debug, trace
 from kiln.compiler.compiled_graph import CompiledGraph, load
 from kiln.compiler.driver import DEFAULT_TARGETS
 from kiln.compiler.request import CompileRequest
@@ -24,8 +24,17 @@ from kiln.compiler.request import CompileRequest
 from .client import CompileResult, client_for
 from .config import KilnConfig
 from .serialize import make_request
+from .trace import flush as flush_trace
+from .trace import write_trace
 
 log = logging.getLogger("kiln.compile")
+
+
+# Errors that say a verified artifact is itself broken (its wrapper does not parse, names
+# something that is not there): it is quarantined and rebuilt. Others (a library this
+# machine cannot map, a device error) are this machine's: a load error, eager, no repair.
+ARTIFACT_DEFECTS = (SyntaxError, AttributeError, NameError, KeyError, TypeError, ValueError,
+                    ImportError, IndexError)
 
 
 class LoadFailure(RuntimeError):
@@ -59,7 +68,9 @@ def target_for(device: torch.device) -> dict[str, Any]:
     """The compile target of a device: its GPU arch, or the CPU default."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return {"kind": "cuda", "backend": "cuda", "arch": major * 10 + minor, "warp_size": 32,
+                "sm_count": sms}
     cpu: dict[str, Any] = dict(DEFAULT_TARGETS["cpu"])  # type: ignore[call-overload]
     return cpu
 
@@ -72,6 +83,8 @@ def request_options(config: KilnConfig) -> dict[str, Any]:
     options = config.compiler_options()
     if config.max_autotune:
         options.update(max_autotune=True, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+    if torch.are_deterministic_algorithms_enabled():
+        options["deterministic"] = True  # scatters run ATen's sorted kernels, not atomics
     return options
 
 
@@ -91,21 +104,40 @@ def compile_request(request: CompileRequest, config: KilnConfig, name: str = "gr
 def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                      config: KilnConfig, name: str) -> Callable[..., Any]:
     start = time.perf_counter()
-    request = build_request(gm, example_inputs, config)
+    began_us = trace.now_us()
+    with trace.span("serialize request", cat="client", graph=name):
+        request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
     client = client_for(config)
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
+    constants, device = graph_constants(gm), input_device(example_inputs)
     try:
-        fn = load(result.compiled, graph_constants(gm), input_device(example_inputs))
+        with trace.span("load graph", cat="client", graph=name, source=result.source,
+                        kernels=len(result.compiled.kernels)):
+            fn = load(result.compiled, constants, device)
     except Exception as e:
-        client.loaded(result, ok=False)
-        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        if result.source != "hit" or not isinstance(e, ARTIFACT_DEFECTS):
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(e).__name__}: {e}") from e
+        # A stored artifact that verified but does not load: set aside and rebuilt.
+        client.counters.add(load_errors=1)
+        result = client.repair(request, name, e)
+        try:
+            fn = load(result.compiled, constants, device)
+        except Exception as again:
+            client.loaded(result, ok=False)
+            raise LoadFailure(f"{type(again).__name__}: {again}") from again
     client.loaded(result, ok=True)
+    if config.cudagraphs:
+        from kiln.compiler.runtime.cudagraphs import cudagraphify
+
+        fn = cudagraphify(fn, result.compiled.device_type, example_inputs, name,
+                          result.compiled.stats.get("mutated_inputs", []))
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
-    _debug_dump(config, name, request, result)
+    _debug_dump(config, name, request, result, began_us)
     if "output_code" in config.logs.split(","):
         print(f"# ==== kiln output code: graph {name} (key {result.key.key}, "
               f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
@@ -113,6 +145,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
               result.source, 1000 * (done - start),
               ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in result.timings.items()))
     _notify(name, result)
+    flush_trace()
     return fn
 
 
@@ -135,7 +168,7 @@ def output_code(compiled: CompiledGraph) -> str:
 
 
 def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
-                result: CompileResult) -> None:
+                result: CompileResult, began_us: float) -> None:
     """With ``KILN_DEBUG``: the request and its key parts (for ``kiln explain-miss``) and
     the output code, whichever way the graph came (a hit, the farm, this process); the
     compiler's own IR dumps are written where it ran in this process."""
@@ -147,6 +180,10 @@ def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
     folder = debug.debug_dir(f"{name}_request", options)
     (folder / "request.msgpack").write_bytes(request.to_bytes())
     (folder / "output_code.py").write_text(output_code(result.compiled) + "\n")
+    if trace.recording():
+        # This graph's spans: those that began since its compile did.
+        write_trace(folder / "trace.json",
+                    [e for e in trace.events() if float(e.get("ts", 0)) >= began_us])
     (folder / "key.json").write_text(json.dumps(
         {"key": result.key.key, "parts": result.key.parts, "source": result.source,
          "timings": result.timings}, indent=2) + "\n")

@@ -32,7 +32,7 @@ from kiln.artifact_store.config import (
 
 DEFAULT_FARM_TIMEOUT = 300.0
 MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
-FARM_MODES = ("local", "inprocess", "auto")
+FARM_MODES = ("local", "inprocess", "embedded", "auto")
 CPU_BACKENDS = ("cpp", "triton-interpret")
 LOG_NAMES = ("output_code",)
 
@@ -117,13 +117,14 @@ def parse_logs(raw: Any) -> str:
 
 
 def parse_farm(raw: Any) -> str:
-    """``local``, ``inprocess``, ``auto``, or a Ray address ``[ray://]host:port``."""
+    """``local``, ``inprocess``, ``embedded``, ``auto``, or a Ray address
+    ``[ray://]host:port``."""
     text = str(raw).strip()
     if text.lower() in FARM_MODES:
         return text.lower()
     host, sep, port = text.removeprefix("ray://").rpartition(":")
     if not sep:
-        raise ValueError(f"expected local, inprocess, or a Ray address host:port"
+        raise ValueError(f"expected local, inprocess, embedded, or a Ray address host:port"
                          f"{did_you_mean(text.lower(), FARM_MODES)}")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError("expected a Ray address host:port with a port from 1 to 65535")
@@ -174,6 +175,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     # In the key when on (``frontend.compile.request_options``): off leaves keys as they were.
     Setting("max_autotune", parse_flag, False,
             "tune matmuls over GEMM templates and the library call"),
+    Setting("deterministic", parse_flag, False,
+            "scatters with float sums run ATen's deterministic kernels, not atomics",
+            in_key=True),
+    Setting("cudagraphs", parse_flag, False,
+            "replay each GPU graph's launches as one CUDA graph (reduce-overhead)"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -184,6 +190,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cache_dir", parse_text, None, "kernel sources and binaries cache",
             env_only=True),
     Setting("farm_file", parse_text, None, "address file of `kiln farm up`", env_only=True),
+    Setting("trace", parse_text, None, "compile timeline (Chrome trace JSON) path",
+            env_only=True),
+    Setting("autotune_exit_wait", parse_text, "120",
+            "seconds a process waits at exit for background tuning", env_only=True),
+    Setting("static_launcher", parse_flag, True,
+            "launch cubins with torch's static CUDA launcher", env_only=True),
+    Setting("farm_kernel_store", parse_text, None,
+            "on a farm: off stops kernel sharing through its store", env_only=True),
 )}
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
@@ -275,6 +289,8 @@ class KilnConfig:
     cpu_backend: str = "cpp"
     autotune: bool = True
     max_autotune: bool = False
+    deterministic: bool = False
+    cudagraphs: bool = False  # a runtime choice: not in the key
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False
@@ -312,8 +328,11 @@ class KilnConfig:
         return {s.name: getattr(self, s.name) for s in SETTINGS.values() if s.in_key}
 
     def with_mode(self, mode: str | None) -> KilnConfig:
-        """``torch.compile``'s ``mode``: "max-autotune" (and its no-cudagraphs form) tunes
-        matmuls over GEMM templates and the library call; other modes change nothing."""
+        """``torch.compile``'s ``mode``: "reduce-overhead" replays GPU graphs as CUDA
+        graphs; "max-autotune" (and its no-cudagraphs form) tunes matmuls over GEMM
+        templates and the library call; other modes change nothing."""
+        if mode == "reduce-overhead" and not self.cudagraphs:
+            return replace(self, cudagraphs=True)
         if mode in MAX_AUTOTUNE_MODES and not self.max_autotune:
             return replace(self, max_autotune=True)
         return self

@@ -2,7 +2,7 @@
 
     python -m kiln.frontend.demo          the compiler's stages on the seed example
     python -m kiln.frontend.demo farm     the whole path: a cold compile through the farm
-                                     (KILN_FARM, default an embedded Ray), then a second
+                                     (KILN_FARM, default embedded Ray), then a second
                                      process that hits the store and compiles nothing
 """
 
@@ -123,9 +123,10 @@ def farm_demo() -> None:
     root = Path(os.environ.get("KILN_DEMO_DIR") or tempfile.mkdtemp(prefix="kiln-demo-"))
     env = {**os.environ, "KILN_STORE": str(root / "store"),
            "XDG_CACHE_HOME": str(root / "cache"), "KILN_FARM": os.environ.get(
-               "KILN_FARM", "local")}
-    print(f"store {env['KILN_STORE']}; farm {env['KILN_FARM']} (an embedded Ray with this "
-          "machine's CPUs unless `kiln farm up` runs one)")
+               "KILN_FARM", "embedded")}
+    print(f"store {env['KILN_STORE']}; farm {env['KILN_FARM']} (embedded: a Ray with this "
+          "machine's CPUs, started by the first miss; the default `local` would compile in "
+          "process unless `kiln farm up` runs a farm)")
     print("== 1. cold start: every graph misses and compiles on the farm ==")
     cold = _run_client(env)
     c = cold["counters"]

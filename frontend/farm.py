@@ -2,8 +2,11 @@
 
 - ``inprocess``: in this process, no Ray (``workers.pipeline.compile_inprocess``);
 - ``local`` (default): the cluster ``kiln farm up`` started, if its address file names
-  one that answers; else an embedded Ray started on the first miss with this machine's
-  CPUs (it lives as long as this process);
+  one that answers now; else the graph compiles in this process at once (``FarmNotUp``:
+  no warning, no wait for Ray to start). The farm file is checked again every
+  ``LOCAL_RECHECK_S``, so a farm brought up later serves the next misses;
+- ``embedded``: an embedded Ray started on the first miss with this machine's CPUs (it
+  lives as long as this process; its start-up is on that miss's path);
 - anything else is a Ray address (``host:port``, ``ray://host:port``, ``auto``): join it.
 
 A process already connected to Ray (``ray.init`` by the user) uses that connection. A
@@ -18,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -32,19 +36,26 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
 
 log = logging.getLogger("kiln.farm")
 
-INPROCESS, LOCAL = "inprocess", "local"
+INPROCESS, LOCAL, EMBEDDED = "inprocess", "local", "embedded"
+LOCAL_RECHECK_S = 10.0
 PROBE_TIMEOUT_S = 3.0
 RAY_CLIENT_PORT = 10001
+RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 
 class FarmUnavailable(RuntimeError):
     """The farm cannot compile this graph now; the client compiles it itself."""
+
+
+class FarmNotUp(FarmUnavailable):
+    """``local`` mode and no farm is up: compile here, quietly (that is the default)."""
 
 
 class Farm(Protocol):
@@ -62,10 +73,10 @@ class InProcessFarm:
 
     description = "this process"
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelCache | None = None) -> None:
         from kiln.workers.select import MemoryChoiceCache
 
-        self.kernels = KernelCache()
+        self.kernels = kernels or KernelCache()
         self.choices = MemoryChoiceCache()  # max-autotune's matmul choices
 
     def attach_store(self, store: Any) -> None:
@@ -108,6 +119,38 @@ def write_farm_file(info: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(info, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def farm_token_file() -> Path:
+    return farm_file().with_name("farm-token")
+
+
+def farm_token(create: bool = False) -> str | None:
+    """The Ray auth token of `kiln farm up`'s cluster (a private file, mode 0600): made
+    once and kept, so clients configured with it survive a restart of the farm."""
+    path = farm_token_file()
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except OSError:
+        pass
+    if not create:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def use_farm_token(info: dict[str, Any]) -> None:
+    """Before joining `kiln farm up`'s cluster: send its token (unless one is set)."""
+    token_file = info.get("token_file")
+    if token_file and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(token_file))
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -254,11 +297,16 @@ class RayFarm:
         return actor
 
     def _init_ray(self, ray: Any) -> None:
+        # Ray aborts a driver whose cluster's head has been unreachable for a minute; a
+        # user's program that Kiln joined to a farm must outlive the farm (the client
+        # gives the farm up, compiles itself, and leaves Ray: ``release``).
+        os.environ.setdefault(RECONNECT_ENV, str(7 * 24 * 3600))
         address = self.address
         if address is None:  # local: `kiln farm up`'s cluster if it answers
             info = read_farm_file()
             if info is not None and probe(str(info["address"])) is None:
                 address = str(info["address"])
+                use_farm_token(info)
         kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING,
                                   "ignore_reinit_error": True}
         if address is None:
@@ -297,24 +345,46 @@ class RayFarm:
         import ray
 
         actor = self.actor()
-        ref = actor.compile.remote(key, request.to_bytes(), delay)
+        traced = trace.recording()
+        with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+            # The farm recomputes the key from the bytes; ours only checks that we agree.
+            ref = actor.compile.remote(request.to_bytes(), delay, key, traced)
+            try:
+                answer = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise FarmUnavailable(
+                    f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                    "compiling it for later clients") from None
+            except ray.exceptions.RayError as e:
+                raise self._classify(e, key) from None
+        trace.merge(answer.pop("trace", None))
+        compiled = CompiledGraph.from_dict(answer["compiled"])
+        compiled.published_to = str(answer.get("published") or "")
+        return compiled
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        """The graph the farm autotuned in the background after answering ``compile``
+        (None if it tuned nothing); waits for it. The farm publishes it too."""
+        import ray
+
         try:
-            return CompiledGraph.from_dict(ray.get(ref, timeout=timeout))
+            result = ray.get(self.actor().tuned.remote(key), timeout=timeout)
+            if trace.recording():
+                trace.merge(ray.get(self.actor().tuning_trace.remote(), timeout=timeout))
         except ray.exceptions.GetTimeoutError:
-            raise FarmUnavailable(
-                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
-                "compiling it for later clients") from None
+            raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
+        return None if result is None else CompiledGraph.from_dict(result)
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
-        from kiln.workers.pipeline import FarmVersionMismatch
+        from kiln.workers.pipeline import FarmKeyMismatch, FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):
             return CompileFailure.wrap(cause, key)
-        if not isinstance(cause, FarmVersionMismatch):
+        if not isinstance(cause, (FarmVersionMismatch, FarmKeyMismatch)):
             with self._lock:
                 self._actor = None  # look the coordinator up again next time
         return FarmUnavailable(f"{type(cause).__name__}: {cause}")
@@ -342,12 +412,13 @@ def farm_status(mode: str) -> dict[str, Any]:
     status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
                               "counters": dict.fromkeys(FARM_COUNTERS, 0)}
     address = mode
-    if mode.lower() in (LOCAL, INPROCESS):
+    if mode.lower() in (LOCAL, INPROCESS, EMBEDDED):
         info = read_farm_file()
         if info is None:
-            status["reason"] = (f"no farm is up (KILN_FARM={mode}: local clients compile in "
-                                "process or start an embedded Ray; `kiln farm up` starts one)")
+            status["reason"] = (f"no farm is up (KILN_FARM={mode}: clients compile in "
+                                "process; `kiln farm up` starts one)")
             return status
+        use_farm_token(info)
         address = str(info["address"])
     status["address"] = address
     status["reason"] = probe(address)
@@ -358,6 +429,69 @@ def farm_status(mode: str) -> dict[str, Any]:
         except FarmUnavailable as e:
             status["reason"] = str(e)
     return status
+
+    def release(self) -> None:
+        """Leave the cluster, if Kiln joined it (never a connection the user made): Ray
+        aborts a driver a minute after its cluster's head is gone, and the user's program
+        with it. Called when a client gives the farm up."""
+        with self._lock:
+            if self.joined is None:
+                return
+            self.joined, self._actor = None, None
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception as e:  # leaving is best effort
+            log.debug("kiln farm: leaving Ray failed: %s", e)
+
+
+class LocalFarm:
+    """``KILN_FARM=local``: the farm ``kiln farm up`` started, used only while it is up;
+    a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
+
+    def __init__(self) -> None:
+        self._ray: RayFarm | None = None
+        self._checked = -LOCAL_RECHECK_S
+        self._address: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def description(self) -> str:
+        return self._ray.description if self._ray else "the farm of `kiln farm up`"
+
+    @property
+    def joined(self) -> str | None:
+        return self._ray.joined if self._ray else None
+
+    def address(self) -> str | None:
+        """The address of the farm that is up now (checked every LOCAL_RECHECK_S)."""
+        with self._lock:
+            if self._ray is not None:
+                return self._ray.address
+            now = time.monotonic()
+            if now - self._checked >= LOCAL_RECHECK_S:
+                self._checked = now
+                info = read_farm_file()
+                found = str(info["address"]) if info else None
+                self._address = found if found and probe(found) is None else None
+            return self._address
+
+    def ray_farm(self) -> RayFarm:
+        address = self.address()
+        if address is None:
+            raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
+        with self._lock:
+            if self._ray is None:
+                self._ray = RayFarm(address)
+            return self._ray
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        return self.ray_farm().compile(key, request, timeout=timeout, delay=delay)
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        return self.ray_farm().tuned(key, timeout)
 
 
 _farms: dict[str, Farm] = {}
@@ -371,8 +505,12 @@ def farm_for(mode: str) -> Farm:
         if mode not in _farms:
             if mode.lower() == INPROCESS:
                 _farms[mode] = InProcessFarm()
+            elif mode.lower() == LOCAL:
+                _farms[mode] = LocalFarm()
+            elif mode.lower() == EMBEDDED:
+                _farms[mode] = RayFarm(None)
             else:
-                _farms[mode] = RayFarm(None if mode.lower() == LOCAL else mode)
+                _farms[mode] = RayFarm(mode)
         return _farms[mode]
 
 
@@ -407,9 +545,15 @@ def check_port(port: int) -> None:
 
 
 def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
-                        port: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
-    """`ray start --head` in the background; its address goes to the farm file, which
-    ``local`` clients read. A cluster already up is returned as it is."""
+                        port: int | None = None, host: str | None = None,
+                        timeout: float = 120.0) -> dict[str, Any]:
+    """`ray start --head` in the background, with Ray's token authentication on (the
+    token in a private file, ``farm_token_file()``); its address and token file go to
+    the farm file, which ``local`` clients read. ``host``: the address other machines
+    join it by (Ray's node IP); without it the farm is for this machine. Ray listens on
+    every interface whatever the node IP (it refuses a loopback one): the token, and a
+    firewall for the ports, are what keep other machines out. A cluster already up is
+    returned as it is."""
     info = read_farm_file()
     if info is not None and probe(str(info["address"])) is None:
         return {**info, "already_running": True}
@@ -425,9 +569,14 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
                f"--temp-dir={temp_dir}",
                f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
                "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
+    if host:
+        command.append(f"--node-ip-address={host}")
     if num_gpus is not None:
         command.append(f"--num-gpus={num_gpus}")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
+    farm_token(create=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -438,7 +587,8 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
         raise
     info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
             "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
-            "started": time.time()}
+            "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
+            "host": host or ""}
     write_farm_file(info)
     return info
 
@@ -522,3 +672,15 @@ def _kill_group(pid: int, grace_s: float) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def auth_instructions(info: dict[str, Any]) -> str:
+    """What `kiln farm up` prints: how clients send the farm's Ray token."""
+    token_file = info.get("token_file") or farm_token_file()
+    return (f"Ray token authentication is on; the token is in {token_file} (mode 0600).\n"
+            f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}\n"
+            f"  clients elsewhere: export RAY_AUTH_MODE=token "
+            f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}\n"
+            "  Ray listens on every interface: keep its ports behind a firewall too. Ray "
+            "access runs code on the farm,\n  which holds the signing key: give the token "
+            "to trusted builders and clients only (infra/README.md).")

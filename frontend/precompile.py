@@ -38,8 +38,10 @@ class Tally:
 
     def __init__(self, total: int | None) -> None:
         """``total`` shape sets to step through; None counts graphs (a script's run)."""
-        from tqdm import tqdm
-
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a dependency; a machine without it still precompiles
+            tqdm = _NoDisplay
         self.start = time.perf_counter()
         self.counts = {"graphs": 0, "hits": 0, "misses": 0, "farm": 0, "local": 0,
                        "kernels": 0, "published": 0, "published_bytes": 0,
@@ -79,20 +81,64 @@ class Tally:
                 "seconds": round(time.perf_counter() - self.start, 3)}
 
 
+class _NoDisplay:
+    """Where tqdm is not installed: counts, shows nothing (the summary line remains)."""
+
+    def __init__(self, total: int | None = None, **kwargs: Any) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------
 # Argument types
 
 
-def parse_shapes(text: str) -> list[tuple[int, ...]]:
-    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input."""
+Dim = int | tuple[int, int]  # a size, or a dynamic size's (min, max)
+
+
+def parse_shapes(text: str) -> list[tuple[Dim, ...]]:
+    """``8x128,128`` -> [(8, 128), (128,)]: one tuple per input. A dimension ``1-64`` is
+    dynamic over that range: ``1-64x128`` compiles once for every batch from 1 to 64."""
     try:
-        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
+        shapes = [tuple(_parse_dim(n) for n in part.split("x")) for part in text.split(",")
+                  if part]
     except ValueError:
         shapes = []
-    if not shapes or any(n <= 0 for shape in shapes for n in shape):
+    if not shapes:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input)")
+            f"{text!r}: expected shapes such as 8x128 or 8x128,128x64 (one per input), "
+            "or 1-64x128 (a dynamic range)")
     return shapes
+
+
+def _parse_dim(text: str) -> Dim:
+    lo, sep, hi = text.partition("-")
+    low, high = int(lo), int(hi or lo)
+    if not 0 < low <= high:
+        raise ValueError(text)
+    return (low, high) if sep else low
+
+
+def _size(dim: Dim) -> int:
+    """The example size of a dimension: for a range, the smallest size Dynamo keeps
+    symbolic (it specializes 1)."""
+    return dim if isinstance(dim, int) else min(max(dim[0], 2), dim[1])
+
+
+def _dim_str(dim: Dim) -> str:
+    return str(dim) if isinstance(dim, int) else f"{dim[0]}-{dim[1]}"
+
+
+def _has_ranges(shapes: list[tuple[Dim, ...]]) -> bool:
+    return any(not isinstance(d, int) for s in shapes for d in s)
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -189,13 +235,21 @@ def _user_code(target: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
         raise CliError(f"{target} raised {_one_line(e)}") from None
 
 
-def _example_inputs(shapes: list[tuple[int, ...]], dtype: str, device: str) -> list[Any]:
+def _example_inputs(shapes: list[tuple[Dim, ...]], dtype: str, device: str) -> list[Any]:
+    """Random inputs; a dimension given as a range is marked dynamic over it."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
+    sizes = [tuple(_size(d) for d in s) for s in shapes]
     if torch_dtype.is_floating_point:
-        return [torch.randn(*s, dtype=torch_dtype, device=device) for s in shapes]
-    return [torch.randint(0, 2, s, dtype=torch_dtype, device=device) for s in shapes]
+        out = [torch.randn(*s, dtype=torch_dtype, device=device) for s in sizes]
+    else:
+        out = [torch.randint(0, 2, s, dtype=torch_dtype, device=device) for s in sizes]
+    for t, shape in zip(out, shapes):
+        for d, dim in enumerate(shape):
+            if not isinstance(dim, int):
+                torch._dynamo.mark_dynamic(t, d, min=dim[0], max=dim[1])
+    return out
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -209,7 +263,7 @@ def build_model(args: argparse.Namespace) -> Any:
             with torch.no_grad():
                 model(*_example_inputs(shapes, args.dtype, args.device))
         except Exception as e:
-            shown = ",".join("x".join(map(str, s)) for s in shapes)
+            shown = ",".join("x".join(map(_dim_str, s)) for s in shapes)
             raise UsageError(f"{args.target} does not run on --shapes {shown} "
                              f"({args.dtype}): {_one_line(e)}") from None
     return model
@@ -221,8 +275,9 @@ def _run_entry(args: argparse.Namespace, model: Any, options: dict[str, Any], ta
 
     for mode in MODES[args.mode]:
         for shapes in args.shapes:
-            torch._dynamo.reset()  # each shape set a static graph of its own, as a client's
-            compiled = torch.compile(model, backend="kiln", options=options, dynamic=False)
+            torch._dynamo.reset()  # each shape set a graph of its own (ranges: symbolic)
+            compiled = torch.compile(model, backend="kiln", options=options,
+                                     dynamic=None if _has_ranges(shapes) else False)
             inputs = _example_inputs(shapes, args.dtype, args.device)
             if mode == "inference":
                 with torch.no_grad():
@@ -402,7 +457,8 @@ def add_precompile_parser(sub: Any) -> None:
         "published or ran eagerly.")
     pre.add_argument("target")
     pre.add_argument("--shapes", nargs="+", type=parse_shapes, metavar="SHAPES",
-                     help="one input shape set each: 8x128 or 8x128,128 (one per input)")
+                     help="one input shape set each: 8x128 or 8x128,128 (one per input); "
+                     "a dimension MIN-MAX (1-64x128) is dynamic: one compile for the range")
     pre.add_argument("--dtype", type=parse_dtype, help="input dtype (default float32)")
     pre.add_argument("--device", help="input device (default cpu)")
     pre.add_argument("--mode", choices=sorted(MODES), help="inference (under "

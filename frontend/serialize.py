@@ -17,7 +17,9 @@ from kiln.compiler.request import (
     NON_OUTPUT_OPTIONS,
     REQUEST_FORMAT_VERSION,
     CompileRequest,
+    InputMeta,
     SerializationError,
+    SymIntMeta,
     TensorMeta,
     canonical,
     deserialize_graph,
@@ -27,7 +29,9 @@ from kiln.compiler.request import (
     output_options,
     placeholder_metas,
     serialize_graph,
+    symint_meta,
 )
+from kiln.compiler.symwire import SymbolTable
 
 __all__ = [
     "GRAPH_FORMAT_VERSION",
@@ -35,6 +39,7 @@ __all__ = [
     "REQUEST_FORMAT_VERSION",
     "CompileRequest",
     "SerializationError",
+    "SymIntMeta",
     "TensorMeta",
     "canonical",
     "deserialize_graph",
@@ -56,22 +61,29 @@ def make_request(
     target: Mapping[str, Any],
     versions: Mapping[str, Any] | None = None,
 ) -> CompileRequest:
-    """Build the request for ``gm``; drops options that cannot change the output."""
-    metas = []
+    """Build the request for ``gm``; drops options that cannot change the output.
+
+    Symbolic sizes (SymInt inputs, tensors with SymInt sizes) are named ``s0, s1, ...``
+    by first appearance among the inputs; their values never enter the request."""
+    symbols = SymbolTable()
+    metas: list[InputMeta] = []
     for i, x in enumerate(example_inputs):
         if isinstance(x, TensorMeta):
             metas.append(x)
         elif isinstance(x, torch.Tensor):
-            metas.append(TensorMeta.from_tensor(x))
+            metas.append(TensorMeta.from_tensor(x, symbols))
+        elif isinstance(x, torch.SymInt):
+            metas.append(symint_meta(x, symbols))
         else:
             raise SerializationError(f"input {i} is a {type(x).__name__}, not a tensor")
     if versions is None:
-        from kiln.frontend.keys import versions as current_versions  # keys imports this module
+        from kiln.compiler.versions import versions as current_versions
 
         versions = current_versions()
     return CompileRequest(
-        graph=serialize_graph(gm),
+        graph=serialize_graph(gm, symbols),
         inputs=tuple(metas),
+        symbols=tuple(symbols.ranges),
         options=output_options(options),
         target=dict(target),
         versions=dict(versions),

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from kiln.compiler import trace
 from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
@@ -50,12 +51,18 @@ class CompileWorker:
         return os.getpid()
 
     def compile_sources(self, request_bytes: bytes, key: str, delay: float = 0.0,
-                        extra_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                        traced: bool = False, extra_options: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
         """``extra_options``: the matmul choices of max-autotune (not part of the key)."""
         self.compiles += 1
+        trace.set_process_name("compile worker")
         try:
-            return compile_sources(request_bytes, key, delay=delay,
-                                   extra_options=extra_options).to_dict()
+            with trace.capture(traced) as events:
+                result = compile_sources(request_bytes, key, delay=delay,
+                                         extra_options=extra_options).to_dict()
+            if traced:
+                result["trace"] = events
+            return result
         except FarmVersionMismatch:
             raise
         except Exception as e:  # sent back as data: compiler errors do not unpickle
@@ -64,11 +71,16 @@ class CompileWorker:
 
 @ray.remote(num_cpus=1, max_retries=3)
 def compile_kernel_task(spec: dict[str, Any], config: dict[str, Any],
-                        target: dict[str, Any]) -> dict[str, Any]:
+                        target: dict[str, Any], traced: bool = False) -> dict[str, Any]:
     """One kernel, one config, one target: the farm's unit of fan-out (retried if the
-    process running it dies)."""
+    process running it dies). ``traced``: the result's ``trace`` holds its span."""
+    trace.set_process_name("kernel worker")
     try:
-        return run_kernel_job(spec, config, target)
+        with trace.capture(traced) as events:
+            result = run_kernel_job(spec, config, target)
+        if traced:
+            result["trace"] = events
+        return result
     except Exception as e:
         raise CompileFailure.wrap(e, "") from None
 

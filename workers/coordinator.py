@@ -1,9 +1,12 @@
 """``KilnFarm``: the farm's one named, detached coordinator actor.
 
 Every client of a cluster calls the same ``KilnFarm`` (found by name), which is what lets
-it de-duplicate: a key already in flight is not compiled again, its waiters share the
-one result; a key finished a moment ago is answered from a small recent-results list
-(the client that asked first may not have published it yet). For each graph it asks a
+it de-duplicate. A caller sends request bytes, never a key: the coordinator recomputes
+the key from them (a caller naming another graph's key is refused), and, where the farm
+is a builder (its own ``KILN_STORE`` and private ``KILN_SIGNING_KEY``), publishes the
+signed artifact itself before answering (``workers.publish``). A key already in flight
+is not compiled again, its waiters share the one result; a key finished a moment ago is
+answered from a small recent-results list. For each graph it asks a
 ``CompileWorker`` for kernel sources, fans the kernels out as Ray tasks (one per unique
 kernel source, config and target, remembered across graphs and requests, so identical
 kernels compile once), has ``Autotuner`` actors time the candidates where the cluster has
@@ -27,15 +30,19 @@ from typing import Any
 
 import ray
 
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
-from .pipeline import CompileFailure, KernelJob, fastest, finish, kernel_jobs
+from .kernel_store import KernelStore
+from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
+from .publish import FarmPublisher
 from .select import (
     ChoiceCache,
     MemoryChoiceCache,
@@ -77,6 +84,7 @@ class KilnFarm:
 
     def __init__(self, graph_workers: int | None = None, kernel_cache_entries: int = 4096,
                  recent_entries: int = 64) -> None:
+        trace.set_process_name("farm coordinator")
         cpus = int(ray.cluster_resources().get("CPU", 1))
         count = graph_workers or default_graph_workers(cpus)
         self.workers = [CompileWorker.remote() for _ in range(count)]  # type: ignore[attr-defined]
@@ -84,13 +92,19 @@ class KilnFarm:
         self.inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.recent_entries = recent_entries
-        self.kernels: OrderedDict[str, Any] = OrderedDict()  # job key -> ObjectRef
+        self.kernels: OrderedDict[str, Any] = OrderedDict()  # job key -> future of a dict
+        self._kernels_store: KernelStore | None = None
+        self._kernels_store_checked = False
+        self._background: set[asyncio.Future[Any]] = set()
         self.kernel_cache_entries = kernel_cache_entries
+        self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()
+        self.tuning_events: list[trace.Event] = []
         self.autotuners: list[Any] = []
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
         self.choices: ChoiceCache | None = None
+        self.publisher = FarmPublisher()
         self.started = time.time()
         # Start the workers' processes now: the first miss should not pay for imports.
         self._warming = [w.warm.remote() for w in self.workers]
@@ -103,7 +117,11 @@ class KilnFarm:
         return {"pid": os.getpid(), "graph_workers": len(self.workers),
                 "cpus": resources.get("CPU", 0), "gpus": resources.get("GPU", 0),
                 "versions": versions(), "compiler": str(compiler_dir()),
-                "since": self.started}
+                "since": self.started, "kernel_store": self.kernel_store_url()}
+
+    def kernel_store_url(self) -> str | None:
+        store = self._kernel_store()
+        return None if store is None else store.store.url
 
     async def wait_warm(self) -> int:
         """Wait until the workers and kernel processes have imported the compiler."""
@@ -121,51 +139,120 @@ class KilnFarm:
 
     # -- compiling --------------------------------------------------------------------
 
-    async def compile(self, key: str, request_bytes: bytes, delay: float = 0.0
+    async def compile(self, request_bytes: bytes, delay: float = 0.0,
+                      expected_key: str | None = None, traced: bool = False
                       ) -> dict[str, Any]:
-        """The compiled graph of ``key`` (``CompiledGraph.to_dict()``); one compile however
-        many clients ask at once."""
+        """``{"key", "compiled", "published"}`` for a request: its recomputed key, the
+        ``CompiledGraph.to_dict()`` (heuristic configs) and the store URL the farm
+        published it to ("" if not). One compile however many clients ask at once.
+        ``expected_key`` is what the caller computed: a mismatch is refused, never stored
+        under either key. ``traced``: ``trace`` holds the spans of every process that
+        worked on it. Where GPU autotuners fit the target, ``stats["autotune_pending"]``
+        says tuning goes on in the background (the farm publishes the tuned artifact;
+        ``tuned(key)`` returns it)."""
         self.counters["requests"] += 1
-        if key in self.recent:
+        request, key = self._decode(request_bytes, expected_key)
+        if key.key in self.recent:
             self.counters["recent_hits"] += 1
-            self.recent.move_to_end(key)
-            return self.recent[key]
-        future = self.inflight.get(key)
+            self.recent.move_to_end(key.key)
+            return self.recent[key.key]
+        future = self.inflight.get(key.key)
         if future is None:
-            future = asyncio.ensure_future(self._compile(key, request_bytes, delay))
-            self.inflight[key] = future
-            future.add_done_callback(functools.partial(self._done, key))
+            future = asyncio.ensure_future(self._compile(key, request, request_bytes, delay,
+                                                         traced))
+            self.inflight[key.key] = future
+            future.add_done_callback(functools.partial(self._done, key.key))
         else:
             self.counters["deduplicated"] += 1
         return await asyncio.shield(future)
+
+    async def tuned(self, key: str) -> dict[str, Any] | None:
+        """The autotuned graph of ``key`` once its background tuning ends; None if none
+        runs (no GPU of the target's arch, nothing to tune) or it failed."""
+        future = self.tuning.get(key)
+        if future is None:
+            return None
+        try:
+            return await asyncio.shield(future)
+        except Exception as e:  # tuning is an optimization: the heuristic artifact stays
+            log.warning("kiln farm: autotuning graph %s failed: %s", key[:16], e)
+            return None
+
+    def _decode(self, request_bytes: bytes, expected_key: str | None
+                ) -> tuple[CompileRequest, KeyInfo]:
+        try:
+            request = CompileRequest.from_bytes(request_bytes)
+            key = compute_key(request)
+        except Exception as e:  # hostile or damaged bytes: the caller's error
+            self.counters["refused"] += 1
+            raise CompileFailure.wrap(e, expected_key or "") from None
+        if expected_key is not None and expected_key != key.key:
+            self.counters["refused"] += 1
+            raise FarmKeyMismatch(
+                f"the request's bytes hash to key {key.key}, not {expected_key}: the farm "
+                "computes every key itself and stores nothing under a key a caller names")
+        return request, key
 
     def _done(self, key: str, future: asyncio.Future[dict[str, Any]]) -> None:
         self.inflight.pop(key, None)
         if future.cancelled() or future.exception() is not None:
             self.counters["failures"] += 1
             return
-        self.recent[key] = future.result()
+        result = {k: v for k, v in future.result().items() if k != "trace"}
+        self.recent[key] = result
         while len(self.recent) > self.recent_entries:
             self.recent.popitem(last=False)
 
-    async def _compile(self, key: str, request_bytes: bytes, delay: float) -> dict[str, Any]:
+    async def _compile(self, key: KeyInfo, request: CompileRequest, request_bytes: bytes,
+                       delay: float, traced: bool = False) -> dict[str, Any]:
         self.counters["graph_compiles"] += 1
+        timeline: list[trace.Event] | None = [] if traced else None
+        arrived = trace.now_us()
+        start = time.perf_counter()
         try:
-            return await self._compile_graph(key, request_bytes, delay)
+            compiled = await self._compile_graph(key, request_bytes, delay, timeline)
         except ray.exceptions.RayTaskError as e:
             cause = root_cause(e)
             if isinstance(cause, CompileFailure):
-                raise CompileFailure.wrap(cause, key) from None
+                raise CompileFailure.wrap(cause, key.key) from None
             raise
+        wall = time.perf_counter() - start
+        began = trace.now_us()
+        try:
+            published = await asyncio.to_thread(self.publisher.publish, key, request,
+                                                compiled, wall)
+        except Exception as e:  # the store's own faults are warnings; this is a bug
+            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
+            published = ""
+        self.counters["published" if published else "not_published"] += 1
+        result: dict[str, Any] = {"key": key.key, "compiled": compiled,
+                                  "published": published}
+        if timeline is not None:
+            now = trace.now_us()
+            timeline.append(trace.make_event("farm publish", began, now, cat="farm",
+                                             key=key.key[:16]))
+            timeline.append(trace.make_event("farm request", arrived, now, cat="farm",
+                                             key=key.key[:16]))
+            result["trace"] = timeline
+        return result
 
-    async def _compile_graph(self, key: str, request_bytes: bytes, delay: float
-                             ) -> dict[str, Any]:
+    async def _compile_graph(self, key_info: KeyInfo, request_bytes: bytes, delay: float,
+                             timeline: list[trace.Event] | None) -> dict[str, Any]:
+        key = key_info.key
+        asked = trace.now_us()
         i = min(range(len(self.workers)), key=lambda j: self.load[j])
         self.load[i] += 1
         try:
-            sources = await self.workers[i].compile_sources.remote(request_bytes, key, delay)
+            sources = await self.workers[i].compile_sources.remote(
+                request_bytes, key, delay, timeline is not None)
         finally:
             self.load[i] -= 1
+        worker_events = sources.pop("trace", None) or []
+        if timeline is not None:
+            began = min((float(e["ts"]) for e in worker_events), default=asked)
+            timeline.append(trace.make_event("queue for a compile worker", asked, began,
+                                             cat="farm", worker=i))
+            timeline.extend(worker_events)
         compiled = CompiledGraph.from_dict(sources)
         request = CompileRequest.from_bytes(request_bytes)
         tuners = await self._autotuners_for(request) if request.options.get(
@@ -173,14 +260,48 @@ class KilnFarm:
         if compiled.stats.get("gemm_pending"):
             # Max-autotune: choose each matmul's algorithm, then the graph again with them.
             compiled = await self._select(key, request_bytes, compiled, request, tuners, i)
+        fanned = trace.now_us()
         start = time.perf_counter()
-        jobs = kernel_jobs(compiled, request.target, autotune=bool(tuners))
-        results = await asyncio.gather(*(self._kernel(name, group, tuners)
+        jobs = kernel_jobs(compiled, request.target)
+        results = await asyncio.gather(*(self._kernel(name, group, [], timeline)
+                                         for name, group in jobs.items()))
+        chosen = {name: binary for name, binary, _ in results}
+        finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
+        if timeline is not None:
+            timeline.append(trace.make_event("kernel fan-out", fanned, trace.now_us(),
+                                             cat="farm", kernels=len(jobs)))
+        if tuners and any(len(group) > 1 for group in
+                          kernel_jobs(compiled, request.target, autotune=True).values()):
+            compiled.stats["autotune_pending"] = True
+            self._start_tuning(key_info, compiled.to_dict(), request, tuners)
+        return compiled.to_dict()
+
+    def _start_tuning(self, key: KeyInfo, heuristic: dict[str, Any], request: CompileRequest,
+                      tuners: list[Any]) -> None:
+        """Autotune in the background; the first answer does not wait for it."""
+        self.counters["autotune_started"] += 1
+        self.tuning[key.key] = asyncio.ensure_future(
+            self._autotune(key, heuristic, request, tuners))
+        while len(self.tuning) > self.recent_entries:
+            self.tuning.popitem(last=False)
+
+    async def _autotune(self, key: KeyInfo, heuristic: dict[str, Any],
+                        request: CompileRequest, tuners: list[Any]) -> dict[str, Any]:
+        compiled = CompiledGraph.from_dict(heuristic)
+        compiled.stats.pop("autotune_pending", None)
+        start = time.perf_counter()
+        jobs = kernel_jobs(compiled, request.target, autotune=True)
+        results = await asyncio.gather(*(self._kernel(name, group, tuners, None)
                                          for name, group in jobs.items()))
         chosen = {name: binary for name, binary, _ in results}
         timed = {name: record for name, _, record in results if record is not None}
         finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
-        return compiled.to_dict()
+        self.counters["autotuned_graphs"] += int(compiled.autotuned)
+        tuned = compiled.to_dict()
+        if compiled.autotuned:  # the tuned artifact supersedes the first in the store
+            wall = time.perf_counter() - start
+            await asyncio.to_thread(self.publisher.publish, key, request, tuned, wall)
+        return tuned
 
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
                       request: CompileRequest, tuners: list[Any], worker: int
@@ -202,7 +323,7 @@ class KilnFarm:
             new = {choice: untuned_record() for choice in todo}
         options = {"gemm_choices": {**known, **new}}
         sources = await self.workers[worker].compile_sources.remote(request_bytes, key, 0.0,
-                                                                    options)
+                                                                    False, options)
         result = CompiledGraph.from_dict(sources)
         result.timings["gemm_selection"] = time.perf_counter() - start
         return with_choices(result, selection_stats(known, todo, bool(tuners)))
@@ -232,9 +353,10 @@ class KilnFarm:
                 self.choices = MemoryChoiceCache()
         return self.choices
 
-    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any]
+    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any],
+                      timeline: list[trace.Event] | None
                       ) -> tuple[str, KernelBinary, list[dict[str, Any]] | None]:
-        outcomes = await asyncio.gather(*(self._binary(job) for job in jobs),
+        outcomes = await asyncio.gather(*(self._binary(job, timeline) for job in jobs),
                                         return_exceptions=True)
         if isinstance(outcomes[0], BaseException) and (len(jobs) == 1 or all(
                 isinstance(o, BaseException) for o in outcomes)):
@@ -243,31 +365,85 @@ class KilnFarm:
             return name, outcomes[0], None  # type: ignore[return-value]
         usable = [i for i, o in enumerate(outcomes) if not isinstance(o, BaseException)]
         binaries: list[KernelBinary] = [outcomes[i] for i in usable]  # type: ignore[misc]
-        tuner = tuners[self.counters["autotune_calls"] % len(tuners)]
+        index = self.counters["autotune_calls"] % len(tuners)
         self.counters["autotune_calls"] += 1
-        timings = await tuner.benchmark.remote(jobs[0].spec.to_dict(),
-                                               [b.to_dict() for b in binaries])
+        began = trace.now_us()
+        timings = await tuners[index].benchmark.remote(jobs[0].spec.to_dict(),
+                                                       [b.to_dict() for b in binaries])
+        self.tuning_events.append(trace.make_event(
+            "autotune benchmark", began, trace.now_us(), cat="autotune", kernel=name,
+            gpu=index, candidates=len(binaries)))
+        del self.tuning_events[:-4096]
         best, record = fastest([jobs[i] for i in usable], timings, binaries)
         self.counters["autotuned_kernels"] += 1
         return name, best, record
 
-    async def _binary(self, job: KernelJob) -> KernelBinary:
-        """The binary of one job: compiled once per farm, shared by every graph."""
-        ref = self.kernels.get(job.key)
-        if ref is None:
-            ref = compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target)
-            self.counters["kernel_compiles"] += 1
-            self.kernels[job.key] = ref
+    async def _binary(self, job: KernelJob, timeline: list[trace.Event] | None = None
+                      ) -> KernelBinary:
+        """The binary of one job: compiled once per farm (or found in the kernel store),
+        shared by every graph."""
+        pending = self.kernels.get(job.key)
+        fresh = pending is None
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_or_compile(job, timeline is not None))
+            self.kernels[job.key] = pending
             while len(self.kernels) > self.kernel_cache_entries:
                 self.kernels.popitem(last=False)
         else:
             self.counters["kernel_cache_hits"] += 1
             self.kernels.move_to_end(job.key)
         try:
-            return KernelBinary.from_dict(await ref)
+            result = await asyncio.shield(pending)
         except Exception:
             self.kernels.pop(job.key, None)  # the next request tries again
             raise
+        if fresh and timeline is not None:
+            timeline.extend(result.get("trace") or [])
+        return KernelBinary.from_dict(result)
+
+    async def _fetch_or_compile(self, job: KernelJob, traced: bool) -> dict[str, Any]:
+        """The kernel store's binary for the job, else a kernel task's (then stored)."""
+        store = self._kernel_store()
+        if store is not None:
+            began = trace.now_us()
+            found = await asyncio.to_thread(store.get, job)
+            if found is not None:
+                self.counters["kernel_store_hits"] += 1
+                result = found.to_dict()
+                if traced:
+                    result["trace"] = [trace.make_event(
+                        "kernel store lookup", began, trace.now_us(), cat="farm",
+                        kernel=job.spec.name, hit=True)]
+                return result
+        self.counters["kernel_compiles"] += 1
+        result = await compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target,
+                                                  traced)
+        if store is not None:
+            binary = KernelBinary.from_dict(result)
+            self._background.add(asyncio.ensure_future(asyncio.to_thread(store.put, job,
+                                                                         binary)))
+            self._background = {t for t in self._background if not t.done()}
+        return dict(result)
+
+    def _kernel_store(self) -> KernelStore | None:
+        """The farm's own store (its environment's KILN_STORE, or the default), where
+        kernels are shared by content key; ``KILN_FARM_KERNEL_STORE=off`` turns it off."""
+        if self._kernels_store_checked:
+            return self._kernels_store
+        self._kernels_store_checked = True
+        if os.environ.get("KILN_FARM_KERNEL_STORE", "").lower() in ("off", "0", "false"):
+            return None
+        try:
+            from kiln.artifact_store import open_store
+
+            self._kernels_store = KernelStore(open_store())
+        except Exception as e:  # no store: the farm's memory still shares kernels
+            log.warning("kiln farm: no kernel store (%s)", e)
+        return self._kernels_store
+
+    async def tuning_trace(self) -> list[trace.Event]:
+        """The autotune benchmarks timed so far (each with its GPU), for timelines."""
+        return list(self.tuning_events)
 
     async def _autotuners_for(self, request: CompileRequest) -> list[Any]:
         """Autotuners whose GPU is the request's arch; none for a CPU target or farm."""
@@ -299,9 +475,15 @@ class KilnFarm:
 RemoteKilnFarm = ray.remote(KilnFarm)
 
 
-def get_farm_actor(graph_workers: int | None = None) -> Any:
-    """The cluster's coordinator for this Kiln: found by name, else created (detached)."""
-    return RemoteKilnFarm.options(  # type: ignore[attr-defined]
-        name=FARM_NAME, namespace=farm_namespace(), lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_restarts=-1, max_concurrency=10000,
-    ).remote(graph_workers)
+def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
+                   runtime_env: dict[str, Any] | None = None) -> Any:
+    """The cluster's coordinator for this Kiln: found by name, else created (detached).
+
+    ``runtime_env`` (for a farm started from Python; a deployed farm takes its store and
+    key from its image's environment) reaches the coordinator and every worker it starts."""
+    options: dict[str, Any] = {"name": name, "namespace": farm_namespace(),
+                               "lifetime": "detached", "get_if_exists": True, "num_cpus": 0,
+                               "max_restarts": -1, "max_concurrency": 10000}
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    return RemoteKilnFarm.options(**options).remote(graph_workers)  # type: ignore[attr-defined]

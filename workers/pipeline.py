@@ -19,15 +19,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
+from kiln.compiler import trace
 from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.errors import KilnCompileError
 from kiln.compiler.kernel_compile import KernelBinary, compile_kernel
-from kiln.compiler.request import CompileRequest, canonical
+from kiln.compiler.request import CompileRequest, canonical, compile_options
 from kiln.compiler.versions import versions
 
 log = logging.getLogger("kiln.workers")
@@ -39,6 +40,10 @@ TEST_DELAY_ENV = "KILN_TEST_COMPILE_DELAY"
 
 class FarmVersionMismatch(RuntimeError):
     """The worker's compiler is not the one the request (and its key) was made for."""
+
+
+class FarmKeyMismatch(RuntimeError):
+    """A caller's key is not the one the farm computes from the request's bytes."""
 
 
 class CompileFailure(KilnCompileError):
@@ -101,23 +106,29 @@ def compile_sources(request_bytes: bytes, key: str, *, delay: float = 0.0,
 
     Inputs are FakeTensors of the request's device type, so a CPU-only worker lowers a
     CUDA graph (and its kernels are cross-compiled for the request's target later).
-    ``extra_options`` reach the compiler but not the key: debug folders and logs only."""
+    Of the request's options only compile options reach the compiler (``debug_dir`` or
+    ``logs`` in a request are dropped: a caller never picks a path on a worker);
+    ``extra_options`` are this process's own: debug folders and logs, never in the key."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.driver import compile_graph
-    from kiln.compiler.request import deserialize_graph, fake_tensor_from_meta
+    from kiln.compiler.request import compiler_input, deserialize_graph
 
     request = CompileRequest.from_bytes(request_bytes)
     check_versions(request)
     if delay > 0:
         time.sleep(delay)
-    mode = FakeTensorMode()
-    gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode)
-    inputs = [fake_tensor_from_meta(meta, mode) for meta in request.inputs]
+    with trace.span("deserialize request", cat="compiler", key=key[:16]):
+        mode = FakeTensorMode()
+        gm = deserialize_graph(request.graph, with_fake_meta=True, fake_mode=mode,
+                               nsymbols=len(request.symbols))
+        inputs = [compiler_input(meta, mode) for meta in request.inputs]
     start = time.perf_counter()
-    options = {**request.options, **(extra_options or {})}
-    compiled = compile_graph(gm, inputs, options, name=graph_name(key),
-                             target=request.target, compile_kernels=False)
+    options = {**compile_options(request.options), **(extra_options or {})}
+    with trace.span("graph stage", cat="compiler", key=key[:16], nodes=len(gm.graph.nodes)):
+        compiled = compile_graph(gm, inputs, options, name=graph_name(key),
+                                 target=request.target, compile_kernels=False,
+                                 symbols=request.symbols)
     compiled.timings["graph_compile"] = time.perf_counter() - start
     return compiled
 
@@ -224,14 +235,26 @@ def finish(compiled: CompiledGraph, chosen: dict[str, KernelBinary], *,
 # In-process: the same steps, one after another, with a process-wide kernel cache.
 
 
-class KernelCache:
-    """Binaries by job key, bounded (least recently used out); thread-safe."""
+class KernelBacking(Protocol):
+    """Where a cache looks before compiling (``workers.kernel_store.KernelStore``)."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def get(self, job: KernelJob) -> KernelBinary | None: ...
+
+    def put(self, job: KernelJob, binary: KernelBinary) -> bool: ...
+
+
+class KernelCache:
+    """Binaries by job key, bounded (least recently used out); thread-safe. With a
+    ``backing`` store, a kernel missing here is looked up there before it is compiled,
+    and what is compiled is put there (kernels shared across graphs and processes)."""
+
+    def __init__(self, max_entries: int = 4096, backing: KernelBacking | None = None) -> None:
         self.max_entries = max_entries
+        self.backing = backing
         self._entries: OrderedDict[str, KernelBinary] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
+        self.store_hits = 0
         self.compiles = 0
 
     def get_or_compile(self, job: KernelJob) -> KernelBinary:
@@ -240,21 +263,39 @@ class KernelCache:
                 self._entries.move_to_end(job.key)
                 self.hits += 1
                 return self._entries[job.key]
-        binary = compile_kernel(job.spec, job.config, job.target)
+        binary = self._from_backing(job)
+        if binary is None:
+            binary = compile_kernel(job.spec, job.config, job.target)
+            with self._lock:
+                self.compiles += 1
+            if self.backing is not None:
+                self.backing.put(job, binary)
         with self._lock:
-            self.compiles += 1
             self._entries[job.key] = binary
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+        return binary
+
+    def _from_backing(self, job: KernelJob) -> KernelBinary | None:
+        if self.backing is None:
+            return None
+        with trace.span("kernel store lookup", cat="kernel", kernel=job.spec.name) as info:
+            binary = self.backing.get(job)
+            info["hit"] = binary is not None
+        if binary is not None:
+            with self._lock:
+                self.store_hits += 1
         return binary
 
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
                       delay: float = 0.0, extra_options: dict[str, Any] | None = None,
                       choices: Any = None) -> CompiledGraph:
-    """The whole pipeline in this process, no Ray: autotuned where the request asks and
-    this process has a GPU of the target's arch, else heuristic configs. Max-autotune
-    first chooses each matmul's algorithm (``workers.select``; ``choices`` caches them)."""
+    """The whole pipeline in this process, no Ray, with heuristic configs. Max-autotune
+    first chooses each matmul's algorithm (``workers.select``; ``choices`` caches them).
+    Where this process could autotune (asked, a GPU of the target's arch) and some kernel
+    has several candidates, ``stats["autotune_pending"]`` says so: the client then runs
+    ``autotune_inprocess`` in the background."""
     cache = cache or KernelCache()
     compiled = compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
     request = CompileRequest.from_bytes(request_bytes)
@@ -266,25 +307,58 @@ def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | No
                                     cache.get_or_compile, choices or MemoryChoiceCache(),
                                     extra_options, bool(request.options.get("autotune", True)))
     start = time.perf_counter()
-    if local_autotune(request):
-        from kiln.compiler.autotune import autotune_graph
-
-        autotune_graph(compiled, target)
-        chosen = dict(compiled.binaries)
-        return finish(compiled, chosen, autotune=compiled.stats.get("autotune"),
-                      kernel_wall_s=time.perf_counter() - start)
     chosen = {name: cache.get_or_compile(jobs[0])
               for name, jobs in kernel_jobs(compiled, target).items()}
-    return finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
+    finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
+    if local_autotune(request) and tunable(compiled, target):
+        compiled.stats["autotune_pending"] = True
+    return compiled
+
+
+def tunable(compiled: CompiledGraph, target: dict[str, Any]) -> bool:
+    """Whether any kernel of the graph has more than one candidate config to time."""
+    return any(len(jobs) > 1 for jobs in kernel_jobs(compiled, target, autotune=True).values())
+
+
+def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
+                       cache: KernelCache | None = None) -> CompiledGraph:
+    """The graph with each kernel's candidates compiled and timed on this process's GPU
+    (``workers.autotune.benchmark``), the fastest chosen: what a client runs in the
+    background after its first output came from heuristic configs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .autotune import benchmark
+
+    cache = cache or KernelCache()
+    compiled = CompiledGraph.from_dict(heuristic.to_dict())
+    compiled.stats.pop("autotune_pending", None)
+    start = time.perf_counter()
+    jobs = kernel_jobs(compiled, target, autotune=True)
+    flat = [job for group in jobs.values() for job in group]
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        binaries = dict(zip((j.key for j in flat), pool.map(cache.get_or_compile, flat)))
+    chosen: dict[str, KernelBinary] = {}
+    timed: dict[str, list[dict[str, Any]]] = {}
+    for name, group in jobs.items():
+        candidates = [binaries[j.key] for j in group]
+        if len(group) == 1:
+            chosen[name] = candidates[0]
+            continue
+        with trace.span("autotune benchmark", cat="autotune", kernel=name, gpu="local",
+                        candidates=len(group)):
+            timings = benchmark(group[0].spec, candidates)
+        chosen[name], timed[name] = fastest(group, timings, candidates)
+    return finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
 
 
 def local_autotune(request: CompileRequest) -> bool:
-    """Whether this process can autotune the request: asked, and a GPU of its arch."""
+    """Whether this process can autotune the request: asked, and a GPU of its arch (or
+    the tests' fake benchmark)."""
     if not request.options.get("autotune", True) or request.target.get("kind") != "cuda":
         return False
-    from .autotune import gpu_arch
+    from .autotune import fake_autotune, gpu_arch
 
-    return gpu_arch() == int(request.target.get("arch", -1))
+    return fake_autotune() or gpu_arch() == int(request.target.get("arch", -1))
 
 
 def fastest(jobs: Iterable[KernelJob], timings_ms: list[float],

@@ -11,7 +11,8 @@ from typing import Any
 import sympy
 import torch
 
-from ..ir.sym import Expr, FloorDiv, ModularIndexing
+from ..ir.sym import Expr, FloorDiv, ModularIndexing, combine_div_mod  # noqa: F401
+from ..sizevars import is_size_symbol
 
 
 class IndentedBuffer:
@@ -158,7 +159,8 @@ class IndexPrinter:
             return f"({self._paren(expr.args[0])} // {self._paren(expr.args[1])})"
         if isinstance(expr, ModularIndexing):
             base, div, mod = expr.args
-            inner = self._paren(base) if div == 1 else f"({self._paren(base)} // {div})"
+            inner = self._paren(base) if div == 1 else \
+                f"({self._paren(base)} // {self._paren(div)})"
             return f"({inner} % {self._paren(mod)})"
         if isinstance(expr, sympy.Pow) and expr.args[1].is_Integer and expr.args[1] > 0:
             return "*".join([self._paren(expr.args[0])] * int(expr.args[1]))
@@ -219,9 +221,15 @@ def _can_merge(exprs: Sequence[Expr], variables: Sequence[sympy.Symbol], prev: i
         if _inside_function(e, vp) or _inside_function(e, vc):
             return False
         cp, cc = e.coeff(vp), e.coeff(vc)
-        if cp.free_symbols or cc.free_symbols or cp != cc * sizes[cur]:
+        if _loop_dependent(cp) or _loop_dependent(cc) or \
+                sympy.expand(cp - cc * sizes[cur]) != 0:
             return False
     return True
+
+
+def _loop_dependent(coeff: Expr) -> bool:
+    """A coefficient that is not a size (it holds a loop variable)."""
+    return any(not is_size_symbol(s) for s in coeff.free_symbols)
 
 
 def _inside_function(expr: Expr, var: sympy.Symbol) -> bool:
@@ -271,31 +279,3 @@ def type_name(x: Any) -> str:
     return type(x).__name__
 
 
-def combine_div_mod(expr: Expr) -> Expr:
-    """Fold ``c*(b // (d*m)) * m + c*((b // d) % m)`` back into ``c*(b // d)``.
-
-    Loops that could not be merged for every access (a broadcast bias reads only the
-    inner one) still give full accesses of this shape; folding makes them plain again.
-    """
-    changed = True
-    while changed and isinstance(expr, sympy.Add):
-        changed = False
-        terms = list(expr.args)
-        mods = []
-        for t in terms:
-            coeff, rest = t.as_coeff_Mul()
-            if isinstance(rest, ModularIndexing):
-                mods.append((t, coeff, rest))
-        for t, coeff, mod in mods:
-            base, div, m = mod.args
-            partner_rest = FloorDiv(base, div * m)
-            for u in terms:
-                c2, r2 = u.as_coeff_Mul()
-                if u is not t and r2 == partner_rest and c2 == coeff * m:
-                    others = [x for x in terms if x is not t and x is not u]
-                    expr = sympy.Add(*others, coeff * FloorDiv(base, div))
-                    changed = True
-                    break
-            if changed:
-                break
-    return expr

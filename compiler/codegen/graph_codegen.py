@@ -4,6 +4,7 @@ kernels share one definition), extern calls, and the wrapper that ties them toge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import KilnCompileError
@@ -54,11 +55,31 @@ class KernelNamer:
         return named
 
 
+def guarded_variants(sg: Any, kernels: dict[int, tuple[str, KernelSpec]], backend: str
+                     ) -> dict[int, list[tuple[int, tuple[str, KernelSpec]]]]:
+    """Persistent variants of Triton reductions over symbolic rows (see
+    ``persistent_variants``), generated against the final memory plan."""
+    if backend != "triton" or not V.graph.sizevars.is_dynamic():
+        return {}
+    from .triton.scheduling import persistent_variants
+
+    out = {}
+    for i in kernels:
+        node = sg.scheduler.nodes[i]
+        try:
+            variants = persistent_variants(node, set(sg.memory.removed_buffers))
+        except UnforwardedBuffers:
+            continue  # the looped kernel alone
+        if variants:
+            out[i] = variants
+    return out
+
+
 def codegen_kernels(sg: Any, backend: str) -> dict[int, tuple[str, KernelSpec]]:
     """A kernel for every fused node. A buffer a kernel cannot keep in registers (read
     in a later loop than the one that made it) is stored after all: the memory plan is
     redone with it allocated, and every kernel generated again against that plan."""
-    gen = codegen_triton
+    gen: Callable[[Any, set[str]], tuple[str, KernelSpec]] = codegen_triton
     if backend == "cpp":
         from .cpp.scheduling import codegen_cpp
 
@@ -95,6 +116,7 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
     namer = KernelNamer()
     with V.set_graph_handler(graph):
         kernels = codegen_kernels(sg, backend)
+        variants = guarded_variants(sg, kernels, backend)
         if backend == "cpp":  # fresh CPU allocations cost page faults: write in place
             plan_inplace(sg.memory, scheduler)
         wrapper = WrapperCodegen(sg.memory, graph.name)
@@ -106,7 +128,10 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
             else:
                 base, spec = kernels[i]
                 # Identical kernels share one definition; each call passes its own buffers.
-                wrapper.kernel_call(node, namer.name(base, spec), spec.arg_buffers)
+                guarded = [(bound, namer.name(vbase, vspec), vspec.arg_buffers +
+                            vspec.size_args) for bound, (vbase, vspec) in variants.get(i, [])]
+                wrapper.kernel_call(node, namer.name(base, spec),
+                                    spec.arg_buffers + spec.size_args, guarded)
             wrapper.free(node)
         inputs = list(graph.graph_input_names)
         header = WRAPPER_HEADER.format(name=graph.name, kernels=len(namer.by_source),

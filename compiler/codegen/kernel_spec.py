@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# A kernel's name becomes a module attribute, a C symbol and part of file and blob names:
+# from a stored manifest it is hostile, so it must be a plain identifier.
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
+
+
+def check_kernel_name(name: object) -> str:
+    """``name`` if it is identifier-like (no dunders); ValueError naming it otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.startswith("__"):
+        raise ValueError(f"invalid kernel name {name!r}: expected an identifier such as "
+                         "triton_poi_fused_add_0")
+    return name
 
 
 @dataclass(frozen=True)
@@ -24,21 +37,28 @@ class KernelSpec:
     arg_bytes: tuple[int, ...] = ()
     # Templates: (batch, M, N) of the output their tiles cover (the launch grid's extent).
     tile_shape: tuple[int, ...] = ()
+    # A graph with dynamic shapes: the scalar arguments after the buffers (numels, size
+    # symbols), as Python expressions over ``s0, s1, ...`` that the wrapper evaluates.
+    # ``xnumel``/``rnumel`` above are then size hints, for configs and autotuning.
+    size_args: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "backend": self.backend, "kind": self.kind,
                 "source": self.source, "arg_buffers": list(self.arg_buffers),
                 "signature": dict(self.signature), "xnumel": self.xnumel,
                 "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
-                "arg_bytes": list(self.arg_bytes), "tile_shape": list(self.tile_shape)}
+                "arg_bytes": list(self.arg_bytes), "tile_shape": list(self.tile_shape),
+                "size_args": list(self.size_args)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
-        return KernelSpec(d["name"], d["backend"], d["kind"], d["source"],
+        """Checks what later becomes a name or a path (from a store or a farm)."""
+        return KernelSpec(check_kernel_name(d["name"]), d["backend"], d["kind"], d["source"],
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
                           tuple(int(n) for n in d.get("arg_bytes", ())),
-                          tuple(int(n) for n in d.get("tile_shape", ())))
+                          tuple(int(n) for n in d.get("tile_shape", ())),
+                          tuple(str(a) for a in d.get("size_args", ())))
 
     def grid(self, config: dict[str, Any]) -> tuple[int, int, int]:
         """Programs to launch with ``config``: one per tile (templates) or x block."""

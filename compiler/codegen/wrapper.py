@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 
 from ..ir.extern import ExternKernel, FallbackKernel, MultiOutput, _TensorSlot, fill_template
@@ -22,7 +23,7 @@ from ..ir.nodes import (
 from ..memory import MemoryPlan
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
-from .common import IndentedBuffer
+from .common import IndentedBuffer, IndexPrinter
 from .kernel_spec import KernelSpec
 
 
@@ -34,13 +35,23 @@ class WrapperCode:
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
 
 
+_PRINTER = IndexPrinter()
+
+
+def py_size(value: Any) -> str:
+    """A size as Python source: a literal, or an expression over ``s0, s1, ...``."""
+    return _PRINTER.print(sympy.sympify(value))
+
+
 def size_str(values: Any) -> str:
-    items = [str(int(v)) for v in values]
+    items = [py_size(v) for v in values]
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def value_str(value: Any) -> str:
     """A Python literal for an extern kernel's constant argument."""
+    if isinstance(value, sympy.Expr):
+        return py_size(value)
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, torch.device):
@@ -80,7 +91,7 @@ class WrapperCodegen:
         if isinstance(node, ReinterpretView):
             lay = node.layout
             return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
-                    f"{size_str(lay.stride)}, {int(lay.offset)})")
+                    f"{size_str(lay.stride)}, {py_size(lay.offset)})")
         assert isinstance(node, Buffer)
         return node.get_name()
 
@@ -109,14 +120,26 @@ class WrapperCodegen:
             f"device=DEVICE, dtype={layout.dtype})")
 
     def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec,
-                    arg_buffers: tuple[str, ...]) -> None:
+                    arg_buffers: tuple[str, ...],
+                    guarded: list[tuple[int, KernelSpec, tuple[str, ...]]] | None = None
+                    ) -> None:
+        """Launch ``spec``; with ``guarded`` (row bound, kernel, arguments) variants, the
+        first whose bound holds for this call's row length runs instead."""
         for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
             buf = V.graph.name_to_buffer.get(name)
             if isinstance(buf, (ComputedBuffer, TemplateBuffer)):
                 self.allocate(buf)
         self.kernels.setdefault(spec.name, spec)
-        args = ", ".join(arg_buffers)
-        self.lines.writeline(f"{spec.name}.run({args})")
+        if not guarded:
+            self.lines.writeline(f"{spec.name}.run({', '.join(arg_buffers)})")
+            return
+        rnumel = spec.size_args[1]
+        for k, (bound, variant, args) in enumerate(guarded):
+            self.kernels.setdefault(variant.name, variant)
+            self.lines.writeline(f"{'if' if k == 0 else 'elif'} {rnumel} <= {bound}:")
+            self.lines.writeline(f"    {variant.name}.run({', '.join(args)})")
+        self.lines.writeline("else:")
+        self.lines.writeline(f"    {spec.name}.run({', '.join(arg_buffers)})")
 
     def extern_call(self, node: ExternKernelSchedulerNode) -> None:
         buf = node.node
@@ -175,7 +198,7 @@ class WrapperCodegen:
             if buf is None:
                 continue
             if isinstance(buf, InputBuffer) or name in self.plan.allocations or isinstance(
-                    buf, ExternKernel):
+                    buf, ExternKernel) or _aliases_intermediate(buf):
                 self.lines.writeline(f"del {name}")
                 self.freed.add(name)
 
@@ -189,6 +212,8 @@ class WrapperCodegen:
             if input_names:
                 code.writeline(f"{', '.join(input_names)}, = args")
             code.writeline("args.clear()")
+            for symbol, source in V.graph.symbol_sources.items():
+                code.writeline(f"{symbol.name} = {source}")
         code.splice(self.lines)
         with code.indent():
             code.writeline(f"return ({''.join(self._output_ref(o) + ', ' for o in outputs)})")
@@ -223,6 +248,12 @@ def _op_ref(op: Any) -> str:
     overload = op._overloadname
     base = rest.split(".")[0]
     return f"torch.ops.{ns}.{base}.{overload}"
+
+
+def _aliases_intermediate(buf: Buffer) -> bool:
+    """A scatter's result: another name for a buffer of the graph that it wrote in place."""
+    layout = buf.layout
+    return isinstance(layout, MutationLayout) and layout.target in V.graph.name_to_buffer
 
 
 def _lookup(name: str) -> Buffer | None:

@@ -14,8 +14,9 @@ from typing import Any
 import sympy
 import torch
 
+from ..sizevars import SymbolicTensor
 from ..virtualized import V
-from .layout import FixedLayout, Layout, MultiOutputLayout
+from .layout import FixedLayout, Layout, MultiOutputLayout, contiguous_strides
 from .nodes import (
     Buffer,
     IRNode,
@@ -61,9 +62,60 @@ def meta_tensor(x: IRNode) -> torch.Tensor:
     return torch.empty(size, dtype=x.get_dtype(), device="meta")
 
 
-def layout_of(t: torch.Tensor, device: torch.device) -> FixedLayout:
+def layout_of(t: Any, device: torch.device) -> FixedLayout:
+    """The layout of a (meta, fake or symbolic) tensor."""
     return FixedLayout(device, t.dtype, sympify_tuple(t.shape), sympify_tuple(t.stride()),
-                       sympy.Integer(t.storage_offset()))
+                       sympy.sympify(t.storage_offset()))
+
+
+class _SymbolicOut:
+    """The size, stride and dtype of an extern's output in a graph with dynamic shapes."""
+
+    def __init__(self, shape: Sequence[Any], dtype: torch.dtype) -> None:
+        self.shape = tuple(sympify_tuple(shape))
+        self.dtype = dtype
+
+    def stride(self) -> tuple[Any, ...]:
+        return contiguous_strides(self.shape)
+
+    def storage_offset(self) -> int:
+        return 0
+
+
+def _is_symbolic(inputs: Sequence[IRNode], args: Any) -> bool:
+    sizes = [s for x in inputs for s in (*x.get_size(), *_strides(x))]
+    return any(not sympy.sympify(s).is_Integer for s in sizes) or _has_symbol(args)
+
+
+def _strides(x: IRNode) -> tuple[Any, ...]:
+    if isinstance(x, ReinterpretView):
+        return x.layout.stride
+    return x.get_layout().stride if isinstance(x, Buffer) else ()
+
+
+def _has_symbol(value: Any) -> bool:
+    if isinstance(value, sympy.Expr):
+        return not value.is_Integer
+    if isinstance(value, (list, tuple)):
+        return any(_has_symbol(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_symbol(v) for v in value.values())
+    return False
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+
+
+def symbolic_output(op: Any, inputs: Sequence[IRNode]) -> Any:
+    """What ``op`` returns when its inputs have symbolic sizes (no meta run: a meta tensor
+    needs values): matmuls by their rule, the op being lowered from its FX node's meta."""
+    if op in _MATMULS:
+        a, b = inputs[0].get_size(), inputs[1].get_size()
+        return _SymbolicOut((*a[:-1], b[-1]), inputs[0].get_dtype())
+    node = V.graph.current_node
+    if node is not None and node.target is op and "val" in node.meta:
+        return node.meta["val"]
+    raise NotImplementedError(f"{op} inside another op's lowering with symbolic sizes")
 
 
 @dataclass(eq=False, repr=False)
@@ -93,7 +145,10 @@ class ExternKernel(Buffer):
                pad_rows_to: int = 1) -> TensorBox:
         inputs = [realize_input(x) for x in tensor_args]
         kwargs = kwargs or {}
-        out = op(*[meta_tensor(x) for x in inputs], *constant_args, **kwargs)
+        if _is_symbolic(inputs, (constant_args, kwargs)):
+            out = symbolic_output(op, inputs)
+        else:
+            out = op(*[meta_tensor(x) for x in inputs], *constant_args, **kwargs)
         device = inputs[0].get_device()
         layout = layout_of(out, device)
         if out_variant is not None:
@@ -105,9 +160,9 @@ class ExternKernel(Buffer):
 
 def padded_rows(layout: FixedLayout, multiple: int) -> FixedLayout:
     """A contiguous layout whose rows start every ``multiple`` elements (aligned rows)."""
-    size = [int(s) for s in layout.size]
-    row = -(-size[-1] // multiple) * multiple
-    stride = [1] * len(size)
+    size = [sympy.sympify(s) for s in layout.size]  # rows (size[-1]) are static
+    row = -(-int(size[-1]) // multiple) * multiple
+    stride: list[Any] = [1] * len(size)
     if len(size) >= 2:
         stride[-2] = row
         for d in range(len(size) - 3, -1, -1):
@@ -175,12 +230,15 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
     inputs: list[IRNode] = []
     args_t = _template(list(args), inputs)
     kwargs_t = {k: _template(v, inputs) for k, v in kwargs.items()}
-    metas = [meta_tensor(x) for x in inputs]
-    out = op(*fill_template(args_t, metas.__getitem__),
-             **fill_template(kwargs_t, metas.__getitem__))
+    if _is_symbolic(inputs, (args, kwargs)):
+        out = symbolic_output(op, inputs)
+    else:
+        metas = [meta_tensor(x) for x in inputs]
+        out = op(*fill_template(args_t, metas.__getitem__),
+                 **fill_template(kwargs_t, metas.__getitem__))
     device = _fallback_device(inputs, kwargs)
     mutated = [_buffer_name(inputs[i]) for i in _mutated_arg_slots(op, args_t, kwargs_t)]
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, (torch.Tensor, _SymbolicOut, SymbolicTensor)):
         node = FallbackKernel(name=None, layout=layout_of(out, device), inputs=inputs,
                               op_overload=op, args_template=args_t, kwargs_template=kwargs_t,
                               mutated_inputs=mutated)
@@ -198,7 +256,7 @@ def _buffer_name(x: IRNode) -> str:
 
 def _multi_outputs(parent: FallbackKernel, out: Any, indices: tuple[int, ...],
                    device: torch.device) -> Any:
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, (torch.Tensor, _SymbolicOut, SymbolicTensor)):
         mo = MultiOutput(name=None, layout=layout_of(out, device), inputs=[parent],
                          parent=parent, indices=indices)
         parent.outputs.append(mo)

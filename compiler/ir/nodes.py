@@ -94,6 +94,30 @@ class Pointwise(Loops):
         ops.store(name, indexer(index), self.inner_fn(index))
 
 
+# How a Scatter combines a value with what its target holds: None overwrites.
+SCATTER_MODES = (None, "atomic_add", "atomic_max", "atomic_min")
+
+
+@dataclass(frozen=True, eq=False)
+class Scatter(Pointwise):
+    """A loop over the *source* of a scatter: element ``index`` goes to the target at
+    ``output_indexer(index)`` (an indirect index), combined there by ``scatter_mode``.
+
+    It is realized as a buffer with a ``MutationLayout`` over the target buffer, which a
+    separate kernel filled first: a scatter writes elements of the target that other
+    iterations (other programs on a GPU) may also write, so it never fuses with the
+    target's producer or its readers.
+    """
+
+    output_indexer: Callable[[Sequence[Expr]], Sequence[Expr]] = field(default=None)  # type: ignore[assignment]
+    scatter_mode: str | None = None
+
+    def store_output(self, name: str, indexer: Callable[[Sequence[Expr]], Expr],
+                     index: Sequence[Expr]) -> None:
+        value = self.inner_fn(index)
+        ops.store(name, indexer(self.output_indexer(index)), value, mode=self.scatter_mode)
+
+
 @dataclass(frozen=True, eq=False)
 class Reduction(Loops):
     """``reduction_type`` over ``reduction_ranges`` of ``inner_fn(index, rindex)``.
@@ -435,10 +459,13 @@ def as_storage_and_layout(node: IRNode) -> tuple[Buffer, FixedLayout] | None:
     buf = storage.data
     size = node.get_size()
     idx = fresh_index_vars(len(size))
-    from .sym import linear_coefficients
+    from .sym import combine_div_mod, linear_coefficients, simplify_with_ranges
 
     base_layout = buf.get_layout()
     flat = base_layout.make_indexer()(list(reindex(idx)))
+    # A reshape of a contiguous range splits an index into div and mod parts that fold
+    # back into one affine term: (8, 64, 32) over (2, 4, 64, 32) needs no copy.
+    flat = combine_div_mod(simplify_with_ranges(sympy.expand(flat), dict(zip(idx, size))))
     lin = linear_coefficients(flat, idx)
     if lin is None:
         return None

@@ -38,6 +38,11 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(int(base) // int(divisor))
         if isinstance(base, FloorDiv):
             return FloorDiv(base.args[0], base.args[1] * divisor)
+        if not isinstance(divisor, sympy.Integer):
+            # A symbolic divisor: exact when the quotient is a polynomial (32*s0 // s0).
+            num, den = sympy.fraction(sympy.cancel(base / divisor))
+            if den == 1 and _integer_polynomial(num):
+                return num
         if isinstance(divisor, sympy.Integer) and isinstance(base, sympy.Add):
             # Terms that are multiples of the divisor come out of the division exactly.
             exact, rest = [], []
@@ -56,6 +61,10 @@ class FloorDiv(sympy.Function):
             if isinstance(coeff, sympy.Integer) and int(coeff) % int(divisor) == 0:
                 return (coeff / divisor) * rest
         return None
+
+
+def _integer_polynomial(expr: Expr) -> bool:
+    return all(term.as_coeff_Mul()[0].is_Integer for term in sympy.Add.make_args(expr))
 
 
 class ModularIndexing(sympy.Function):
@@ -166,3 +175,46 @@ def linear_coefficients(
     if sympy.expand(rebuilt - expr) != 0:
         return None
     return coeffs, const
+
+
+def combine_div_mod(expr: Expr) -> Expr:
+    """Fold ``c*(b // (d*m)) * m + c*((b // d) % m)`` back into ``c*(b // d)``.
+
+    Loops that could not be merged for every access (a broadcast bias reads only the
+    inner one) still give full accesses of this shape; folding makes them plain again.
+    ``c``, ``d`` and ``m`` may be sizes of a graph with dynamic shapes.
+    """
+    changed = True
+    while changed and isinstance(expr, sympy.Add):
+        changed = False
+        terms = list(expr.args)
+        mods = []
+        for t in terms:
+            coeff, rest = _split_function(t)
+            if isinstance(rest, ModularIndexing):
+                mods.append((t, coeff, rest))
+        for t, coeff, mod in mods:
+            base, div, m = mod.args
+            partner_rest = FloorDiv(base, div * m)
+            for u in terms:
+                c2, r2 = _split_function(u)
+                if u is not t and r2 == partner_rest and sympy.expand(c2 - coeff * m) == 0:
+                    others = [x for x in terms if x is not t and x is not u]
+                    expr = sympy.Add(*others, coeff * FloorDiv(base, div))
+                    changed = True
+                    break
+            if changed:
+                break
+    return expr
+
+
+def _split_function(term: Expr) -> tuple[Expr, Expr | None]:
+    """``term`` as (coefficient, its one FloorDiv/ModularIndexing factor, if any)."""
+    coeff: Expr = sympy.Integer(1)
+    func: Expr | None = None
+    for factor in sympy.Mul.make_args(term):
+        if isinstance(factor, (FloorDiv, ModularIndexing)) and func is None:
+            func = factor
+        else:
+            coeff = coeff * factor
+    return coeff, func

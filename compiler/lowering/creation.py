@@ -95,11 +95,11 @@ def _empty(size: Sequence[Any], dtype: torch.dtype, device: Any) -> TensorBox:
 
 
 def _is_contiguous(size: Sequence[Any], stride: Sequence[int]) -> bool:
-    expected = 1
+    expected: Expr = sympy.Integer(1)
     for n, s in reversed(list(zip(size, stride))):
-        if int(n) != 1 and s != expected:
+        if n != 1 and sympy.expand(s - expected) != 0:
             return False
-        expected *= int(n)
+        expected = expected * n
     return True
 
 
@@ -144,13 +144,19 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: torch.dtype | N
     if end is None:
         start, end = 0, start
     if dtype is None:
-        is_int = all(isinstance(v, int) for v in (start, end, step))
+        is_int = all(isinstance(v, int) or (isinstance(v, sympy.Expr) and v.is_integer)
+                     for v in (start, end, step))
         dtype = torch.int64 if is_int else torch.get_default_dtype()
+    if isinstance(end, sympy.Expr) and not end.is_Integer:  # a symbolic length
+        if not (isinstance(start, int) and step == 1 and
+                V.graph.sizevars.statically_known_geq(end, start)):
+            raise NotImplementedError(f"arange({start}, {end}, {step}) with a symbolic size")
+        return _iota(sympy.expand(end - start), start, step, dtype, device)
     length = max(0, int(-(-(end - start) // step)))
     return _iota(length, start, step, dtype, device)
 
 
-def _iota(length: int, start: Any, step: Any, dtype: torch.dtype, device: Any) -> TensorBox:
+def _iota(length: Any, start: Any, step: Any, dtype: torch.dtype, device: Any) -> TensorBox:
     def inner_fn(index: Sequence[Expr]) -> Any:
         if isinstance(start, int) and isinstance(step, int):
             return ops.index_expr(index[0] * step + start, dtype)
@@ -159,7 +165,7 @@ def _iota(length: int, start: Any, step: Any, dtype: torch.dtype, device: Any) -
                         torch.float64)), ops.constant(start, torch.float64))
         return ops.to_dtype(value, dtype)
 
-    return Pointwise.create(_device(device), dtype, inner_fn, (sympy.Integer(length),))
+    return Pointwise.create(_device(device), dtype, inner_fn, (sympy.sympify(length),))
 
 
 @register_lowering(prims.iota)

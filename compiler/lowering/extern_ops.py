@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch
 
 from ..ir.extern import ExternKernel, make_fallback_call
@@ -27,7 +28,10 @@ def _row_padding(a: IRNode, b: IRNode) -> int:
     if a.get_device().type != "cuda" or not dtype.is_floating_point:
         return 1
     multiple = max(1, 16 // dtype.itemsize)
-    n, m = int(b.get_size()[-1]), int(a.get_size()[-2])
+    width = sympy.sympify(b.get_size()[-1])
+    if not width.is_Integer:  # a symbolic width is not padded
+        return 1
+    n, m = int(width), V.graph.sizevars.size_hint(a.get_size()[-2])
     if n % multiple == 0 or n * m < PAD_MIN_ELEMENTS:
         return 1
     return multiple
@@ -130,7 +134,7 @@ def convolution(x: IRNode, weight: IRNode, bias: IRNode | None, stride: Any, pad
     ndim = len(out.get_size())
     from .views import view
 
-    b = view(bias, [int(bias.get_size()[0])] + [1] * (ndim - 2))
+    b = view(bias, [bias.get_size()[0]] + [1] * (ndim - 2))
     return _scaled_epilogue(out, b, 1, 1)
 
 

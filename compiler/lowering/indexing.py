@@ -12,7 +12,15 @@ import torch
 from ..ir.nodes import IRNode, Pointwise, TensorBox
 from ..ir.sym import Expr, FloorDiv, sympify_tuple
 from ..virtualized import ops
-from .registry import DEFAULT, broadcast_shapes, expand, promote_dtypes, register_lowering
+from .registry import (
+    DEFAULT,
+    broadcast_shapes,
+    expand,
+    promote_dtypes,
+    register_lowering,
+    size_value,
+)
+from .views import _clamp
 
 aten = torch.ops.aten
 
@@ -25,10 +33,11 @@ def _indirect(loader: Any, index: Sequence[Expr], size: Expr) -> sympy.Symbol:
     return ops.indirect_indexing(loader(index), size)
 
 
-@register_lowering(aten.index.Tensor)
-def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
-    """``x[indices]`` with ATen's advanced-indexing shape rules."""
-    size = list(x.get_size())
+def advanced_indexer(size: Sequence[Expr], indices: Sequence[IRNode | None]
+                     ) -> tuple[list[Expr], Any]:
+    """The shape of ``x[indices]`` (ATen's advanced-indexing rules) and the map from an
+    index of it to the index of ``x`` it reads; index_put scatters along the same map."""
+    size = list(size)
     indices = list(indices) + [None] * (len(size) - len(indices))
     adv = [i for i, t in enumerate(indices) if t is not None]
     bshape = list(broadcast_shapes(*[indices[i].get_size() for i in adv]))  # type: ignore
@@ -38,10 +47,9 @@ def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
     before = adv[0] if contiguous else 0
     rest = [d for d in range(len(size)) if d not in adv]
     out_size = ([size[d] for d in rest[:before]] + bshape + [size[d] for d in rest[before:]])
-    x_loader = x.make_loader()
     nb = len(bshape)
 
-    def inner_fn(idx: Sequence[Expr]) -> Any:
+    def to_source(idx: Sequence[Expr]) -> list[Expr]:
         bidx = list(idx[before:before + nb])
         plain = list(idx[:before]) + list(idx[before + nb:])
         full: list[Expr] = [sympy.Integer(0)] * len(size)
@@ -49,7 +57,19 @@ def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
             full[d] = plain[k]
         for d in adv:
             full[d] = _indirect(loaders[d], bidx, size[d])
-        return x_loader(full)
+        return full
+
+    return out_size, to_source
+
+
+@register_lowering(aten.index.Tensor)
+def index(x: IRNode, indices: Sequence[IRNode | None]) -> TensorBox:
+    """``x[indices]`` with ATen's advanced-indexing shape rules."""
+    out_size, to_source = advanced_indexer(x.get_size(), indices)
+    x_loader = x.make_loader()
+
+    def inner_fn(idx: Sequence[Expr]) -> Any:
+        return x_loader(to_source(idx))
 
     return Pointwise.create(x.get_device(), x.get_dtype(), inner_fn, sympify_tuple(out_size))
 
@@ -100,8 +120,8 @@ def index_select(x: IRNode, dim: int, index_t: IRNode) -> TensorBox:
 
 
 def _in_range(i: Expr, lo: Expr, hi: Expr) -> Any:
-    lo_ok = ops.ge(ops.index_expr(i, torch.int64), ops.constant(int(lo), torch.int64))
-    hi_ok = ops.lt(ops.index_expr(i, torch.int64), ops.constant(int(hi), torch.int64))
+    lo_ok = ops.ge(ops.index_expr(i, torch.int64), size_value(lo, torch.int64))
+    hi_ok = ops.lt(ops.index_expr(i, torch.int64), size_value(hi, torch.int64))
     return ops.logical_and(lo_ok, hi_ok)
 
 
@@ -173,16 +193,16 @@ def slice_scatter(x: IRNode, src: IRNode, dim: int = 0, start: int | None = None
                   end: int | None = None, step: int = 1) -> TensorBox:
     size = list(x.get_size())
     dim = _norm(dim, len(size))
-    n = int(size[dim])
-    start = 0 if start is None else (start + n if start < 0 else start)
-    end = n if end is None else min(n, end + n if end < 0 else end)
+    n = sympy.sympify(size[dim])
+    start = _clamp(0 if start is None else start, n)
+    end = _clamp(n if end is None else end, n)
     x_load, s_load, dtype = x.make_loader(), src.make_loader(), x.get_dtype()
 
     def inner_fn(idx: Sequence[Expr]) -> Any:
         i = ops.index_expr(idx[dim], torch.int64)
         inside = _in_range(idx[dim], start, end)
         if step != 1:
-            on_step = ops.eq(ops.remainder(ops.sub(i, ops.constant(start, torch.int64)),
+            on_step = ops.eq(ops.remainder(ops.sub(i, size_value(start, torch.int64)),
                                            ops.constant(step, torch.int64)),
                              ops.constant(0, torch.int64))
             inside = ops.logical_and(inside, on_step)
@@ -198,11 +218,11 @@ def slice_scatter(x: IRNode, src: IRNode, dim: int = 0, start: int | None = None
 def select_scatter(x: IRNode, src: IRNode, dim: int, index: int) -> TensorBox:
     size = list(x.get_size())
     dim = _norm(dim, len(size))
-    index = index + int(size[dim]) if index < 0 else index
+    position = _clamp(index, sympy.sympify(size[dim]))
     x_load, s_load, dtype = x.make_loader(), src.make_loader(), x.get_dtype()
 
     def inner_fn(idx: Sequence[Expr]) -> Any:
-        hit = ops.eq(ops.index_expr(idx[dim], torch.int64), ops.constant(index, torch.int64))
+        hit = ops.eq(ops.index_expr(idx[dim], torch.int64), size_value(position, torch.int64))
         from_src = ops.to_dtype(s_load(list(idx[:dim]) + list(idx[dim + 1:])), dtype)
         return ops.where(hit, from_src, x_load(idx))
 

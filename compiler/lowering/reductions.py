@@ -4,16 +4,18 @@ consumer would recompute the whole reduction for every element the consumer read
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 
+from ..dependencies import extract_read_writes, reduction_access_order
 from ..ir.nodes import IRNode, Pointwise, Reduction, TensorBox
 from ..ir.sym import Expr, prod, unflatten_index
-from ..virtualized import ops
+from ..virtualized import V, ops
 from .pointwise import to_dtype
-from .registry import register_lowering
+from .registry import register_lowering, size_value
 from .views import view
 
 aten = torch.ops.aten
@@ -71,15 +73,16 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         result: TensorBox = Pointwise.create(
             x.get_device(), dtype, lambda idx: ops.to_dtype(single(inner_fn(idx, zeros), dtype),
                                                             dtype), ranges)
-    elif _split_factor(reduction_type, ranges, rranges) > 1:
-        result = _split_reduction(x, inner_fn, ranges, rranges, reduction_type, dtype, src)
+    elif (split := _split_factor(x, inner_fn, reduction_type, ranges, rranges)).factor > 1:
+        result = _split_reduction(x, inner_fn, ranges, rranges, reduction_type, dtype, src,
+                                  split)
     else:
         node = Reduction(x.get_device(), dtype, inner_fn, ranges, rranges, reduction_type,
                          src, output_index)
         result = TensorBox.create(node)
         result.realize()
     if keepdim:
-        shape = [1 if d in dims else int(s) for d, s in enumerate(size)]
+        shape = [1 if d in dims else s for d, s in enumerate(size)]
         return view(result, shape)  # type: ignore[return-value]
     return result
 
@@ -90,41 +93,91 @@ _SPLITTABLE = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "any": 
                "all": "all"}
 SPLIT_MIN_RNUMEL = 65536
 SPLIT_MAX_OUTPUTS = 64
+# On a GPU: stage one aims at this many programs per SM, each reducing at least
+# GPU_MIN_CHUNK elements of a row (GPU_MIN_OUTER_CHUNK rows of a column block).
+GPU_PROGRAMS_PER_SM = 2
+GPU_MIN_CHUNK = 1024
+GPU_MIN_OUTER_CHUNK = 32
+GPU_MIN_WORK = 2**18
+# Columns a program of an outer (column) reduction covers (heuristics.py's first config).
+OUTER_XBLOCK = 64
+DEFAULT_SM_COUNT = 132  # an H100 / H200, when the target does not say
 
 
-def _split_factor(reduction_type: str, ranges: Sequence[Expr], rranges: Sequence[Expr]) -> int:
+@dataclass(frozen=True)
+class Split:
+    """How a reduction splits: ``factor`` chunks, with the chunk index the outermost
+    dimension of the partials (``outer``, column sums: stage one stays coalesced) or the
+    innermost (row sums)."""
+
+    factor: int = 1
+    outer: bool = False
+
+
+def sm_count() -> int:
+    target = getattr(V.graph, "target", None) or {}
+    return int(target.get("sm_count", DEFAULT_SM_COUNT))
+
+
+def _split_factor(x: IRNode, inner_fn: Any, reduction_type: str, ranges: Sequence[Expr],
+                  rranges: Sequence[Expr]) -> Split:
     if reduction_type not in _SPLITTABLE:
-        return 1
-    numel, rnumel = int(prod(ranges)), int(prod(rranges))
+        return Split()
+    numel_expr, rnumel_expr = prod(ranges), prod(rranges)
+    if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
+        return Split()  # chunks of a symbolic row: not split (one looped reduction instead)
+    numel, rnumel = int(numel_expr), int(rnumel_expr)
+    if x.get_device().type == "cuda":
+        inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
+                                              len(ranges))
+        return _gpu_split(numel, rnumel, outer > inner)
     if numel > SPLIT_MAX_OUTPUTS or rnumel < SPLIT_MIN_RNUMEL:
-        return 1
+        return Split()
     split = 1
     while split < 1024 and rnumel % (split * 2) == 0 and rnumel // (split * 2) >= 2048:
         split *= 2
-    return split
+    return Split(split)
+
+
+def _gpu_split(numel: int, rnumel: int, outer: bool) -> Split:
+    """Enough programs for the machine: a column sum of 512 columns is 8 programs of 64
+    columns unsplit, 256 split 32 ways (bias and layer-norm weight gradients)."""
+    programs = -(-numel // OUTER_XBLOCK) if outer else numel
+    want = GPU_PROGRAMS_PER_SM * sm_count()
+    min_chunk = GPU_MIN_OUTER_CHUNK if outer else GPU_MIN_CHUNK
+    if numel * rnumel < GPU_MIN_WORK:
+        return Split()
+    split = 1
+    while (programs * split < want and rnumel % (split * 2) == 0
+           and rnumel // (split * 2) >= min_chunk):
+        split *= 2
+    return Split(split, outer)
 
 
 def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
                      rranges: tuple[Expr, ...], reduction_type: str, dtype: torch.dtype,
-                     src: torch.dtype) -> TensorBox:
-    """Reduce ``split`` chunks into a partials buffer, then reduce the partials."""
-    split = _split_factor(reduction_type, ranges, rranges)
-    chunk = int(prod(rranges)) // split
+                     src: torch.dtype, split: Split) -> TensorBox:
+    """Reduce ``split.factor`` chunks into a partials buffer, then reduce the partials."""
+    chunk = int(prod(rranges)) // split.factor
     acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     n = len(ranges)
+    parts = (sympy.Integer(split.factor),)
 
     def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        flat = index[n] * chunk + rindex[0]
-        return inner_fn(index[:n], unflatten_index(flat, rranges))
+        part, kept = (index[0], index[1:]) if split.outer else (index[n], index[:n])
+        return inner_fn(kept, unflatten_index(part * chunk + rindex[0], rranges))
 
     partial = TensorBox.create(Reduction(x.get_device(), acc, stage1,
-                                         ranges + (sympy.Integer(split),),
+                                         parts + ranges if split.outer else ranges + parts,
                                          (sympy.Integer(chunk),), reduction_type, src))
     partial.realize()
     load = partial.make_loader()
-    final = TensorBox.create(Reduction(
-        x.get_device(), dtype, lambda index, rindex: load(list(index) + [rindex[0]]),
-        ranges, (sympy.Integer(split),), _SPLITTABLE[reduction_type], acc))
+
+    def stage2(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        return load([rindex[0], *index] if split.outer else [*index, rindex[0]])
+
+    final = TensorBox.create(Reduction(x.get_device(), dtype, stage2, ranges, parts,
+                                       _SPLITTABLE[reduction_type], acc))
     final.realize()
     return final
 
@@ -213,7 +266,7 @@ def mean(x: IRNode, dim: Any = None, keepdim: bool = False, *,
     load = total.make_loader()
     return Pointwise.create(
         x.get_device(), out_dtype,
-        lambda idx: ops.to_dtype(ops.truediv(load(idx), ops.constant(int(n), acc)), out_dtype),
+        lambda idx: ops.to_dtype(ops.truediv(load(idx), size_value(n, acc)), out_dtype),
         total.get_size())
 
 
@@ -223,16 +276,22 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     out_dtype = _float_dtype(x, None)
     acc = _acc_dtype(out_dtype)
     dims = _dims(x, dim)
-    n = int(prod(x.get_size()[d] for d in dims))
+    n = prod(x.get_size()[d] for d in dims)
     src = to_dtype(x, acc)
     mean_ = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=0)
     m2 = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=1)
-    denom = max(0.0, n - correction)
     load_m2, load_mean = m2.make_loader(), mean_.make_loader()
+
+    def denom() -> Any:
+        if n.is_Integer:
+            return ops.constant(max(0.0, int(n) - correction), acc)
+        zero, corr = ops.constant(0.0, acc), ops.constant(correction, acc)
+        return ops.maximum(ops.sub(size_value(n, acc), corr), zero)
+
     var = Pointwise.create(
         x.get_device(), out_dtype,
-        lambda idx: ops.to_dtype(ops.truediv(load_m2(idx), ops.constant(denom, acc)),
-                                 out_dtype), m2.get_size())
+        lambda idx: ops.to_dtype(ops.truediv(load_m2(idx), denom()), out_dtype),
+        m2.get_size())
     mean_out = Pointwise.create(x.get_device(), out_dtype,
                                 lambda idx: ops.to_dtype(load_mean(idx), out_dtype),
                                 mean_.get_size()) if out_dtype != acc else mean_

@@ -203,3 +203,12 @@ def eager_strides(arg: int | None = None) -> tuple[int, ...] | None:
         expected *= size
     return tuple(meta.stride())
 
+
+
+def size_value(n: Expr | int, dtype: torch.dtype) -> Any:
+    """A size as a value in a loop body: a constant, or (dynamic shapes) computed from the
+    kernel's size arguments."""
+    n = sympy.sympify(n)
+    if n.is_Integer:
+        return ops.constant(int(n), dtype)
+    return ops.to_dtype(ops.index_expr(n, torch.int64), dtype)

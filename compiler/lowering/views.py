@@ -12,6 +12,7 @@ from ..ir.extern import realize_input
 from ..ir.layout import FixedLayout
 from ..ir.nodes import Buffer, IRNode, ReinterpretView, TensorBox, View
 from ..ir.sym import Expr, FloorDiv, ModularIndexing, prod, sympify_tuple
+from ..virtualized import V
 from .registry import eager_strides, expand, register_lowering
 
 aten = torch.ops.aten
@@ -32,7 +33,10 @@ def _infer_size(size: Sequence[int], numel: Expr) -> list[Expr]:
     if -1 in size:
         i = size.index(-1)
         known = prod(s for j, s in enumerate(size) if j != i)
-        size[i] = sympy.simplify(numel / known)
+        quotient = sympy.simplify(numel / known)
+        num, den = sympy.fraction(sympy.cancel(quotient))
+        # A symbolic size that sympy cannot divide exactly: Dynamo's guards made it exact.
+        size[i] = quotient if den == 1 else FloorDiv(numel, known)
     return list(sympify_tuple(size))
 
 
@@ -47,8 +51,12 @@ def _reshape_groups(old: Sequence[Expr], new: Sequence[Expr]
         gi, gj = [oi[a]], [nj[b]]
         po, pn = old[oi[a]], new[nj[b]]
         a, b = a + 1, b + 1
-        while po != pn:
-            if int(po) < int(pn):
+        while sympy.expand(po - pn) != 0:
+            if a >= len(oi) and b >= len(nj):
+                raise ValueError(f"cannot pair the sizes {tuple(old)} with {tuple(new)}")
+            # Which side grows next is a heuristic (hints); the loop checks the pairing.
+            hint = V.graph.sizevars.size_hint
+            if a < len(oi) and (b >= len(nj) or hint(po) < hint(pn)):
                 gi.append(oi[a])
                 po, a = po * old[oi[a]], a + 1
             else:
@@ -125,7 +133,7 @@ def expand_(x: IRNode, size: Sequence[int], *args: Any, implicit: bool = False) 
         shape = [sympy.Integer(1)] * len(inner)
         for k, d in enumerate(dims):
             shape[d] = x.get_size()[k]
-        x = view(x, [int(s) for s in shape])
+        x = view(x, shape)
         return expand(x, inner)
     old = x.get_size()
     new = [old[i - (len(size) - len(old))] if s == -1 else s for i, s in enumerate(size)]
@@ -161,19 +169,42 @@ def squeeze(x: IRNode, dim: int | Sequence[int] | None = None) -> IRNode:
     return _view(x, [size[i] for i in keep], reindex, "squeeze")
 
 
+def _clamp(value: Any, n: Expr) -> Expr:
+    """A slice bound in ``[0, n]`` (negative counts from the end), proved for every size
+    a graph with dynamic shapes admits; ValueError when it cannot be."""
+    v = sympy.sympify(value)
+    if v.is_Integer and n.is_Integer:
+        i, size = int(v), int(n)
+        return sympy.Integer(max(0, min(i + size if i < 0 else i, size)))
+    known_geq = V.graph.sizevars.statically_known_geq
+    if v.is_Integer and int(v) < 0:
+        v = sympy.expand(n + v)
+    elif v.is_Integer and int(v) >= 2**62:  # "to the end" (INT64_MAX)
+        return n
+    if known_geq(v, 0) and known_geq(n, v):
+        return v
+    if known_geq(v, n):
+        return n
+    raise ValueError(f"slice bound {value} of a dimension of size {n} is not provably in range")
+
+
 @register_lowering(aten.slice)
 def slice_(x: IRNode, dim: int = 0, start: int | None = None, end: int | None = None,
            step: int = 1) -> IRNode:
     size = list(x.get_size())
     dim = _norm_dim(dim, len(size))
-    n = int(size[dim])
-    start = 0 if start is None else (start + n if start < 0 else start)
-    end = n if end is None else (end + n if end < 0 else end)
-    start, end = max(0, min(start, n)), max(0, min(end, n))
-    if start == 0 and end == n and step == 1:
+    n = sympy.sympify(size[dim])
+    start_, end_ = _clamp(0 if start is None else start, n), _clamp(n if end is None else end, n)
+    if start_ == 0 and sympy.expand(end_ - n) == 0 and step == 1:
         return x
-    length = max(0, (end - start + step - 1) // step)
-    new = size[:dim] + [sympy.Integer(length)] + size[dim + 1:]
+    if n.is_Integer and start_.is_Integer and end_.is_Integer:
+        length: Expr = sympy.Integer(max(0, (int(end_) - int(start_) + step - 1) // step))
+    elif step == 1 and V.graph.sizevars.statically_known_geq(end_, start_):
+        length = sympy.expand(end_ - start_)
+    else:
+        raise ValueError(f"slice [{start}:{end}:{step}] of a dimension of size {n}")
+    new = size[:dim] + [length] + size[dim + 1:]
+    start = start_  # type: ignore[assignment]
 
     def reindex(index: Sequence[Expr]) -> list[Expr]:
         out = list(index)
@@ -187,10 +218,10 @@ def slice_(x: IRNode, dim: int = 0, start: int | None = None, end: int | None = 
 def select(x: IRNode, dim: int, index: int) -> TensorBox:
     size = list(x.get_size())
     dim = _norm_dim(dim, len(size))
-    index = index + int(size[dim]) if index < 0 else index
+    position = _clamp(index, sympy.sympify(size[dim]))
 
     def reindex(idx: Sequence[Expr]) -> list[Expr]:
-        return list(idx[:dim]) + [sympy.Integer(index)] + list(idx[dim:])
+        return list(idx[:dim]) + [position] + list(idx[dim:])
 
     return _view(x, size[:dim] + size[dim + 1:], reindex, "select")
 

@@ -1,5 +1,6 @@
 """Generated kernel sources live in real files (Triton reads source through ``inspect``)
-under a cache folder keyed by content; importing one gives its module."""
+under the private cache folder, named by their content's hash and compared with the
+source before each import (``local_cache``); importing one gives its module."""
 
 from __future__ import annotations
 
@@ -7,17 +8,12 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from .local_cache import cache_root, private_dir, verified_file
 
-def cache_root() -> Path:
-    root = os.environ.get("KILN_CACHE_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kiln"
+__all__ = ["cache_root", "import_source", "source_hash", "write_source"]
 
 
 def source_hash(source: str) -> str:
@@ -25,18 +21,10 @@ def source_hash(source: str) -> str:
 
 
 def write_source(source: str, suffix: str = ".py") -> Path:
-    """Write ``source`` once, atomically, to a path named by its hash."""
+    """``source`` in a file named by its hash, checked (and rewritten if it differs)."""
     digest = source_hash(source)
-    folder = cache_root() / "kernels" / digest[:2]
-    path = folder / f"k{digest[:40]}{suffix}"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
-    return path
+    return verified_file(private_dir("kernels", digest[:2]) / f"k{digest[:40]}{suffix}",
+                         source.encode())
 
 
 def import_source(source: str, interpret: bool = False) -> ModuleType:

@@ -42,10 +42,16 @@ import json
 from farm_helpers import cuda_request
 from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
+from kiln.frontend.artifact import from_artifact
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(cuda_request(shapes=((16, 32), (32, 32))))
-compiled = result.compiled
+first = result.compiled
+assert client.tuner.wait(300)
+compiled = from_artifact(client.store.get(result.key.key))
 print(json.dumps({"source": result.source, "autotuned": compiled.autotuned,
+                  "first_autotuned": first.autotuned,
+                  "first_pending": first.stats.get("autotune_pending", False),
+                  "publishes": client.counters.snapshot().get("autotune_publishes", 0),
                   "chosen": {s.name: compiled.configs[s.name] for s in compiled.kernels},
                   "candidates": {s.name: list(s.configs) for s in compiled.kernels},
                   "records": compiled.stats.get("autotune", {})}))
@@ -63,6 +69,9 @@ def test_gpu_autotuners_time_candidates_and_keep_the_fastest(tmp_path: Path) -> 
     finally:
         head.stop()
     assert out["source"] == "farm" and out["autotuned"] is True
+    # The first answer came from heuristic configs; the tuned artifact came after it.
+    assert out["first_autotuned"] is False and out["first_pending"] is True
+    assert out["publishes"] == 1
     for name, candidates in out["candidates"].items():
         if len(candidates) < 2:
             continue

@@ -127,6 +127,11 @@ def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> 
     assert down.returncode == 0 and "stopped" in down.stdout
     assert not (tmp_path / "cache" / "kiln" / "farm.json").exists()
     assert kiln("farm", "status", env=env).returncode == 1
+    # No farm up: a `local` client compiles in process at once, and says nothing.
+    out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local", "KILN_STORE":
+                                    str(tmp_path / "s2")})
+    assert out == {**out, "source": "local", "joined": None}
+    assert "KilnFarmWarning" not in out.get("_stderr", "")
 
 
 def test_farm_status_names_the_missing_token_and_keeps_rays_noise_out(tmp_path: Path) -> None:

@@ -64,8 +64,9 @@ def test_inprocess_local_and_cluster_artifacts_are_byte_identical(
         result = client.compile(request)
         assert result.source == ("local" if mode == "inprocess" else "farm")
         found[mode] = blob_digests(client.store.get(result.key.key))
-    # The embedded mode: a fresh process starts its own Ray with this machine's CPUs.
-    env = subprocess_env(tmp_path, KILN_FARM="local", KILN_STORE=str(tmp_path / "store-l"))
+    # The embedded mode: a fresh process starts its own Ray with this machine's CPUs
+    # (`local`, the default, would compile in process: no farm is up).
+    env = subprocess_env(tmp_path, KILN_FARM="embedded", KILN_STORE=str(tmp_path / "store-l"))
     local = run_python(CLIENT.format(shapes=shapes), env)
     assert local["source"] == "farm", local["_stderr"][-3000:]
     assert local["key"] == compute_key(request).key

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_aggregate
 
-import kiln.frontend.keys as keys
+import kiln.compiler.keys as keys
 from kiln.frontend.keys import KeyInfo, compute_key, diff_requests, explain_miss, hash_source_tree
 from kiln.frontend.serialize import (
     CompileRequest,

@@ -360,10 +360,18 @@ def test_only_listed_python_functions_decode() -> None:
         deserialize_graph(hostile)
 
 
-def test_symbolic_shapes_are_refused() -> None:
+def test_symbolic_shapes_need_a_symbol_table() -> None:
+    from kiln.compiler.symwire import SymbolTable
+
     gm = make_fx(pointwise_sum, tracing_mode="symbolic")(*[torch.randn(4, 6)] * 3)
-    with pytest.raises(SerializationError, match="static shapes"):
+    with pytest.raises(SerializationError, match="symbolic"):
         serialize_graph(gm)
+    table = SymbolTable()
+    data = serialize_graph(gm, table)
+    assert len(table.ranges) == 2  # the two sizes, named s0 and s1 by first appearance
+    rebuilt = deserialize_graph(data, with_fake_meta=True, nsymbols=len(table.ranges))
+    first = next(iter(rebuilt.graph.nodes)).meta["val"]
+    assert [str(s) for s in first.shape] == ["s0", "s1"]
 
 
 def test_corrupt_data_raises() -> None:

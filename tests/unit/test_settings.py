@@ -31,7 +31,8 @@ def test_defaults_with_a_clean_environment() -> None:
     assert messages == [] and config.problems == ()
     assert (config.farm, config.farm_timeout, config.cpu_backend, config.autotune) == (
         "local", 300.0, "cpp", True)
-    assert config.compiler_options() == {"autotune": True, "cpu_backend": "cpp"}
+    assert config.compiler_options() == {"autotune": True, "cpu_backend": "cpp",
+                                         "deterministic": False}
 
 
 @pytest.mark.parametrize(("variable", "value", "expected", "default_shown"), [
@@ -88,7 +89,8 @@ def test_unknown_names_are_warned_with_the_nearest_and_never_reach_the_key() -> 
     assert "unknown option 'cpu_bakend' (did you mean cpu_backend?); it is ignored" in \
         messages[0]
     assert "KILN_STOER is not a Kiln variable (did you mean KILN_STORE?)" in messages[1]
-    assert config.compiler_options() == {"autotune": True, "cpu_backend": "cpp"}
+    assert config.compiler_options() == {"autotune": True, "cpu_backend": "cpp",
+                                         "deterministic": False}
 
 
 def test_settings_that_do_not_change_code_stay_out_of_the_key() -> None:
@@ -98,7 +100,8 @@ def test_settings_that_do_not_change_code_stay_out_of_the_key() -> None:
                              KILN_STATS_FILE="off", KILN_FARM="inprocess")
     assert messages == []
     assert busy.compiler_options() == plain.compiler_options()
-    assert {s.name for s in SETTINGS.values() if s.in_key} == {"cpu_backend", "autotune"}
+    assert {s.name for s in SETTINGS.values() if s.in_key} == {"cpu_backend", "autotune",
+                                                               "deterministic"}
 
 
 def test_option_problems_are_what_the_cli_refuses() -> None:

@@ -1,7 +1,7 @@
 """Compile C++ kernels into shared objects with the system compiler, and launch them.
 
 The compiler is ``$KILN_CXX``, else ``$CXX``, else ``g++``. A shared object is cached
-under ``cache_root()/cpp`` by a hash of the source, the prelude, the flags, the ISA level
+under ``<private cache>/cpp`` by a hash of the source, the prelude, the flags, the ISA level
 and the compiler's version, so a kernel compiles once per machine. The instruction-set
 level comes from the target (``{"kind": "cpu", "isa": "x86-64-v3"}``) and is always a
 named x86-64 level, never ``-march=native``: the same target gives the same binary on
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KilnCompileError
-from ...runtime.kernel_files import cache_root
+from ...runtime.local_cache import private_dir, trusted_file, verified_file
 from ..kernel_spec import KernelSpec
 from .prelude import PRELUDE_NAME, prelude_source
 
@@ -161,19 +161,18 @@ def compile_cpp(spec: KernelSpec, target: dict[str, Any]) -> tuple[bytes, dict[s
                                kernel=spec.name) from e
     flags = build_flags(cxx, isa)
     key = cache_key(spec.source, flags, version, isa)
-    path = cache_root() / "cpp" / key[:2] / f"{key}.so"
+    path = private_dir("cpp", key[:2]) / f"{key}.so"
     meta = {"cache_key": key, "compiler": version, "cxx": cxx, "flags": flags, "isa": isa,
             "symbol": spec.name}
-    if not path.exists():
+    if not trusted_file(path):  # these bytes get published: only from a private cache
         _build(spec, cxx, flags, path)
     return path.read_bytes(), meta
 
 
 def _build(spec: KernelSpec, cxx: str, flags: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     include = _prelude_dir()
     with tempfile.TemporaryDirectory(prefix="kiln_cpp_", dir=path.parent) as tmp:
-        src = Path(tmp) / f"{spec.name}.cpp"
+        src = Path(tmp) / "kernel.cpp"
         src.write_text(spec.source)
         out = Path(tmp) / "kernel.so"
         cmd = [cxx, *flags, f"-I{include}", str(src), "-o", str(out), *link_flags(flags)]
@@ -195,14 +194,8 @@ def _prelude_dir() -> Path:
     """A folder holding ``kiln_prelude.h``, named by the prelude's hash."""
     text = prelude_source()
     digest = hashlib.sha256(text.encode()).hexdigest()[:24]
-    folder = cache_root() / "cpp" / "include" / digest
-    header = folder / PRELUDE_NAME
-    if not header.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, header)
+    folder = private_dir("cpp", "include", digest)
+    verified_file(folder / PRELUDE_NAME, text.encode())
     return folder
 
 
@@ -218,18 +211,12 @@ _loaded: dict[str, ctypes.CDLL] = {}
 
 
 def load_library(binary: bytes) -> ctypes.CDLL:
-    """dlopen a shared object from its bytes (written once, to a file named by hash)."""
+    """dlopen a shared object from its bytes, through a file named by their hash and
+    compared with them right before loading (``runtime.local_cache``)."""
     digest = hashlib.sha256(binary).hexdigest()
     if digest in _loaded:
         return _loaded[digest]
-    folder = cache_root() / "cpp" / "loaded" / digest[:2]
-    path = folder / f"{digest}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(binary)
-        os.replace(tmp, path)
+    path = verified_file(private_dir("cpp", "loaded", digest[:2]) / f"{digest}.so", binary)
     lib = ctypes.CDLL(str(path))
     _loaded[digest] = lib
     return lib
@@ -254,9 +241,13 @@ class CppLauncher:
                         e, DEFAULT_ISA)
             library = load_library(compile_cpp(spec, {"kind": "cpu", "isa": DEFAULT_ISA})[0])
         fn = getattr(library, spec.name)
-        fn.argtypes = [ctypes.c_void_p] * len(spec.arg_buffers)
+        fn.argtypes = [ctypes.c_void_p] * len(spec.arg_buffers) + \
+            [ctypes.c_int64] * len(spec.size_args)
         fn.restype = None
         self._fn = fn
+        self._buffers = len(spec.arg_buffers)
 
-    def run(self, *tensors: Any) -> None:
-        self._fn(*[t.data_ptr() for t in tensors])
+    def run(self, *args: Any) -> None:
+        """Buffers' data pointers, then the size arguments (ints) of a dynamic kernel."""
+        n = self._buffers
+        self._fn(*[t.data_ptr() for t in args[:n]], *args[n:])

@@ -21,6 +21,7 @@ import torch
 
 from ...ir.layout import Layout
 from ...ir.sym import Expr, simplify_with_ranges
+from ...sizevars import free_size_symbols
 from ...virtualized import V
 from ..common import CSE, CSEVariable, IndentedBuffer, KernelArgs, combine_div_mod, run_masked
 from .overrides import (
@@ -32,6 +33,7 @@ from .overrides import (
     narrow,
     promote,
     render_op,
+    storage_type,
     widen,
 )
 
@@ -72,9 +74,10 @@ class Phase:
 class CppKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
-    def __init__(self, xsizes: list[int], rnumel: int, removed: set[str], mode: str,
+    def __init__(self, xsizes: list[Expr], rnumel: Expr | int, removed: set[str], mode: str,
                  columns: Any = None) -> None:
-        self.xsizes, self.rnumel = xsizes, rnumel
+        self.xsizes, self.rnumel = [sympy.sympify(s) for s in xsizes], sympy.sympify(rnumel)
+        self.size_symbols: set[sympy.Symbol] = set()  # read by index expressions
         self.removed = removed
         self.mode = mode  # "serial", "x" (parallel x loops) or "r" (parallel r loops)
         self.columns = columns  # a columns.ColumnPlan: lanes are columns, not rows
@@ -87,8 +90,8 @@ class CppKernel:
         self.phase_count = 0
         self.index_map: dict[sympy.Symbol, Expr] = {}
         self.var_ranges: dict[sympy.Symbol, Expr] = {
-            xvar(i): sympy.Integer(s) for i, s in enumerate(xsizes)}
-        self.var_ranges[RINDEX] = sympy.Integer(rnumel)
+            xvar(i): s for i, s in enumerate(self.xsizes)}
+        self.var_ranges[RINDEX] = self.rnumel
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
         self.reduction_cache: dict[tuple[str, str], Any] = {}
@@ -97,10 +100,21 @@ class CppKernel:
         self.interned: dict[str, str] = {}  # expression over value ids -> value id
         self.phase_values: dict[str, tuple[Phase, CSEVariable]] = {}
         self.scratch_bytes = 0
+        self.atomics = False  # a scatter's atomic stores: the loop is not vectorized
 
     @property
     def is_reduction(self) -> bool:
-        return self.rnumel > 1
+        return self.rnumel != 1
+
+    @property
+    def rnumel_str(self) -> str:
+        """The reduction length as C++ (a literal, or an expression of size arguments)."""
+        return self.printer.print(self.rnumel)
+
+    def size_symbols_sorted(self) -> list[sympy.Symbol]:
+        """Size symbols the kernel reads (loop bounds, indices): its ``int64_t`` arguments."""
+        found = self.size_symbols | free_size_symbols([*self.xsizes, self.rnumel])
+        return sorted(found, key=lambda s: int(s.name[1:]))
 
     # -- where code goes ----------------------------------------------------------------
 
@@ -136,7 +150,9 @@ class CppKernel:
     def reserve_row(self, dtype: torch.dtype) -> bool:
         """Room for a row buffer of ``dtype`` on this kernel's stack (not when rows are
         split across threads: they may be any length)."""
-        nbytes = self.rnumel * compute_dtype(dtype).itemsize
+        if not self.rnumel.is_Integer:  # a row of any length does not fit the stack
+            return False
+        nbytes = int(self.rnumel) * compute_dtype(dtype).itemsize
         if self.mode == "r" or self.columns is not None or \
                 self.scratch_bytes + nbytes > ROW_SCRATCH_BYTES:
             return False
@@ -224,6 +240,7 @@ class CppKernel:
         if name is not None:
             expr = expr - _storage_offset(name)
         expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        self.size_symbols |= free_size_symbols([expr])
         return self.printer.print(expr)
 
     def mask(self) -> str:
@@ -246,7 +263,23 @@ class CppKernel:
 
     def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
               ) -> None:
+        if mode is not None:
+            self._atomic_store(name, index, value, mode)
+            return
         self._store_to(self.compute(), name, index, value, in_phase=self.phase is not None)
+
+    def _atomic_store(self, name: str, index: Expr, value: CSEVariable, mode: str) -> None:
+        """A scatter's combining store (``kiln_atomic_add``, max, min); the loop it is in
+        is not vectorized, and the value is not forwarded: other iterations add to it."""
+        assert mode in ("atomic_add", "atomic_max", "atomic_min"), mode
+        self.atomics = True
+        dtype = V.graph.get_dtype(name)
+        idx = self.index_str(index, name)
+        text = narrow(str(value), value.dtype, dtype)
+        line = f"kiln_{mode}<{storage_type(dtype)}>({self.args.output(name)} + ({idx}), {text});"
+        if self.mask_stack:
+            line = f"if ({self.mask()}) {{ {line} }}"
+        self.compute().writeline(line)
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
         self._store_to(self.after(), name, index, value, in_phase=False)
@@ -292,6 +325,7 @@ class CppKernel:
 
     def indirect_indexing(self, x: CSEVariable, size: Expr, check: bool = True
                           ) -> sympy.Symbol:
+        self.size_symbols |= free_size_symbols([size])
         n = self.printer.print(size)
         var = self.emit(f"static_cast<int64_t>({x} < 0 ? {x} + {n} : {x})", torch.int64)
         return sympy.Symbol(var.name, integer=True, nonnegative=True)

@@ -112,7 +112,7 @@ class CppIndexPrinter(IndexPrinter):
             return f"({self._paren(expr.args[0])} / {self._paren(expr.args[1])})"
         if isinstance(expr, ModularIndexing):
             base, div, mod = expr.args
-            inner = self._paren(base) if div == 1 else f"({self._paren(base)} / {div})"
+            inner = self._paren(base) if div == 1 else f"({self._paren(base)} / {self._paren(div)})"
             return f"({inner} % {self._paren(mod)})"
         return super().print(expr)
 

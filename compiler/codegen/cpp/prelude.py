@@ -210,7 +210,30 @@ KILN_INLINE void kiln_welford_combine(T& mean, T& m2, T& weight, T mean_b, T m2_
 }
 """
 
+# A scatter's combining stores: threads may hit the same element, so each update is a
+# compare-and-swap loop (GCC's generic atomics work for float and double as well).
+_ATOMICS = r"""
+template <typename T, typename F> KILN_INLINE void kiln_atomic_update(T* p, T v, F combine) {
+    T old;
+    __atomic_load(p, &old, __ATOMIC_RELAXED);
+    T desired = combine(old, v);
+    while (!__atomic_compare_exchange(p, &old, &desired, true, __ATOMIC_RELAXED,
+                                      __ATOMIC_RELAXED)) {
+        desired = combine(old, v);
+    }
+}
+template <typename T> KILN_INLINE void kiln_atomic_add(T* p, T v) {
+    kiln_atomic_update(p, v, [](T a, T b) { return a + b; });
+}
+template <typename T> KILN_INLINE void kiln_atomic_max(T* p, T v) {
+    kiln_atomic_update(p, v, [](T a, T b) { return kiln_maximum(a, b); });
+}
+template <typename T> KILN_INLINE void kiln_atomic_min(T* p, T v) {
+    kiln_atomic_update(p, v, [](T a, T b) { return kiln_minimum(a, b); });
+}
+"""
+
 
 def prelude_source() -> str:
     """The full text of ``kiln_prelude.h``."""
-    return (_HEAD % _libm_declarations()) + _CONVERSIONS + _ARITHMETIC + _SPECIAL
+    return (_HEAD % _libm_declarations()) + _CONVERSIONS + _ARITHMETIC + _SPECIAL + _ATOMICS

@@ -157,7 +157,7 @@ def _two_pass_variance(k: CppKernel, phase: Phase, name: str, value: CSEVariable
     phase.accumulators.append(acc)
     phase.body.writeline(f"{acc.refs(k.lane)[0]} += {row}[r0];")
     total = _final(k, phase, acc, dtype)[0]
-    weight = literal(k.rnumel, dtype)
+    weight = literal(int(k.rnumel), dtype)
     mean, m2 = k.newvar(dtype), k.newvar(dtype)
     phase.post.writeline(f"const {ct} {mean} = {total} / {weight};")
     phase.post.writeline(f"{ct} {m2} = 0;")
@@ -175,13 +175,17 @@ def render_phase(k: CppKernel, phase: Phase, code: IndentedBuffer) -> None:
     else:
         for acc in phase.accumulators:
             acc.declare(code)
-        main = k.rnumel - k.rnumel % LANES
-        if main and k.mode == "r":
-            _parallel_blocks(phase, main, code)
-        elif main:
-            _blocks(phase, main, code)
-        if k.rnumel % LANES:
-            _tail(phase, main, k.rnumel % LANES, code)
+        if not k.rnumel.is_Integer:
+            _dynamic_blocks(k, phase, code)
+        else:
+            rnumel = int(k.rnumel)
+            main = rnumel - rnumel % LANES
+            if main and k.mode == "r":
+                _parallel_blocks(phase, main, code)
+            elif main:
+                _blocks(phase, main, code)
+            if rnumel % LANES:
+                _tail(phase, main, rnumel % LANES, code)
     code.splice(phase.post)
 
 
@@ -189,11 +193,24 @@ def _pointwise_loop(k: CppKernel, phase: Phase, code: IndentedBuffer) -> None:
     pragma = "#pragma omp parallel for simd schedule(static)" if k.mode == "r" else \
         "#pragma omp simd"
     code.writeline(pragma)
-    code.writeline(f"for (int64_t r0 = 0; r0 < {k.rnumel}; ++r0)")
+    code.writeline(f"for (int64_t r0 = 0; r0 < {k.rnumel_str}; ++r0)")
     _braced(code, phase.body)
 
 
-def _blocks(phase: Phase, main: int, code: IndentedBuffer) -> None:
+def _dynamic_blocks(k: CppKernel, phase: Phase, code: IndentedBuffer) -> None:
+    """Lane blocks over a reduction of run-time length: whole blocks, then the tail."""
+    code.writeline("{")
+    with code.indent():
+        code.writeline(f"const int64_t kiln_rmain = {k.rnumel_str} - {k.rnumel_str} % {LANES};")
+        if k.mode == "r":
+            _parallel_blocks(phase, "kiln_rmain", code)
+        else:
+            _blocks(phase, "kiln_rmain", code)
+        _block(phase, "kiln_rmain", f"{k.rnumel_str} - kiln_rmain", code)
+    code.writeline("}")
+
+
+def _blocks(phase: Phase, main: int | str, code: IndentedBuffer) -> None:
     code.writeline(f"for (int64_t rb = 0; rb < {main}; rb += {LANES})")
     code.writeline("{")
     with code.indent():
@@ -219,7 +236,7 @@ def _tail(phase: Phase, main: int, tail: int, code: IndentedBuffer) -> None:
     code.writeline("}")
 
 
-def _parallel_blocks(phase: Phase, main: int, code: IndentedBuffer) -> None:
+def _parallel_blocks(phase: Phase, main: int | str, code: IndentedBuffer) -> None:
     """Blocks split across threads; each thread's lanes land in ``<array>_part``."""
     code.writeline("{")
     with code.indent():

@@ -22,7 +22,7 @@ from ..kernel_spec import KernelSpec
 from ..triton.scheduling import NAME_PLACEHOLDER, UnforwardedBuffers
 from .columns import ColumnPlan, plan_columns
 from .kernel import RINDEX, CppKernel, NotColumnKernel, xvar
-from .overrides import storage_type
+from .overrides import CppIndexPrinter, storage_type
 from .prelude import PRELUDE_NAME
 
 # Kernels with less work than this many elements run on one thread.
@@ -39,12 +39,15 @@ def codegen_cpp(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Kernel
     Buffers in ``removed`` stay in variables; one read back in a later loop phase raises
     ``UnforwardedBuffers`` and the caller retries with it stored.
     """
-    xnumel, rnumel = (int(v) for v in node.group)
+    xnumel, rnumel = (sympy.sympify(v) for v in node.group)
     subs = [_scheduler_node(sub) for sub in node.get_nodes()]
     has_red = any(sub.is_reduction() for sub in subs)
     xsizes = _choose_xsizes(subs, xnumel, has_red)
-    mode = _parallel_mode(xnumel, rnumel, has_red)
-    plan = _column_plan(subs, xsizes, mode) if has_red else None
+    sizevars = V.graph.sizevars
+    mode = _parallel_mode(sizevars.size_hint(xnumel), sizevars.size_hint(rnumel), has_red)
+    # Column blocks need static sizes (blocks of a known width over a known row count).
+    static = not sizevars.is_dynamic()
+    plan = _column_plan(subs, xsizes, mode) if has_red and static else None
     try:
         kernel, body = _generate(subs, xsizes, rnumel if has_red else 1, removed, mode, plan)
     except NotColumnKernel:
@@ -56,13 +59,14 @@ def codegen_cpp(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Kernel
     spec = KernelSpec(
         name=NAME_PLACEHOLDER, backend="cpp", kind=kind, source=render(kernel, body, has_red),
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
-        signature=_signature(kernel), xnumel=xnumel, rnumel=rnumel,
-        configs=({"parallel": kernel.mode},))
+        signature=_signature(kernel), xnumel=sizevars.size_hint(xnumel),
+        rnumel=sizevars.size_hint(rnumel), configs=({"parallel": kernel.mode},),
+        size_args=tuple(s.name for s in kernel.size_symbols_sorted()))
     ops = [op for sub in subs for op in sub.read_writes.op_names]
     return _base_name(ops), spec
 
 
-def _generate(subs: Sequence[SchedulerNode], xsizes: list[int], rnumel: int, removed: set[str],
+def _generate(subs: Sequence[SchedulerNode], xsizes: list[Expr], rnumel: Expr, removed: set[str],
               mode: str, plan: ColumnPlan | None) -> tuple[CppKernel, IndentedBuffer]:
     has_red = any(sub.is_reduction() for sub in subs)
     kernel = CppKernel(xsizes, rnumel, removed, mode, plan)
@@ -72,11 +76,12 @@ def _generate(subs: Sequence[SchedulerNode], xsizes: list[int], rnumel: int, rem
         return kernel, kernel.render_body()
 
 
-def _column_plan(subs: Sequence[SchedulerNode], xsizes: list[int], mode: str
+def _column_plan(subs: Sequence[SchedulerNode], xsizes: list[Expr], mode: str
                  ) -> ColumnPlan | None:
     red = next(sub for sub in subs if sub.is_reduction())
     ranges, rranges = _sizes(red)
-    return plan_columns(red, ranges, rranges, xsizes, mode)
+    return plan_columns(red, [int(s) for s in ranges], [int(s) for s in rranges],
+                        [int(s) for s in xsizes], mode)
 
 
 def _scheduler_node(sub: BaseSchedulerNode) -> SchedulerNode:
@@ -97,11 +102,11 @@ def _parallel_mode(xnumel: int, rnumel: int, has_red: bool) -> str:
     return "x"
 
 
-def _sizes(sub: SchedulerNode) -> tuple[list[int], list[int]]:
+def _sizes(sub: SchedulerNode) -> tuple[list[Expr], list[Expr]]:
     buf = sub.node
     assert isinstance(buf, ComputedBuffer)
-    return ([int(s) for s in buf.data.get_size()],
-            [int(s) for s in buf.data.get_reduction_size()])
+    return ([sympy.sympify(s) for s in buf.data.get_size()],
+            [sympy.sympify(s) for s in buf.data.get_reduction_size()])
 
 
 def _variables(n: int) -> list[sympy.Symbol]:
@@ -109,21 +114,21 @@ def _variables(n: int) -> list[sympy.Symbol]:
     return [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(n)]
 
 
-def _choose_xsizes(subs: Sequence[SchedulerNode], xnumel: int, has_red: bool) -> list[int]:
+def _choose_xsizes(subs: Sequence[SchedulerNode], xnumel: Expr, has_red: bool) -> list[Expr]:
     """The x loop nest: the merged loops of the node whose accesses merge least."""
-    best: list[int] | None = None
+    best: list[Expr] | None = None
     for sub in subs:
         if has_red and not sub.is_reduction():
             continue
         ranges, _ = _sizes(sub)
-        if int(prod(ranges)) != xnumel:
+        if not V.graph.sizevars.statically_known_equals(prod(ranges), xnumel):
             continue
         merged, _, _ = merge_loops(ranges, _access_exprs(sub), _variables(len(ranges)))
-        sizes = [int(s) for s in merged]
+        sizes = [sympy.sympify(s) for s in merged]
         if best is None or len(sizes) > len(best):
             best = sizes
     if best is None:
-        best = [xnumel] if xnumel > 1 else []
+        best = [xnumel] if xnumel != 1 else []
     return best
 
 
@@ -132,7 +137,8 @@ def _codegen_subnode(kernel: CppKernel, sub: SchedulerNode, has_red: bool) -> No
     assert isinstance(buf, ComputedBuffer)
     ranges, rranges = _sizes(sub)
     is_red = sub.is_reduction()
-    in_phase = is_red or (has_red and int(prod(ranges)) != int(prod(kernel.xsizes)))
+    in_phase = is_red or (has_red and not V.graph.sizevars.statically_known_equals(
+        prod(ranges), prod(kernel.xsizes)))
     _place_in_phase(kernel, sub, in_phase)
     variables = _variables(len(ranges) + len(rranges))
     exprs = _access_exprs(sub)
@@ -173,43 +179,46 @@ def _access_exprs(sub: SchedulerNode) -> list[Expr]:
     return exprs + list(rw.index_exprs)
 
 
-def _flat(kvars: Sequence[sympy.Symbol], ksizes: Sequence[int]) -> Expr:
+def _flat(kvars: Sequence[sympy.Symbol], ksizes: Sequence[Expr]) -> Expr:
     flat: Expr = sympy.Integer(0)
-    stride = 1
+    stride: Expr = sympy.Integer(1)
     for var, size in zip(reversed(kvars), reversed(ksizes)):
         flat = flat + var * stride
         stride *= size
     return flat
 
 
-def _map_onto(sizes: Sequence[int], variables: Sequence[sympy.Symbol], exprs: list[Expr],
-              kvars: Sequence[sympy.Symbol], ksizes: Sequence[int]
+def _map_onto(sizes: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: list[Expr],
+              kvars: Sequence[sympy.Symbol], ksizes: Sequence[Expr]
               ) -> dict[sympy.Symbol, Expr]:
     """Express a node's loop variables in the kernel's loop variables ``kvars``."""
     if not sizes:
         return {}
-    new_sizes, subs, new_vars = merge_loops([sympy.Integer(s) for s in sizes], exprs,
+    new_sizes, subs, new_vars = merge_loops([sympy.sympify(s) for s in sizes], exprs,
                                             variables)
     linear = linear_substitution(subs)
-    if [int(s) for s in new_sizes] == list(ksizes):
+    equals = V.graph.sizevars.statically_known_equals
+    if len(new_sizes) == len(ksizes) and all(equals(a, b) for a, b in zip(new_sizes, ksizes)):
         target: dict[sympy.Symbol, Expr] = dict(zip(new_vars, kvars))
     else:
         target = dict(zip(new_vars, unflatten_index(_flat(kvars, ksizes), new_sizes)))
     return {v: sympy.expand(linear[v]).xreplace(target) for v in variables}
 
 
-def _mapunflatten_index(ranges: Sequence[int], variables: Sequence[sympy.Symbol], exprs: list[Expr],
-               kernel: CppKernel, xvars: Sequence[sympy.Symbol]) -> dict[sympy.Symbol, Expr]:
+def _mapunflatten_index(ranges: Sequence[Expr], variables: Sequence[sympy.Symbol],
+                        exprs: list[Expr], kernel: CppKernel, xvars: Sequence[sympy.Symbol]
+                        ) -> dict[sympy.Symbol, Expr]:
     """A pointwise node inside a reduction loop: its loops split into x and r parts."""
-    xnumel = int(prod(kernel.xsizes))
+    xnumel = prod(kernel.xsizes)
+    equals = V.graph.sizevars.statically_known_equals
     for k in range(len(ranges) + 1):
-        if int(prod(ranges[:k])) == xnumel and int(prod(ranges[k:])) == kernel.rnumel:
+        if equals(prod(ranges[:k]), xnumel) and equals(prod(ranges[k:]), kernel.rnumel):
             mapping = _map_onto(ranges[:k], variables[:k], exprs, xvars, kernel.xsizes)
             mapping.update(_map_onto(ranges[k:], variables[k:], exprs, [RINDEX],
                                      [kernel.rnumel]))
             return mapping
     flat = _flat(xvars, kernel.xsizes) * kernel.rnumel + RINDEX
-    return dict(zip(variables, unflatten_index(flat, [sympy.Integer(s) for s in ranges])))
+    return dict(zip(variables, unflatten_index(flat, list(ranges))))
 
 
 def _signature(kernel: CppKernel) -> dict[str, str]:
@@ -217,6 +226,8 @@ def _signature(kernel: CppKernel) -> dict[str, str]:
     for arg, buf in kernel.args.call_args():
         const = "const " if arg.startswith("in_ptr") else ""
         sig[arg] = f"{const}{storage_type(V.graph.get_dtype(buf))}*"
+    for sym in kernel.size_symbols_sorted():  # sizes of a graph with dynamic shapes
+        sig[sym.name] = "const int64_t"
     return sig
 
 
@@ -241,8 +252,8 @@ def render(kernel: CppKernel, body: IndentedBuffer, has_red: bool) -> str:
     return code.getvalue()
 
 
-def _loop(code: IndentedBuffer, i: int, size: int) -> None:
-    code.writeline(f"for (int64_t x{i} = 0; x{i} < {size}; ++x{i})")
+def _loop(code: IndentedBuffer, i: int, size: Expr) -> None:
+    code.writeline(f"for (int64_t x{i} = 0; x{i} < {CppIndexPrinter().print(size)}; ++x{i})")
 
 
 def _collapse(n: int) -> str:
@@ -257,14 +268,15 @@ def _pointwise_loops(kernel: CppKernel, body: IndentedBuffer, code: IndentedBuff
         return
     outer = sizes[:-1]
     parallel = kernel.mode != "serial"
-    outer_parallel = parallel and int(prod(outer)) >= PARALLEL_MIN_OUTER
+    outer_parallel = parallel and V.graph.sizevars.size_hint(prod(outer)) >= PARALLEL_MIN_OUTER
     if outer_parallel:
         code.writeline(f"#pragma omp parallel for{_collapse(len(outer))} schedule(static)")
     for i, size in enumerate(outer):
         _loop(code, i, size)
+    simd = "" if kernel.atomics else " simd"  # atomic updates may collide across lanes
     if parallel and not outer_parallel:
-        code.writeline("#pragma omp parallel for simd schedule(static)")
-    else:
+        code.writeline(f"#pragma omp parallel for{simd} schedule(static)")
+    elif simd:
         code.writeline("#pragma omp simd")
     _loop(code, len(outer), sizes[-1])
     _braced(body, code)

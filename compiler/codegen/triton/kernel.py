@@ -16,6 +16,7 @@ import sympy
 import torch
 
 from ...ir.sym import Expr, simplify_with_ranges
+from ...sizevars import free_size_symbols
 from ...virtualized import V
 from ..common import (
     CSE,
@@ -55,10 +56,13 @@ class KernelPlan:
 class TritonKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
-    def __init__(self, kind: str, xnumel: int, rnumel: int, removed: set[str],
+    def __init__(self, kind: str, xnumel: Expr | int, rnumel: Expr | int, removed: set[str],
                  index_dtype: str = "tl.int32") -> None:
         self.kind = kind
-        self.xnumel, self.rnumel = xnumel, rnumel
+        self.xnumel, self.rnumel = sympy.sympify(xnumel), sympy.sympify(rnumel)
+        # A graph with dynamic shapes: numels and size symbols are kernel arguments.
+        self.dynamic = V.graph.sizevars.is_dynamic()
+        self.size_symbols: set[sympy.Symbol] = set()
         self.removed = removed
         self.index_dtype = index_dtype
         self.args = KernelArgs()
@@ -71,7 +75,7 @@ class TritonKernel:
         self.in_loop = False
         self.loop_cse: CSE | None = None
         self.index_map: dict[sympy.Symbol, Expr] = {}
-        self.var_ranges = {XINDEX: sympy.Integer(xnumel), RINDEX: sympy.Integer(rnumel)}
+        self.var_ranges = {XINDEX: self.xnumel, RINDEX: self.rnumel}
         self.uses_r = False
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
@@ -88,6 +92,29 @@ class TritonKernel:
     @property
     def looped(self) -> bool:
         return self.kind == "reduction"
+
+    # -- size arguments (graphs with dynamic shapes) -----------------------------------------
+
+    def size_params(self) -> list[str]:
+        """Scalar parameters after the pointers: numels, then the size symbols used."""
+        if not self.dynamic:
+            return []
+        numels = ["xnumel", "rnumel"] if self.is_reduction else ["xnumel"]
+        return numels + [s.name for s in self._sorted_symbols()]
+
+    def size_args(self) -> tuple[str, ...]:
+        """What the wrapper passes for :meth:`size_params`: Python over ``s0, s1, ...``."""
+        if not self.dynamic:
+            return ()
+        numels = [self.xnumel, self.rnumel] if self.is_reduction else [self.xnumel]
+        return tuple(self.printer.print(n) for n in numels) + tuple(
+            s.name for s in self._sorted_symbols())
+
+    def _sorted_symbols(self) -> list[sympy.Symbol]:
+        return sorted(self.size_symbols, key=lambda s: int(s.name[1:]))
+
+    def _note_sizes(self, expr: Expr) -> None:
+        self.size_symbols |= free_size_symbols([expr])
 
     def compute(self) -> IndentedBuffer:
         return self.loop_body if self.in_loop else self.body
@@ -132,6 +159,7 @@ class TritonKernel:
     def index_str(self, index: Expr) -> str:
         expr = sympy.expand(index.xreplace(self.index_map))
         expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        self._note_sizes(expr)
         text = self.printer.print(expr)
         if not expr.free_symbols:
             # A pointer must be a block like its mask: broadcast a constant offset.
@@ -167,7 +195,22 @@ class TritonKernel:
 
     def store(self, name: str, index: Expr, value: CSEVariable, mode: str | None = None
               ) -> None:
+        if mode is not None:
+            self._atomic_store(name, index, value, mode)
+            return
         self._store_to(self.compute(), name, index, value, self.mask())
+
+    def _atomic_store(self, name: str, index: Expr, value: CSEVariable, mode: str) -> None:
+        """A scatter's combining store: ``tl.atomic_add`` (max, min) at an indirect index.
+
+        Never forwarded to later loads in this kernel: other programs write there too.
+        """
+        assert mode in _ATOMICS, mode
+        dtype = V.graph.get_dtype(name)
+        ptr = self.args.output(name)
+        cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
+        self.compute().writeline(f"tl.{_ATOMICS[mode]}({ptr} + ({self.index_str(index)}), "
+                                 f"{value}{cast}, {self.mask()}, sem='relaxed')")
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
         was_r = self.uses_r
@@ -226,6 +269,7 @@ class TritonKernel:
 
     def indirect_indexing(self, x: CSEVariable, size: Expr, check: bool = True
                           ) -> sympy.Symbol:
+        self._note_sizes(size)
         n = self.printer.print(size)
         var = self.emit(f"tl.where({x} < 0, {x} + {n}, {x})", x.dtype)
         return sympy.Symbol(var.name, integer=True, nonnegative=True)
@@ -264,6 +308,10 @@ class TritonKernel:
         else:
             expr = BINARY_TEMPLATES[name].format(a=args[0], b=args[1])
         return self.emit(expr, torch.bool if name in BOOL_RESULT else dtype)
+
+
+_ATOMICS = {"atomic_add": "atomic_add", "atomic_max": "atomic_max",
+            "atomic_min": "atomic_min"}
 
 
 def _minmax(kind: str) -> Callable[..., CSEVariable]:

@@ -81,10 +81,11 @@ def _welford(k: Any, value: CSEVariable, mask: str) -> tuple[CSEVariable, ...]:
     vb = k.emit(f"tl.broadcast_to({value}, [XBLOCK, RBLOCK])", f32)
     if not k.looped:
         masked = k.emit(f"tl.where({mask}, {vb}, 0.0)", f32)
-        mean = k.emit(f"tl.sum({masked}, 1)[:, None] / {float(k.rnumel)}", f32)
+        n = "rnumel.to(tl.float32)" if k.dynamic else float(k.rnumel)
+        mean = k.emit(f"tl.sum({masked}, 1)[:, None] / {n}", f32)
         delta = k.emit(f"tl.where({mask}, {vb} - {mean}, 0.0)", f32)
         m2 = k.emit(f"tl.sum({delta} * {delta}, 1)[:, None]", f32)
-        weight = k.emit(f"tl.full([XBLOCK, 1], {float(k.rnumel)}, tl.float32)", f32)
+        weight = k.emit(f"tl.zeros([XBLOCK, 1], tl.float32) + {n}", f32)
         return (mean, m2, weight)
     names = [f"_{k.loop_cse.newvar(f32).name}" for _ in range(3)]
     for n in names:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import sympy
 
-from ...dependencies import MemoryDep
+from ...dependencies import MemoryDep, reduction_access_order
 from ...errors import KilnCompileError
-from ...ir.nodes import ComputedBuffer
+from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
 from ...scheduler import BaseSchedulerNode, SchedulerNode
 from ...virtualized import V
@@ -35,12 +35,15 @@ class UnforwardedBuffers(Exception):
         self.names = names
 
 
-def kernel_kind(rnumel: int, outer: bool = False) -> str:
+def kernel_kind(rnumel: Expr | int, outer: bool = False) -> str:
+    """Pointwise, persistent (a row in one block) or looped reduction. With a symbolic
+    ``rnumel`` a row fits one block only if every admitted size provably fits."""
     if rnumel == 1:
         return "pointwise"
     if outer:  # a strided reduction loops over short r blocks, wide in x
         return "reduction"
-    return "persistent_reduction" if rnumel <= PERSISTENT_RNUMEL else "reduction"
+    fits = V.graph.sizevars.statically_known_leq(rnumel, PERSISTENT_RNUMEL)
+    return "persistent_reduction" if fits else "reduction"
 
 
 def is_outer_reduction(node: BaseSchedulerNode) -> bool:
@@ -51,29 +54,40 @@ def is_outer_reduction(node: BaseSchedulerNode) -> bool:
         if not sub.is_reduction():
             continue
         assert isinstance(sub, SchedulerNode)
-        nx = len(sub.get_ranges()[0])
-        for dep in sub.read_writes.reads:
-            if not isinstance(dep, MemoryDep) or dep.is_indirect():
-                continue
-            r_last = dep.var_names[len(dep.size) - 1]
-            cr = dep.index.coeff(r_last)
-            cx = dep.index.coeff(dep.var_names[nx - 1]) if nx else 0
-            if cr == 1:
-                inner += 1
-            elif cx == 1:
-                outer += 1
+        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        inner, outer = inner + i, outer + o
     return outer > inner
 
 
-def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, KernelSpec]:
+# A reduction over a symbolic row also gets persistent variants for rows up to these
+# lengths; the wrapper picks one at run time from the row's length (a guarded choice).
+PERSISTENT_BUCKETS = (1024, PERSISTENT_RNUMEL)
+
+
+def persistent_variants(node: BaseSchedulerNode, removed: set[str]
+                        ) -> list[tuple[int, tuple[str, KernelSpec]]]:
+    """(row bound, kernel) for each persistent variant of a looped reduction over a
+    symbolic row (none for static rows, outer reductions or bounded symbolic rows)."""
+    _, rnumel = (sympy.sympify(v) for v in node.group)
+    if rnumel.is_Integer or is_outer_reduction(node) or \
+            kernel_kind(rnumel) != "reduction":
+        return []
+    return [(bound, codegen_triton(node, removed, rbound=bound))
+            for bound in PERSISTENT_BUCKETS]
+
+
+def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | None = None
+                   ) -> tuple[str, KernelSpec]:
     """Source (named ``KERNEL_NAME``) and spec of the kernel for ``node``.
 
     Buffers in ``removed`` are kept in registers; if one cannot be (it is read in a later
     loop phase), ``UnforwardedBuffers`` names it and the caller retries with it stored.
+    ``rbound``: a persistent kernel for rows of at most that many elements (the caller
+    launches it only for such rows).
     """
-    xnumel, rnumel = (int(v) for v in node.group)
-    outer = rnumel > 1 and is_outer_reduction(node)
-    kind = kernel_kind(rnumel, outer)
+    xnumel, rnumel = (sympy.sympify(v) for v in node.group)
+    outer = rnumel != 1 and is_outer_reduction(node)
+    kind = kernel_kind(rnumel, outer) if rbound is None else "persistent_reduction"
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
     order = memory_order(node, removed) if kind == "pointwise" else None
@@ -87,11 +101,18 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str]) -> tuple[str, Ker
         raise UnforwardedBuffers(lost)
     ops = [op for sub in node.get_nodes() for op in sub.read_writes.op_names]
     source = render(kernel)
+    if rbound is not None:  # the same body as other buckets: named apart by its bound
+        source = source.replace("@triton.jit", f"# rows of at most {rbound}\n@triton.jit", 1)
+    sizevars = V.graph.sizevars
+    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
+        else None
+    xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
     spec = KernelSpec(
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
-        signature=_signature(kernel), xnumel=xnumel, rnumel=rnumel,
-        configs=tuple(configs_for(kind, xnumel, rnumel, outer)))
+        signature=_signature(kernel), xnumel=xhint, rnumel=rhint,
+        configs=tuple(configs_for(kind, xhint, rhint, outer)),
+        size_args=kernel.size_args())
     return _base_name(kind, ops), spec
 
 
@@ -101,17 +122,19 @@ def _base_name(kind: str, ops: Sequence[str]) -> str:
 
 
 def _needs_int64(node: BaseSchedulerNode) -> bool:
+    """64-bit indices unless every size the graph admits provably fits in 32 bits."""
+    fits = V.graph.sizevars.statically_known_leq
     limit = 2**31 - 1
     for sub in node.get_nodes():
         for name in sub.used_buffer_names():
             try:
                 buf = V.graph.get_buffer(name)
-                if int(buf.get_layout().storage_size()) > limit:
+                if not fits(buf.get_layout().storage_size(), limit):
                     return True
             except (KeyError, AssertionError):
                 continue
     xnumel, rnumel = node.group
-    return int(xnumel) * int(rnumel) > limit
+    return not fits(xnumel * rnumel, limit)
 
 
 def memory_order(node: BaseSchedulerNode, removed: set[str]) -> list[int] | None:
@@ -119,11 +142,16 @@ def memory_order(node: BaseSchedulerNode, removed: set[str]) -> list[int] | None
     stride first), so a channels-last output is walked channels-last. All nodes share it,
     which needs them to have the same loops."""
     subs = [s for s in node.get_nodes() if isinstance(s, SchedulerNode)]
-    ranges = {tuple(int(r) for r in s.get_ranges()[0]) for s in subs}
+    ranges = {tuple(sympy.expand(r) for r in s.get_ranges()[0]) for s in subs}
     if len(ranges) != 1 or len(next(iter(ranges))) < 2:
         return None
+    # A scatter's loops are its source's, not its target's: they give no order.
+    subs = [s for s in subs if not isinstance(getattr(s.node, "data", None), Scatter)]
     stored = [s for s in subs if s.get_name() not in removed] or subs
-    stride = [int(v) for v in stored[-1].node.get_layout().stride]
+    if not stored:
+        return None
+    # Loop order changes speed, never results: decided at the size hints.
+    stride = V.graph.sizevars.size_hints(stored[-1].node.get_layout().stride)
     size = next(iter(ranges))
     order = sorted(range(len(size)), key=lambda d: (-stride[d] if size[d] != 1 else 0, d))
     return order if order != sorted(order) else None
@@ -133,10 +161,11 @@ def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode,
                      order: list[int] | None = None) -> None:
     buf = sub.node
     assert isinstance(buf, ComputedBuffer)
-    ranges = [sympy.Integer(int(s)) for s in buf.data.get_size()]
-    rranges = [sympy.Integer(int(s)) for s in buf.data.get_reduction_size()]
+    ranges = [sympy.sympify(s) for s in buf.data.get_size()]
+    rranges = [sympy.sympify(s) for s in buf.data.get_reduction_size()]
     is_red = bool(rranges)
-    x_only = not is_red and int(prod(ranges)) == kernel.xnumel and kernel.rnumel != 1
+    x_only = not is_red and kernel.rnumel != 1 and \
+        V.graph.sizevars.statically_known_equals(prod(ranges), kernel.xnumel)
     _place_in_phase(kernel, sub, is_red, x_only)
     variables = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True)
                  for i in range(len(ranges) + len(rranges))]
@@ -194,10 +223,11 @@ def _map_loops(sizes: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: 
 
 
 def _map_split(ranges: Sequence[Expr], variables: Sequence[sympy.Symbol], exprs: list[Expr],
-               xnumel: int, rnumel: int) -> dict[sympy.Symbol, Expr]:
+               xnumel: Expr, rnumel: Expr) -> dict[sympy.Symbol, Expr]:
     """A pointwise node inside a reduction kernel: its loops split into x and r parts."""
+    equals = V.graph.sizevars.statically_known_equals
     for k in range(len(ranges) + 1):
-        if int(prod(ranges[:k])) == xnumel and int(prod(ranges[k:])) == rnumel:
+        if equals(prod(ranges[:k]), xnumel) and equals(prod(ranges[k:]), rnumel):
             mapping = _map_loops(ranges[:k], variables[:k], exprs, XINDEX)
             mapping.update(_map_loops(ranges[k:], variables[k:], exprs, RINDEX))
             return mapping
@@ -210,6 +240,8 @@ def _signature(kernel: TritonKernel) -> dict[str, str]:
     for arg, buf in kernel.args.call_args():
         dtype = V.graph.get_dtype(buf)
         sig[arg] = "*" + SIGNATURE_DTYPES[dtype]
+    for name in kernel.size_params():
+        sig[name] = "i64"
     sig["XBLOCK"] = "constexpr"
     if kernel.is_reduction:
         sig["RBLOCK"] = "constexpr"
@@ -218,20 +250,23 @@ def _signature(kernel: TritonKernel) -> dict[str, str]:
 
 def render(kernel: TritonKernel) -> str:
     """The kernel's module source: imports, then the ``@triton.jit`` function."""
-    args = [arg for arg, _ in kernel.args.call_args()] + ["XBLOCK: tl.constexpr"]
+    args = [arg for arg, _ in kernel.args.call_args()] + kernel.size_params()
+    args.append("XBLOCK: tl.constexpr")
     if kernel.is_reduction:
         args.append("RBLOCK: tl.constexpr")
     code = IndentedBuffer()
     code.writeline("@triton.jit")
     code.writeline(f"def {NAME_PLACEHOLDER}({', '.join(args)}):")
     with code.indent():
-        code.writeline(f"xnumel = {kernel.xnumel}")
+        if not kernel.dynamic:  # a dynamic kernel takes xnumel and rnumel as arguments
+            code.writeline(f"xnumel = {kernel.xnumel}")
         pid = "tl.program_id(0)"
         if kernel.index_dtype == "tl.int64":
             pid += ".to(tl.int64)"
         code.writeline(f"xoffset = {pid} * XBLOCK")
         if kernel.is_reduction:
-            code.writeline(f"rnumel = {kernel.rnumel}")
+            if not kernel.dynamic:
+                code.writeline(f"rnumel = {kernel.rnumel}")
             code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
             code.writeline("xmask = xindex < xnumel")
             if kernel.looped:

@@ -1,0 +1,369 @@
+"""Cold start on real models (a benchmark, not a test): time from ``torch.compile`` to
+the first output, each measurement in a fresh process, model construction excluded.
+
+Models (bench/coldstart_models.py): HF GPT-2 forward (config, random weights), torchvision
+ResNet-18 forward, a transformer-encoder training step (embedding, 4 layers, MLM-style
+loss, fwd+bwd, bf16 autocast on GPU), and a 24-layer decoder-only transformer forward.
+
+Modes:
+    inductor_cold    stock torch.compile, empty Inductor/Triton caches
+    inductor_warm    again, same caches (same machine)
+    inductor_mega    empty caches plus inductor_cold's mega-cache blob
+                     (torch.compiler.save_cache_artifacts / load_cache_artifacts; loading
+                     it is inside the timing): a new machine
+    kiln_inprocess   KILN_FARM=inprocess, empty store and caches
+    kiln_farm        through a farm already up and warm (`kiln farm up`), empty store
+    kiln_default     KILN_FARM=local with no farm up (must compile here at once)
+    kiln_warm        kiln_inprocess's store and caches (same machine)
+    kiln_warm_new    kiln_inprocess's store only; empty Kiln, Triton and XDG caches
+A warm mode runs its cold mode first when that was not asked for (its row is shown).
+Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
+farm compile went to the farm, the default compiled here without waiting for a farm),
+fails on KilnFallbackWarning, and compares the output with eager.
+
+    python bench/coldstart.py --smoke --device cpu                 # this CPU machine
+    python bench/coldstart.py --models gpt2 --modes inductor_cold,kiln_farm
+    python bench/coldstart.py --models deep24 --workers 1,4,8,16 --modes none
+    python bench/coldstart.py --results r.json ...  then  --table r.json
+
+``--results`` appends rows to a JSON file so that runs split over several calls print
+one table (``--table``). ``--trace DIR`` writes each Kiln run's timeline (KILN_TRACE) and
+shows its top critical-path stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("inductor_cold", "inductor_warm", "inductor_mega", "kiln_inprocess", "kiln_farm",
+         "kiln_default", "kiln_warm", "kiln_warm_new")
+PRIMING = {"inductor_warm": "inductor_cold", "inductor_mega": "inductor_cold",
+           "kiln_warm": "kiln_inprocess", "kiln_warm_new": "kiln_inprocess"}
+RESULT = "COLDSTART_RESULT "
+
+
+# ---------------------------------------------------------------------------------------
+# The child: one measurement.
+
+
+def child(model: str, mode: str, device: str, smoke: bool) -> dict[str, Any]:
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from coldstart_models import MODELS, max_error
+
+    torch.manual_seed(0)
+    case = MODELS[model](device, smoke)
+    ref = [t.detach().clone() for t in case.step(case.module)]
+    _sync(device)
+    kiln = mode.startswith("kiln")
+    torch._dynamo.reset()  # before Kiln's import: a reset drops its Dynamo timing hook
+    if kiln:
+        from kiln.frontend.backend import KilnFallbackWarning
+
+        warnings.simplefilter("error", KilnFallbackWarning)
+    start = time.perf_counter()
+    mega_load = os.environ.get("BENCH_MEGA_LOAD")
+    if mega_load:
+        torch.compiler.load_cache_artifacts(Path(mega_load).read_bytes())
+    compiled = torch.compile(case.module, backend="kiln" if kiln else "inductor")
+    out = case.step(compiled)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    mega_save = os.environ.get("BENCH_MEGA_SAVE")
+    if mega_save:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(mega_save).write_bytes(saved[0])
+    ok, worst = max_error([t.detach() for t in out], ref, case.tol)
+    result: dict[str, Any] = {"seconds": seconds, "numerics_ok": ok, "max_scaled_err": worst,
+                              "note": case.note}
+    if kiln:
+        result["counters"] = _kiln_counters()
+    return result
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _kiln_counters() -> dict[str, Any]:
+    from kiln.frontend.client import _clients
+
+    totals: dict[str, Any] = {}
+    for client in list(_clients.values()):
+        for name, value in client.counters.snapshot().items():
+            totals[name] = totals.get(name, 0) + value
+        client.counters.flush()
+    return totals
+
+
+# ---------------------------------------------------------------------------------------
+# The parent: environments, farms, checks, the table.
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.root = Path(args.workdir or tempfile.mkdtemp(prefix="kiln-coldstart-"))
+        self.farm_file = self.root / "farm" / "farm.json"
+        self.rows: list[dict[str, Any]] = []
+        self.done: set[tuple[str, str]] = set()
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KILN_", "TORCHINDUCTOR_", "TRITON_", "BENCH_"))
+               and k not in ("RAY_ADDRESS", "XDG_CACHE_HOME")}
+        if self.args.ray_bin and Path(self.args.ray_bin).is_dir():
+            env["PATH"] = f"{self.args.ray_bin}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def caches(self, folder: Path, fresh: bool) -> dict[str, str]:
+        if fresh and folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        return {"XDG_CACHE_HOME": str(folder / "xdg"), "TRITON_CACHE_DIR": str(folder / "triton"),
+                "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+                "KILN_CACHE_DIR": str(folder / "kiln")}
+
+    def env_for(self, model: str, mode: str, farm_file: Path | None = None,
+                tag: str = "") -> dict[str, str]:
+        m = self.root / model
+        env = self.base_env()
+        if mode == "inductor_cold":
+            env.update(self.caches(m / "inductor-a", fresh=True),
+                       BENCH_MEGA_SAVE=str(m / "mega.bin"))
+        elif mode == "inductor_warm":
+            env.update(self.caches(m / "inductor-a", fresh=False))
+        elif mode == "inductor_mega":
+            env.update(self.caches(m / "inductor-b", fresh=True),
+                       BENCH_MEGA_LOAD=str(m / "mega.bin"))
+        elif mode in ("kiln_inprocess", "kiln_warm"):
+            if mode == "kiln_inprocess" and (m / "store").exists():
+                shutil.rmtree(m / "store")
+            env.update(self.caches(m / "kiln-a", fresh=mode == "kiln_inprocess"),
+                       KILN_STORE=str(m / "store"), KILN_AUTOTUNE_EXIT_WAIT="900",
+                       KILN_FARM="inprocess" if mode == "kiln_inprocess" else "local",
+                       KILN_FARM_FILE=str(m / "no-farm.json"))
+        elif mode == "kiln_warm_new":
+            env.update(self.caches(m / "kiln-b", fresh=True), KILN_STORE=str(m / "store"),
+                       KILN_FARM="local", KILN_FARM_FILE=str(m / "no-farm.json"))
+        elif mode in ("kiln_default", "kiln_farm"):
+            folder = m / f"{mode}{tag}"
+            # Exit waits for background tuning (not timed) rather than cut it short.
+            env.update(self.caches(folder, fresh=True), KILN_STORE=str(folder / "store"),
+                       KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="900",
+                       KILN_FARM_FILE=str(farm_file or m / "no-farm.json"))
+        env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
+        Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
+        if self.args.trace and mode.startswith("kiln"):
+            Path(self.args.trace).mkdir(parents=True, exist_ok=True)
+            env["KILN_TRACE"] = str(Path(self.args.trace).resolve() / f"{model}-{mode}{tag}.json")
+        return env
+
+    def measure(self, model: str, mode: str, env: dict[str, str], label: str = "") -> None:
+        command = [sys.executable, __file__, "--child", model, mode, "--device",
+                   self.args.device] + (["--smoke"] if self.args.smoke else [])
+        print(f"[coldstart] {model} {label or mode} ...", file=sys.stderr, flush=True)
+        wall = time.perf_counter()
+        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=self.args.timeout)
+        row: dict[str, Any] = {"model": model, "mode": label or mode,
+                               "device": self.args.device, "smoke": self.args.smoke,
+                               "process_s": time.perf_counter() - wall}
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+        if proc.returncode != 0 or not lines:
+            row.update(ok=False, problem=f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+        else:
+            row.update(json.loads(lines[-1][len(RESULT):]))
+            problems = [] if row["numerics_ok"] else [
+                f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
+            if mode.startswith("kiln"):
+                problems += check_kiln(mode, row["counters"], kiln_stats(env))
+            if problems:  # what Kiln said about it (a farm given up, a fallback)
+                said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
+                problems += said[-3:]
+            row.update(ok=not problems, problem="; ".join(problems))
+        if env.get("KILN_TRACE") and Path(env["KILN_TRACE"]).exists():
+            row["trace"] = env["KILN_TRACE"]
+            row["critical_path"] = trace_top(env["KILN_TRACE"])
+        self.rows.append(row)
+        self.done.add((model, label or mode))
+        status = "ok" if row["ok"] else f"FAILED: {row['problem']}"
+        print(f"[coldstart] {model} {label or mode}: {row.get('seconds', float('nan')):.2f} s "
+              f"{status}", file=sys.stderr, flush=True)
+
+    def run_mode(self, model: str, mode: str) -> None:
+        if (model, mode) in self.done:
+            return
+        if mode in PRIMING and (model, PRIMING[mode]) not in self.done:
+            self.run_mode(model, PRIMING[mode])
+        if mode == "kiln_farm":
+            return  # run by run_farm, with the farm up
+        self.measure(model, mode, self.env_for(model, mode))
+
+    def run_farm(self, models: list[str], workers: int | None, tag: str = "") -> None:
+        """Bring a farm up (warm), compile each model through it once, bring it down."""
+        farm_env = self.base_env()
+        farm_env.update(self.caches(self.root / f"farm{tag}", fresh=True),
+                        KILN_FARM_FILE=str(self.farm_file))
+        command = [sys.executable, "-m", "kiln.frontend.cli", "farm", "up"]
+        if workers:
+            command += ["--num-cpus", str(workers)]
+        if self.args.device == "cuda":
+            command += ["--num-gpus", str(self.args.farm_gpus)]
+        up = subprocess.run(command, env=farm_env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+        if up.returncode != 0:
+            for model in models:
+                self.rows.append({"model": model, "mode": f"kiln_farm{tag}", "ok": False,
+                                  "problem": f"kiln farm up failed: {up.stderr[-1500:]}"})
+            return
+        try:
+            for model in models:
+                env = self.env_for(model, "kiln_farm", self.farm_file, tag)
+                self.measure(model, "kiln_farm", env, label=f"kiln_farm{tag}")
+        finally:
+            subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
+                           env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
+
+
+def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr}
+
+
+def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+    """Whether a Kiln run did what its mode says (from its counters and `kiln stats`)."""
+    c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
+                                         "compiles_farm", "farm_fallbacks", "farm_not_up")}
+    want = {
+        "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
+        "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1
+        and c["compiles_farm"] == 0,
+        "kiln_farm": c["compiles_farm"] >= 1 and c["compiles_local"] == 0
+        and c["farm_fallbacks"] == 0,
+        "kiln_warm": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0,
+        "kiln_warm_new": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0,
+    }[mode]
+    problems = [] if want else [f"counters do not match mode {mode}: {c}"]
+    if "error" in stats:
+        problems.append(f"kiln stats --json failed: {stats['error'][-500:]}")
+    elif (stats.get("graphs"), stats.get("compiles")) != (c["graphs"], c["compiles"]):
+        problems.append(f"kiln stats --json says graphs {stats.get('graphs')} compiles "
+                        f"{stats.get('compiles')}, the client {c['graphs']} / {c['compiles']}")
+    return problems
+
+
+def trace_top(path: str, n: int = 4) -> str:
+    from kiln.frontend.trace import load_spans, summarize
+
+    try:
+        rows = summarize(load_spans(path))["critical_path"][:n]
+    except ValueError as e:
+        return f"unreadable: {e}"
+    return ", ".join(f"{r['stage']} {r['ms'] / 1000:.2f}s" for r in rows)
+
+
+# ---------------------------------------------------------------------------------------
+# The table.
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cold = {r["model"]: r.get("seconds") for r in rows
+            if r["mode"] == "inductor_cold" and r.get("ok")}
+    mega = {r["model"]: r.get("seconds") for r in rows
+            if r["mode"] == "inductor_mega" and r.get("ok")}
+    warm = {r["model"]: r.get("seconds") for r in rows
+            if r["mode"] == "inductor_warm" and r.get("ok")}
+    lines = [f"{'model':<14} {'mode':<22} {'seconds':>8} {'vs ind.':>8}  check  note",
+             "-" * 100]
+    for r in rows:
+        base = {"kiln_warm": warm, "kiln_warm_new": mega}.get(r["mode"], cold).get(r["model"])
+        secs = r.get("seconds")
+        ratio = f"{secs / base:.2f}x" if secs and base and r["mode"].startswith("kiln") else ""
+        check = "ok" if r.get("ok") else "FAIL"
+        note = r.get("problem") or r.get("note") or ""
+        if r.get("critical_path"):
+            note = f"{note} | path: {r['critical_path']}".strip(" |")
+        shown = f"{secs:8.2f}" if isinstance(secs, (int, float)) else f"{'-':>8}"
+        lines.append(f"{r['model']:<14} {r['mode']:<22} {shown} {ratio:>8}  {check:<5}  "
+                     f"{note[:200]}")
+    lines.append("vs ind.: Kiln cold rows against inductor_cold, kiln_warm against "
+                 "inductor_warm, kiln_warm_new against inductor_mega")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt2,resnet18,encoder_train,deep24")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list, or none")
+    p.add_argument("--workers", default="", help="farm sweep on deep24, e.g. 1,4,8,16")
+    p.add_argument("--sweep-model", default="deep24")
+    p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
+    p.add_argument("--farm-gpus", type=int, default=1)
+    p.add_argument("--ray-bin", default="/tmp/site/bin", help="where `ray` is, if not on PATH")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--trace", default=None, help="folder for each Kiln run's timeline")
+    p.add_argument("--results", default=None, help="append rows to this JSON file")
+    p.add_argument("--table", default=None, help="print the table of a results file")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.child:
+        model, mode = args.child
+        print(RESULT + json.dumps(child(model, mode, args.device, args.smoke)), flush=True)
+        return 0
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    bench = Bench(args)
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m and m != "none"]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        print(f"unknown modes {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    for model in models:
+        for mode in modes:
+            bench.run_mode(model, mode)
+    if "kiln_farm" in modes:
+        bench.run_farm(models, None)
+    for n in [int(w) for w in args.workers.split(",") if w]:
+        bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
+    rows = bench.rows
+    if args.results:
+        path = Path(args.results)
+        rows = (json.loads(path.read_text()) if path.exists() else []) + rows
+        path.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0 if all(r.get("ok") for r in bench.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

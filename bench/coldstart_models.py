@@ -1,0 +1,221 @@
+"""The models of bench/coldstart.py, and one measurement in a fresh process.
+
+Each model gives a ``Case``: the module, its inputs, and ``step(module)``, the work whose
+first output is timed (a forward, or a training step's loss and gradients). Full sizes
+are the H200 host's; ``smoke`` sizes run on a 2-core CPU in seconds. HF GPT-2 and
+torchvision's ResNet-18 are used where installed; without them (this CPU machine) a
+stand-in of the same architecture written here is used, and the row says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Case:
+    name: str
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    step: Callable[[Any], list[torch.Tensor]]  # the module, or torch.compile's wrapper
+    tol: dict[str, float]
+    note: str = ""
+
+
+def _forward(*inputs: Any, pick: Callable[[Any], torch.Tensor] = lambda o: o
+             ) -> Callable[[nn.Module], list[torch.Tensor]]:
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [pick(m(*inputs))]
+    return step
+
+
+# ---------------------------------------------------------------------------------------
+# GPT-2 (HF transformers, random weights), or a stand-in of its block structure.
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class DecoderLM(nn.Module):
+    """Token and position embeddings, pre-norm causal blocks, a final norm, LM head."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, positions: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.blocks = nn.ModuleList(_GPTBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt2(device: str, smoke: bool) -> Case:
+    batch, seq = (2, 16) if smoke else (4, 512)
+    dtype = torch.float32 if smoke or device == "cpu" else torch.bfloat16
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512) if smoke \
+            else GPT2Config()
+        module: nn.Module = GPT2LMHeadModel(config).eval()
+        vocab, note = config.vocab_size, ""
+        pick: Callable[[Any], torch.Tensor] = lambda out: out.logits
+    except ImportError:
+        vocab, d, layers, heads = (512, 64, 2, 2) if smoke else (50257, 768, 12, 12)
+        module = DecoderLM(vocab, d, layers, heads, 1024).eval()
+        note, pick = "stand-in (transformers not installed)", lambda out: out
+    module = module.to(device=device, dtype=dtype)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return Case("gpt2", module, (ids,), _forward(ids, pick=pick), _tol(dtype), note)
+
+
+# ---------------------------------------------------------------------------------------
+# ResNet-18 (torchvision), or a stand-in with its layout.
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.down is None else self.down(x)
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(y + skip)
+
+
+def _resnet18_standin(width: int, classes: int) -> nn.Module:
+    stages, cin = [], width
+    for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        stride = 1 if i == 0 else 2
+        stages += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width),
+                         nn.ReLU(), nn.MaxPool2d(3, 2, 1), *stages,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+def resnet18(device: str, smoke: bool) -> Case:
+    batch, size = (2, 32) if smoke else (32, 224)
+    dtype = torch.float32 if smoke or device == "cpu" else torch.bfloat16
+    note = ""
+    try:
+        import torchvision
+
+        module: nn.Module = torchvision.models.resnet18()
+    except ImportError:
+        module = _resnet18_standin(16 if smoke else 64, 10 if smoke else 1000)
+        note = "stand-in (torchvision not installed)"
+    module = module.eval().to(device=device, dtype=dtype)
+    x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    return Case("resnet18", module, (x,), _forward(x), _tol(dtype, loose=True), note)
+
+
+# ---------------------------------------------------------------------------------------
+# A transformer-encoder training step: embedding, 4 layers, MLM-style loss, fwd + bwd.
+
+
+class EncoderMLM(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True, activation="gelu")
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.encoder(self.embed(ids))))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def encoder_train(device: str, smoke: bool) -> Case:
+    vocab, d, heads, batch, seq = (256, 64, 4, 2, 16) if smoke else (30522, 768, 12, 8, 512)
+    module = EncoderMLM(vocab, d, heads, 4).to(device).train()
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    labels = torch.where(torch.rand(batch, seq, device=device) < 0.15, ids, -100)
+    labels[:, 0] = ids[:, 0]  # at least one masked position per row
+    autocast = device == "cuda" and not smoke
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = m(ids, labels)
+        loss.backward()
+        grads = [p.grad for p in (module.embed.weight, module.head.weight)
+                 if p.grad is not None]
+        return [loss.detach(), *grads]
+
+    tol = _tol(torch.bfloat16 if autocast else torch.float32, loose=True)
+    return Case("encoder_train", module, (ids, labels), step, tol,
+                "bf16 autocast" if autocast else "fp32")
+
+
+# ---------------------------------------------------------------------------------------
+# The large model: a 24-layer decoder-only transformer, forward.
+
+
+def deep24(device: str, smoke: bool) -> Case:
+    vocab, d, heads, batch, seq = (512, 64, 2, 2, 16) if smoke else (32000, 1024, 16, 4, 1024)
+    dtype = torch.float32 if smoke or device == "cpu" else torch.bfloat16
+    module = DecoderLM(vocab, d, 24, heads, seq).eval().to(device=device, dtype=dtype)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return Case("deep24", module, (ids,), _forward(ids), _tol(dtype), "24 layers")
+
+
+MODELS: dict[str, Callable[[str, bool], Case]] = {
+    "gpt2": gpt2, "resnet18": resnet18, "encoder_train": encoder_train, "deep24": deep24}
+
+
+def _tol(dtype: torch.dtype, loose: bool = False) -> dict[str, float]:
+    if dtype in (torch.bfloat16, torch.float16):
+        return {"atol": 1e-1 if loose else 6e-2, "rtol": 6e-2}
+    return {"atol": 2e-3 if loose else 1e-3, "rtol": 2e-3 if loose else 1e-3}
+
+
+def max_error(got: list[torch.Tensor], ref: list[torch.Tensor], tol: dict[str, float]
+              ) -> tuple[bool, float]:
+    """Whether every output is within tolerance, and the largest scaled difference."""
+    worst, ok = 0.0, len(got) == len(ref)
+    for g, r in zip(got, ref):
+        g, r = g.float(), r.float()
+        if g.shape != r.shape:
+            return False, math.inf
+        diff = (g - r).abs()
+        bound = tol["atol"] + tol["rtol"] * r.abs()
+        worst = max(worst, float((diff / bound).max()) if diff.numel() else 0.0)
+        ok = ok and bool(torch.isfinite(g).all())
+    return ok and worst <= 1.0, worst

@@ -1,0 +1,173 @@
+"""Launch a stored cubin through torch's static CUDA launcher (``torch._C.
+_StaticCudaLauncher``, what Inductor uses): no Triton JIT, no launcher stub built with the
+C compiler, nothing imported but the cubin. This is the warm path of a hit.
+
+The cubin goes to a file named by its sha256 under the kernel cache (the launcher loads
+from a path), and is loaded on the kernel's first launch, so a graph of 50 kernels pays
+only for those it runs. ``StaticLaunchUnsupported`` names why a kernel cannot take this
+path (a torch without the launcher, scratch memory, clusters, cooperative grids); the
+caller then uses Triton's own launcher. ``KILN_STATIC_LAUNCHER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..codegen.kernel_spec import KernelSpec
+from ..kernel_compile import KernelBinary
+from .kernel_files import cache_root
+
+log = logging.getLogger("kiln.runtime")
+
+# Triton scalar types -> the one-letter codes the static launcher switches on.
+_SCALAR_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I",
+                 "u8": "B", "u16": "H", "u32": "I", "u64": "K", "fp16": "f", "bf16": "f",
+                 "fp32": "f", "f32": "f", "fp64": "d"}
+# Metadata that must be off (or 1) for a plain launch of the cubin.
+_MUST_BE_OFF = ("launch_cooperative_grid", "launch_pdl")
+# Scratch buffers newer Triton kernels take as trailing arguments (None when unused).
+_SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
+
+
+class StaticLaunchUnsupported(RuntimeError):
+    """This kernel (or this torch) cannot use the static launcher."""
+
+
+def launcher_impl() -> Any:
+    """torch's static launcher, or ``StaticLaunchUnsupported`` saying why not."""
+    if os.environ.get("KILN_STATIC_LAUNCHER", "1") == "0":
+        raise StaticLaunchUnsupported("KILN_STATIC_LAUNCHER=0")
+    import torch
+
+    impl = getattr(torch._C, "_StaticCudaLauncher", None)
+    if impl is None:
+        raise StaticLaunchUnsupported(f"torch {torch.__version__} has no _StaticCudaLauncher")
+    return impl
+
+
+def arg_types(spec: KernelSpec, metadata: dict[str, Any]) -> str:
+    """The launcher's argument codes: one per non-constexpr argument, in order, then one
+    per scratch buffer the kernel was compiled to take."""
+    codes = []
+    for name, ty in spec.signature.items():
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            codes.append("O")
+        elif ty in _SCALAR_CODES:
+            codes.append(_SCALAR_CODES[ty])
+        else:
+            raise StaticLaunchUnsupported(f"argument {name} of type {ty}")
+    return "".join(codes) + "O" * scratch_count(metadata)
+
+
+def scratch_count(metadata: dict[str, Any]) -> int:
+    """Trailing scratch arguments (passed as None); a kernel that needs scratch memory
+    cannot be launched without Triton's allocator."""
+    count = 0
+    for field in _SCRATCH_FIELDS:
+        if field in metadata:
+            if int(metadata[field] or 0) > 0:
+                raise StaticLaunchUnsupported(f"{field} is {metadata[field]}")
+            count += 1
+    return count
+
+
+def check_launchable(metadata: dict[str, Any]) -> None:
+    if int(metadata.get("num_ctas", 1) or 1) != 1:
+        raise StaticLaunchUnsupported(f"num_ctas is {metadata.get('num_ctas')}")
+    for field in _MUST_BE_OFF:
+        if metadata.get(field):
+            raise StaticLaunchUnsupported(f"{field} is set")
+    if metadata.get("binary_ext", "cubin") != "cubin":
+        raise StaticLaunchUnsupported(f"binary is {metadata.get('binary_ext')}, not a cubin")
+
+
+def cubin_path(binary: bytes) -> Path:
+    """The cubin in a file named by its digest (written once, atomically)."""
+    digest = hashlib.sha256(binary).hexdigest()
+    folder = cache_root() / "cubins" / digest[:2]
+    path = folder / f"{digest}.cubin"
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(binary)
+    os.replace(tmp, path)
+    return path
+
+
+def _raw_stream() -> Callable[[], int]:
+    import torch
+
+    get_stream, current_device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device
+    return lambda: int(get_stream(current_device()))
+
+
+class StaticCudaKernel:
+    """``run(*args)`` launches the cubin over its grid; loaded on the first launch."""
+
+    def __init__(self, spec: KernelSpec, binary: KernelBinary, grid: tuple[int, int, int],
+                 impl: Any = None, stream: Callable[[], int] | None = None,
+                 fallback: Callable[[], Any] | None = None, device: int | None = None
+                 ) -> None:
+        meta = binary.metadata
+        check_launchable(meta)
+        self.impl = impl if impl is not None else launcher_impl()
+        self.name = str(meta.get("name") or spec.name)
+        self.arg_tys = arg_types(spec, meta)
+        self.scratch: tuple[None, ...] = (None,) * scratch_count(meta)
+        self.num_warps = int(meta["num_warps"])
+        self.shared = int(meta.get("shared", 0) or 0)
+        self.grid = grid
+        self.binary = binary.binary
+        self.function: Any = None
+        self.module: Any = None
+        self.stream = stream
+        self.device = device  # None: the current device at first launch
+        self.fallback = fallback  # makes another launcher if the cubin will not load
+        self._instead: Any = None
+
+    def load(self) -> None:
+        """Load the cubin into the device's context."""
+        device = self.device
+        if device is None:
+            import torch
+
+            device = torch.cuda.current_device()
+        loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name, self.shared,
+                                        device)
+        # torch 2.13 returns (module, function, regs, spills); earlier (function, regs, spills)
+        if len(loaded) == 4:
+            self.module, self.function = loaded[0], loaded[1]
+        else:
+            self.function = loaded[0]
+        if self.stream is None:
+            self.stream = _raw_stream()
+
+    def run(self, *args: Any) -> None:
+        if self.function is None:
+            if self._instead is not None:
+                self._instead.run(*args)
+                return
+            try:
+                self.load()
+            except Exception as e:
+                if self.fallback is None:
+                    raise
+                log.warning("kiln: kernel %s did not load through the static launcher (%s); "
+                            "using Triton's launcher", self.name, e)
+                self._instead = self.fallback()
+                self._instead.run(*args)
+                return
+        assert self.stream is not None
+        gx, gy, gz = self.grid
+        self.impl._launch_kernel(self.function, gx, gy, gz, self.num_warps, self.shared,
+                                 self.arg_tys, (*args, *self.scratch), self.stream())

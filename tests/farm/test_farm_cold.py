@@ -1,0 +1,84 @@
+"""The compile timeline through a real farm: one traced request brings back the spans of
+the coordinator, the compile worker's passes and each kernel compile with the process
+that ran it, and the critical path runs through the farm's work. And the farm's kernels
+shared through its store by content key."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from farm_helpers import cuda_request, farm_stats
+
+from kiln.compiler import trace
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
+from kiln.frontend.farm import InProcessFarm, RayFarm
+from kiln.frontend.keys import compute_key
+from kiln.frontend.trace import Span, critical_path
+
+
+@pytest.fixture
+def recording() -> Iterator[None]:
+    trace.clear()
+    trace.enable()
+    trace.set_process_name("client")
+    yield
+    trace.enable(False)
+    trace.clear()
+
+
+def test_a_traced_farm_compile_carries_every_process_spans(farm: RayFarm,
+                                                           recording: None) -> None:
+    request = cuda_request(shapes=((8, 56), (56, 56)), options={"tag": "trace"})
+    compiled = farm.compile(compute_key(request).key, request)
+    events = trace.events()
+    by_name: dict[str, list[trace.Event]] = {}
+    for event in events:
+        by_name.setdefault(event["name"], []).append(event)
+    for stage in ("farm compile (client waits)", "farm request", "queue for a compile worker",
+                  "deserialize request", "graph stage", "lowering", "scheduling and fusion",
+                  "memory plan", "codegen", "kernel fan-out", "kernel compile"):
+        assert stage in by_name, stage
+    process = {e["name"]: e["args"]["process"] for e in events}
+    assert process["graph stage"] == "compile worker"
+    assert process["farm request"] == "farm coordinator"
+    assert process["farm compile (client waits)"] == "client"
+    kernels = by_name["kernel compile"]
+    assert len(kernels) == len(compiled.binaries)  # fresh kernels: one span each
+    assert {e["args"]["process"] for e in kernels} == {"kernel worker"}
+    assert all(e["pid"] != os.getpid() for e in kernels)
+    assert {e["args"]["kernel"] for e in kernels} == set(compiled.binaries)
+    spans = [Span(e["name"], e["ts"], e["ts"] + e["dur"], e["pid"], e["tid"],
+                  e["args"]["process"], e["cat"]) for e in events]
+    path = {s.name for s in critical_path(spans)}
+    assert "kernel compile" in path and "lowering" in path
+    assert "farm compile (client waits)" not in path  # the wait is not work
+    # The same request again: compiled once already, no kernel compiles to show.
+    trace.clear()
+    farm.compile(compute_key(request).key, request)
+    assert not [e for e in trace.events() if e["name"] == "kernel compile"]
+
+
+def test_the_farm_finds_kernels_in_its_store_by_content_key(farm: RayFarm) -> None:
+    """Kernels compiled elsewhere (here: a client compiling in process into the farm's
+    store) are not compiled again by a farm that never saw them."""
+    import ray
+
+    farm_store = ray.get(farm.actor().ping.remote())["kernel_store"]
+    assert farm_store
+    local = KilnClient(KilnConfig.resolve({"store": farm_store, "farm": "inprocess"}),
+                       farm=InProcessFarm())
+    first = cuda_request(shapes=((8, 72), (72, 72)), options={"tag": "local"})
+    compiled = local.compile(first).compiled
+    assert local.counters.snapshot()["kernels_compiled"] == len(compiled.binaries) > 0
+    before = farm_stats(farm)
+    second = cuda_request(shapes=((8, 72), (72, 72)), options={"tag": "farm"})
+    again = farm.compile(compute_key(second).key, second)
+    after = farm_stats(farm)
+    assert after.get("kernel_store_hits", 0) - before.get("kernel_store_hits", 0) == \
+        len(compiled.binaries)
+    assert after.get("kernel_compiles", 0) == before.get("kernel_compiles", 0)
+    for name, binary in compiled.binaries.items():
+        assert again.binaries[name].binary == binary.binary

@@ -1,0 +1,132 @@
+"""The farm's side of the trust model (issue 14), on real Ray clusters: a caller who
+names another graph's key, the farm as the builder that signs and publishes (clients
+holding the public key only read), and `kiln farm up`'s token on its network port."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from farm_helpers import SRC, cuda_request, python_env, s3_env
+
+from kiln.artifact_store import generate_ed25519_key
+from kiln.artifact_store.signing import ed25519_available
+from kiln.compiler.keys import compute_key
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
+from kiln.frontend.farm import RayFarm
+from kiln.workers.pipeline import compile_inprocess
+
+
+def victim_and_attacker() -> tuple[Any, Any]:
+    victim = cuda_request(shapes=((16, 48), (48, 48)))
+    attacker = cuda_request(lambda x, w: (x @ w).relu() * 3.0, shapes=((16, 48), (48, 48)))
+    return victim, attacker
+
+
+def test_planted_result_under_another_key_is_refused(farm: RayFarm) -> None:
+    import ray
+
+    victim, attacker = victim_and_attacker()
+    victim_key = compute_key(victim).key
+    actor = farm.actor()
+    # The attack: the attacker's graph, claimed to be the victim's key.
+    with pytest.raises(ray.exceptions.RayTaskError, match="hash to key"):
+        ray.get(actor.compile.remote(attacker.to_bytes(), 0.0, victim_key), timeout=300)
+    # Without a claim the attacker's result goes under the key of its own bytes.
+    answer = ray.get(actor.compile.remote(attacker.to_bytes(), 0.0), timeout=300)
+    assert answer["key"] == compute_key(attacker).key != victim_key
+    # The victim gets its own graph, byte for byte what it compiles alone.
+    got = farm.compile(victim_key, victim)
+    alone = compile_inprocess(victim.to_bytes(), victim_key)
+    assert got.wrapper_source == alone.wrapper_source
+    assert [k.source for k in got.kernels] == [k.source for k in alone.kernels]
+
+
+@pytest.mark.skipif(not ed25519_available(), reason="needs cryptography")
+def test_farm_signs_and_publishes_clients_with_the_public_key_only_read(
+        farm: RayFarm, s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    from kiln.workers.coordinator import get_farm_actor
+
+    private, public = generate_ed25519_key()
+    store_env = s3_env(s3_server, f"builder-{os.getpid()}")
+    builder_env = {**store_env, "KILN_SIGNING_KEY": private, "KILN_STATS_FILE": "off",
+                   "XDG_CACHE_HOME": str(tmp_path / "builder-cache")}
+    # A coordinator whose processes hold the private key (a deployed farm has it in its
+    # image's environment); the session's own coordinator holds none.
+    builder = RayFarm(farm.address)
+    builder._actor = get_farm_actor(1, name="KilnFarmBuilder",
+                                    runtime_env={"env_vars": builder_env})
+    ray.get(builder._actor.wait_warm.remote(), timeout=300)
+    for name, value in {**store_env, "KILN_SIGNING_KEY": public, "KILN_FARM": "inprocess",
+                        "KILN_LOCAL_CACHE": "off"}.items():
+        monkeypatch.setenv(name, value)
+    client = KilnClient(KilnConfig.resolve(), farm=builder)
+    assert not client.store.can_publish  # a public key verifies; it cannot sign
+
+    victim, _ = victim_and_attacker()
+    result = client.compile(victim, "victim")
+    assert result.source == "farm"
+    assert client.store.stats()["publishes"] == 0  # the client published nothing
+    described = client.store.describe(result.key.key)
+    assert described is not None and described["signature"]["alg"] == "ed25519"
+    assert described["meta"]["compile"]["mode"] == "farm"
+    again = KilnClient(KilnConfig.resolve(), farm=builder).compile(victim, "victim")
+    assert again.source == "hit" and again.key == result.key
+    assert again.compiled.wrapper_source == result.compiled.wrapper_source
+    ray.kill(builder._actor)
+
+
+TASK = """
+import json, os, sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    pid = ray.get(ray.remote(lambda: os.getpid()).remote(), timeout=60)
+    print(json.dumps({"ran": True}))
+except Exception as e:
+    print(json.dumps({"ran": False, "error": f"{type(e).__name__}: {e}"[:300]}))
+"""
+
+
+def run_task(address: str, env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", TASK, address], env=env, cwd=SRC,
+                          capture_output=True, text=True, timeout=240)
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_farm_up_port_refuses_callers_without_the_token(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The attack: reach `kiln farm up`'s Ray port on the machine's network address and
+    run code there. Ray 2.60 listens on every interface whatever the node IP, so the
+    token is what refuses it."""
+    from kiln.frontend import farm as farm_module
+
+    monkeypatch.setenv("KILN_FARM_FILE", str(tmp_path / "farm.json"))
+    info = farm_module.start_local_cluster(num_cpus=1)
+    try:
+        host = info["address"].rsplit(":", 1)[0]
+        assert not host.startswith("127."), "Ray advertises the node's network address"
+        token_file = Path(info["token_file"])
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and info["auth"] == "token"
+        home = tmp_path / "stranger-home"  # no ~/.ray/auth_token either
+        home.mkdir()
+        stranger = {k: v for k, v in python_env(HOME=str(home)).items()
+                    if not k.startswith("RAY_AUTH")}
+        refused = run_task(info["address"], stranger)
+        assert not refused["ran"], refused
+        trusted = dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token_file.read_text())
+        assert run_task(info["address"], trusted)["ran"]
+        printed = farm_module.auth_instructions(info)
+        assert "RAY_AUTH_TOKEN" in printed and str(token_file) in printed
+    finally:
+        farm_module.stop_local_cluster()

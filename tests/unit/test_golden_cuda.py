@@ -1,0 +1,184 @@
+"""Golden output code for GPU-only paths, generated on this CPU machine from fake CUDA
+tensors: matmul padding, channels-last convolution, the attention rewrite (its bmm inputs
+are views, not copies) and the scatter kernels (also compiled to an sm_90 cubin; their
+numerics run under Triton's interpreter in tests/triton_interp/test_scatter.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
+from kiln.compiler.fx_passes import fuse_attention
+from kiln.compiler.kernel_compile import compile_kernel
+from kiln.compiler.runtime.kernel_files import interpreter_active
+
+SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
+
+pytestmark = pytest.mark.skipif(interpreter_active(),
+                                reason="Triton was imported for its interpreter")
+
+
+def _fake(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float16,
+          mode: FakeTensorMode | None = None) -> list[torch.Tensor]:
+    with mode or FakeTensorMode():
+        return [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
+
+
+def _compile(fn: Callable[..., Any], args: list[torch.Tensor]) -> CompiledGraph:
+    return compile_graph(trace_aten(fn, args), args, {}, compile_kernels=False)
+
+
+def _body(compiled: CompiledGraph) -> list[str]:
+    lines = [ln.strip() for ln in compiled.wrapper_source.splitlines()]
+    return [ln for ln in lines[lines.index("args.clear()") + 1:] if "align_input" not in ln]
+
+
+def test_matmul_with_unaligned_width_pads_the_weight() -> None:
+    compiled = _compile(lambda a, b: a @ b, _fake((2048, 1024), (1024, 1001)))
+    body = _body(compiled)
+    assert "buf0 = empty_strided((1024, 1008), (1008, 1), device=DEVICE, dtype=torch.float16)" \
+        in body
+    assert "buf1 = torch.ops.aten.mm.default(arg0_1, buf0)" in body
+    # The padded product is returned as eager lays it out: one copy of its first 1001 columns.
+    assert "buf2 = empty_strided((2048, 1001), (1001, 1), device=DEVICE, dtype=torch.float16)" \
+        in body
+    assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0",
+                                                  "triton_poi_fused_copy_1"]
+    pad = compiled.kernels[0].source
+    assert "xnumel = 1032192" in pad and "tl.where(" in pad
+
+
+def test_aligned_matmul_is_not_padded() -> None:
+    compiled = _compile(lambda a, b: a @ b, _fake((2048, 1024), (1024, 1000)))
+    assert not compiled.kernels
+    assert "torch.ops.aten.mm.default(arg0_1, arg1_1)" in compiled.wrapper_source
+
+
+def test_channels_last_convolution() -> None:
+    fn = lambda x, w, b: F.conv2d(x, w, b, padding=1).relu()  # noqa: E731
+    compiled = _compile(fn, _fake((8, 16, 32, 32), (32, 16, 3, 3), (32,)))
+    body = _body(compiled)
+    assert "buf0 = empty_strided((8, 16, 32, 32), (16384, 1, 512, 16), device=DEVICE, " \
+           "dtype=torch.float16)" in body
+    assert "buf1 = empty_strided((32, 16, 3, 3), (144, 1, 48, 16), device=DEVICE, " \
+           "dtype=torch.float16)" in body
+    conv = body.index("buf2 = torch.ops.aten.convolution.default(buf0, buf1, None, [1, 1], "
+                      "[1, 1], [1, 1], False, [0, 0], 1)")
+    assert body[conv + 1] == "buf2 = as_layout(buf2, (8, 32, 32, 32), (32768, 1, 1024, 32))"
+    assert [k.name for k in compiled.kernels] == [
+        "triton_poi_fused_copy_0", "triton_poi_fused_copy_1", "triton_poi_fused_add_relu_2"]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(q @ k.transpose(-2, -1) / 8.0, dim=-1) @ v
+
+
+def test_attention_rewrite_feeds_bmm_views_without_copies() -> None:
+    mode = FakeTensorMode()
+    q, k, v = _fake((2, 4, 64, 32), (2, 4, 64, 32), (2, 4, 64, 32), mode=mode)
+    gm = torch.fx.symbolic_trace(_attention)
+    FakeTensorProp(gm, mode).propagate(q, k, v)
+    assert fuse_attention(gm) == 1
+    assert any(n.target is F.scaled_dot_product_attention for n in gm.graph.nodes)
+    # With no GPU, SDPA decomposes to its math form: two bmm around a softmax. Their
+    # operands are reshapes of contiguous buffers: strided views, never copy kernels.
+    compiled = _compile(gm, [q, k, v])
+    src = compiled.wrapper_source
+    assert "torch.ops.aten.bmm.default(reinterpret_tensor(buf0, (8, 64, 32), (2048, 32, 1), 0)" \
+        ", reinterpret_tensor(buf1, (8, 32, 64), (2048, 64, 1), 0))" in src
+    assert src.count("torch.ops.aten.bmm.default(reinterpret_tensor(") == 2
+    assert len(compiled.kernels) == 5, [k.name for k in compiled.kernels]
+
+
+def test_embedding_backward_scatter_kernel_golden_and_cubin() -> None:
+    with FakeTensorMode():
+        g = torch.empty(8, 256, 512, device="cuda", dtype=torch.bfloat16)
+        i = torch.empty(8, 256, device="cuda", dtype=torch.int64)
+    fn = lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 30000, -1, False)  # noqa
+    compiled = _compile(fn, [g, i])
+    body = _body(compiled)
+    assert body[:4] == [
+        "buf0 = empty_strided((30000, 512), (512, 1), device=DEVICE, dtype=torch.float32)",
+        "triton_poi_fused_copy_0.run(buf0)",
+        "buf1 = buf0  # written in place",
+        "triton_poi_fused_scatter_add_1.run(arg0_1, arg1_1, buf1)"]
+    scatter = compiled.kernels[1].source
+    assert "xnumel = 1048576" in scatter
+    assert "tmp2 = tl.where(tmp1 < 0, tmp1 + 30000, tmp1)" in scatter
+    assert "tl.atomic_add(out_ptr0 + ((xindex % 512) + 512*tmp2), tmp0, xmask, " \
+           "sem='relaxed')" in scatter
+    assert ".to(tl.float32)" in scatter  # bf16 gradients add into the fp32 accumulator
+    spec = compiled.kernels[1]
+    binary = compile_kernel(spec, dict(spec.configs[0]), SM90)
+    assert binary.binary[:4] == b"\x7fELF"
+
+
+def test_scatter_reduce_amax_cubin() -> None:
+    with FakeTensorMode():
+        x = torch.empty(64, 128, device="cuda")
+        i = torch.empty(256, 128, device="cuda", dtype=torch.int64)
+        s = torch.empty(256, 128, device="cuda")
+    compiled = _compile(lambda x, i, s: x.scatter_reduce(0, i, s, "amax"), [x, i, s])
+    spec = next(k for k in compiled.kernels if "tl.atomic_max(" in k.source)
+    assert spec.name == "triton_poi_fused_scatter_max_1"
+    assert compile_kernel(spec, dict(spec.configs[0]), SM90).binary[:4] == b"\x7fELF"
+
+
+_B, _S, _D, _H = 8, 128, 256, 4
+
+
+def _encoder_layer(x: torch.Tensor, mask: torch.Tensor, *p: torch.Tensor) -> torch.Tensor:
+    wqkv, bqkv, wo, bo, w1, b1, w2, b2, g1, be1, g2, be2 = p
+    b, s, d = x.shape
+    q, k, v = (t.view(b, s, _H, d // _H).transpose(1, 2)
+               for t in F.linear(x, wqkv, bqkv).split(d, -1))
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    x = F.layer_norm(x + F.linear(y.transpose(1, 2).reshape(b, s, d), wo, bo), (d,), g1, be1)
+    return F.layer_norm(x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), (d,), g2, be2)
+
+
+def _encoder(layers: int) -> Callable[..., torch.Tensor]:
+    def encoder(x: torch.Tensor, keep: torch.Tensor, *p: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(
+            keep.logical_not(), float("-inf")).unsqueeze(1).unsqueeze(1)
+        for i in range(layers):
+            x = _encoder_layer(x, mask, *p[12 * i:12 * (i + 1)])
+        return x
+
+    return encoder
+
+
+def _encoder_launches(layers: int) -> tuple[CompiledGraph, int]:
+    d = _D
+    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
+              (d,), (d,), (d,), (d,)] * layers
+    with FakeTensorMode():
+        x = torch.empty(_B, _S, d, device="cuda", dtype=torch.float16)
+        keep = torch.empty(_B, _S, device="cuda", dtype=torch.bool)
+        params = [torch.empty(s, device="cuda", dtype=torch.float16) for s in shapes]
+    compiled = _compile(_encoder(layers), [x, keep, *params])
+    return compiled, compiled.wrapper_source.count(".run(")
+
+
+def test_encoder_layers_launches_and_mask_built_once() -> None:
+    """Launches grow by the same count per layer, the padding mask costs no kernel of its
+    own (it is read inside each softmax), and every matmul reads views, not copies. (With
+    no GPU, SDPA is in its math form here; on a GPU it is one attention call.)"""
+    one, per_layer = _encoder_launches(1)
+    two, launches = _encoder_launches(2)
+    assert launches == 2 * per_layer == 16, two.wrapper_source
+    softmax = [k for k in one.kernels if "exp" in k.name]
+    assert len(softmax) == 1 and "logical_not" in softmax[0].name  # the mask, fused
+    matmuls = [ln for ln in two.wrapper_source.splitlines() if "aten.bmm" in ln
+               or "aten.addmm" in ln]
+    assert len(matmuls) == 12
+    assert all(ln.count("reinterpret_tensor(") == 2 for ln in matmuls), matmuls

@@ -1,0 +1,165 @@
+"""Requests and manifests as an attacker writes them: each test is the attack of the
+2026-12-01 review (issue 14), refused with a message naming what was refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from kiln.artifact_store import ConfigError, open_store, parse_keyring
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.request import (
+    MAX_CONSTANT_PADDING,
+    CompileRequest,
+    SerializationError,
+    compile_options,
+    deserialize_graph,
+)
+from kiln.frontend.serialize import make_request
+from kiln.workers.artifact import from_artifact
+
+
+def _graph_wire(fn: Any, *args: torch.Tensor) -> list[Any]:
+    request = make_request(trace_aten(fn, list(args)), list(args), options={},
+                           target={"kind": "cpu"})
+    return msgpack.unpackb(request.graph, raw=False)  # type: ignore[no-any-return]
+
+
+def _with_target(wire: list[Any], target: list[str]) -> bytes:
+    nodes = wire[2]
+    call = next(node for node in nodes if node[0] == "call_function")
+    call[1] = target
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+@pytest.mark.parametrize("target", [
+    ["packet", "load_library.__call__"],      # torch.ops.load_library: dlopen any path
+    ["op", "aten.__class__.__init__"],       # dunders on an allowed namespace
+    ["packet", "_ops.ops"],                  # a private module attribute
+    ["packet", "import_module.__call__"],    # torch.ops.import_module: import anything
+    ["op", "mylib.evil_op.default"],         # a namespace outside the allowlist
+])
+def test_op_outside_the_allowlist_is_refused(target: list[str]) -> None:
+    x = torch.randn(4, 4)
+    data = _with_target(_graph_wire(lambda a: a.relu(), x), target)
+    with pytest.raises(SerializationError, match="not allowed in a request"):
+        deserialize_graph(data)
+
+
+def test_aten_ops_with_private_names_still_resolve() -> None:
+    from kiln.compiler.request import _resolve_target
+
+    assert _resolve_target(["op", "aten._softmax.default"]) is torch.ops.aten._softmax.default
+    assert _resolve_target(["packet", "aten._to_copy"]) is torch.ops.aten._to_copy
+    assert _resolve_target(["op", "prims.convert_element_type.default"]) is \
+        torch.ops.prims.convert_element_type.default
+    with pytest.raises(SerializationError, match="not an operator overload"):
+        _resolve_target(["op", "aten.add.overloads"])
+
+
+def test_request_options_are_filtered_to_compile_options() -> None:
+    hostile = {"debug": "1", "debug_dir": "/etc/kiln-owned", "logs": "output_code",
+               "store": "s3://elsewhere", "cpu_backend": "cpp", "autotune": False,
+               "max_autotune": True, "gemm_choices": {"choice-x": {}}}
+    assert compile_options(hostile) == {"cpu_backend": "cpp", "autotune": False,
+                                        "max_autotune": True}
+
+
+def _constant_wire(offset: int) -> bytes:
+    from kiln.compiler.request import serialize_graph
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (x, graph.get_attr("c"))))
+    root = torch.nn.Module()
+    root.c = torch.randn(3)  # type: ignore[assignment]
+    wire = msgpack.unpackb(serialize_graph(torch.fx.GraphModule(root, graph)), raw=False)
+    node = next(n for n in wire[2] if n[0] == "get_attr")
+    node[1][1][4] = offset  # the constant's storage offset
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def test_constant_storage_offset_is_bounded() -> None:
+    with pytest.raises(SerializationError, match="asks for a storage of"):
+        deserialize_graph(_constant_wire(MAX_CONSTANT_PADDING + 1))
+    with pytest.raises(SerializationError, match="out of bounds"):
+        deserialize_graph(_constant_wire(2**62))
+    assert deserialize_graph(_constant_wire(5)) is not None  # a small offset is fine
+
+
+def test_input_metadata_is_bounded() -> None:
+    request = make_request(trace_aten(lambda a: a * 2, [torch.randn(4)]), [torch.randn(4)],
+                           options={}, target={"kind": "cpu"})
+    wire = msgpack.unpackb(request.to_bytes(), raw=False)
+    wire[3][0] = [[4] * 40, [1] * 40, "float32", "cpu", 0]
+    with pytest.raises(SerializationError, match="out of bounds"):
+        CompileRequest.from_bytes(msgpack.packb(wire, use_bin_type=True))
+    wire[3][0] = [[4], [1], "float32", "cpu", -3]
+    with pytest.raises(SerializationError, match="out of bounds"):
+        CompileRequest.from_bytes(msgpack.packb(wire, use_bin_type=True))
+
+
+def _spec(name: str) -> dict[str, Any]:
+    return {"name": name, "backend": "triton", "kind": "pointwise",
+            "source": "def k(): pass\n", "arg_buffers": ["buf0"],
+            "signature": {"in_ptr0": "*fp32", "XBLOCK": "constexpr"}, "xnumel": 8,
+            "rnumel": 1, "configs": [{"XBLOCK": 8, "num_warps": 1, "num_stages": 1}]}
+
+
+@pytest.mark.parametrize("name", ["/tmp/kiln-owned", "../../escape", "__import__",
+                                  "a.b", "x" * 300, ""])
+def test_manifest_kernel_name_must_be_an_identifier(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid kernel name"):
+        KernelSpec.from_dict(_spec(name))
+    assert KernelSpec.from_dict(_spec("triton_poi_fused_add_0")).name == "triton_poi_fused_add_0"
+
+
+def test_absolute_kernel_name_in_binary_metadata_writes_nothing(tmp_path: Path) -> None:
+    """The Triton launcher wrote `tmpdir / name.cubin`: an absolute name escaped it."""
+    pytest.importorskip("triton")
+    from kiln.compiler.runtime.triton_launcher import load_binary
+
+    target = tmp_path / "planted"
+    spec = KernelSpec.from_dict(_spec("triton_poi_fused_add_0"))
+    binary = KernelBinary("triton_poi_fused_add_0", {"kind": "cuda", "arch": 90},
+                          {"XBLOCK": 8}, b"\x7fELF not a cubin",
+                          {"name": str(target), "binary_ext": "cubin"})
+    with pytest.raises(ValueError, match="invalid kernel name"):
+        load_binary(spec, binary)
+    assert not list(tmp_path.iterdir())
+    evil_ext = dataclasses.replace(binary, metadata={"name": "k", "binary_ext": "/x/../y"})
+    with pytest.raises(ValueError, match="unknown binary kind"):
+        load_binary(spec, evil_ext)
+
+
+def test_artifact_with_a_path_for_a_kernel_name_is_refused() -> None:
+    from kiln.artifact_store import Artifact
+
+    entry = {k: v for k, v in _spec("/tmp/kiln-owned").items() if k != "source"}
+    entry.update(source_blob="kernels/k.py", config={}, autotune=None, launch={})
+    manifest = {"layout": 1, "kernels": [entry],
+                "graph": {"name": "g", "device_type": "cpu", "constant_names": [],
+                          "autotuned": False, "timings": {}, "stats": {}, "lifetimes": "",
+                          "configs": {}}}
+    artifact = Artifact("a" * 64, manifest, {"wrapper.py": b"", "kernels/k.py": b""})
+    with pytest.raises(ValueError, match="invalid kernel name"):
+        from_artifact(artifact)
+
+
+@pytest.mark.parametrize("spec", ["ed25519_pub:" + "A" * 43 + "=", "hmac-secret:abc",
+                                  "ed25519pub:abc", "a-bare-secret"])
+def test_mistyped_key_prefix_is_an_error_not_an_hmac_secret(spec: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="malformed signing key") as raised:
+        parse_keyring(spec)
+    assert "A" * 43 not in str(raised.value)  # the key is not echoed
+    store = open_store(tmp_path / "store", signing_key=spec, stats_file=False)
+    assert not store.can_publish and store.get("a" * 64) is None  # fails closed
+    with pytest.raises(ConfigError):
+        open_store(tmp_path / "store", signing_key=spec, strict=True)
