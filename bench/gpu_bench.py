@@ -1,6 +1,7 @@
 """GPU benchmark: eager vs stock Inductor vs Kiln, side by side in one run (H200 host).
 
     python3 bench/gpu_bench.py [--only NAME[,NAME]] [--reps 50] [--json OUT]
+                               [--max-autotune [MODE]]
     python3 bench/gpu_bench.py --dynamic [--reps 50] [--json OUT]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
@@ -9,7 +10,8 @@ Kiln / Inductor ratio, achieved GB/s of the kernels (memory-bound workloads: ide
 over the GPU kernel time from the profiler) against the device-to-device copy bandwidth
 measured in the same run, kernel launches per call (kernel events in the profiler), and
 cold compile seconds for Kiln and Inductor (fresh caches, first call, Dynamo's tracing
-included for both).
+included for both). ``--max-autotune`` compiles both with ``mode="max-autotune"`` (or
+the mode given) and adds Kiln's default mode as a column.
 
 Every row first checks Kiln against eager: the outputs (and, for training steps, every
 parameter's gradient) must match, and a graph that falls back to eager
@@ -50,6 +52,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 L2_BYTES = 60 * 2**20
+MODE: str | None = None  # torch.compile's mode for Inductor and Kiln (--max-autotune)
 PROFILE_TOP = int(os.environ.get("BENCH_PROFILE_TOP", "0"))
 
 
@@ -318,15 +321,18 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def compiled(w: Workload, backend: str) -> tuple[Callable[..., Any], float]:
-    """The workload compiled by ``backend`` and its cold compile seconds (first call).
+def compiled(w: Workload, backend: str, mode: str | None = None
+             ) -> tuple[Callable[..., Any], float]:
+    """The workload compiled by ``backend`` (with ``mode``, else the workload's) and its
+    cold compile seconds (first call).
 
     A Kiln graph that falls back to eager makes the row fail: the figures would be eager's.
     """
     from kiln import KilnFallbackWarning
 
+    mode = mode or w.mode
     torch._dynamo.reset()
-    fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=w.mode)
+    fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
     args = w.make_inputs()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -346,7 +352,7 @@ def compiled(w: Workload, backend: str) -> tuple[Callable[..., Any], float]:
 
         wait_for_background(900)
         torch._dynamo.reset()
-        fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=w.mode)
+        fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
         with _grad(w):
             fn(*args)
             fn(*args)
@@ -417,13 +423,17 @@ def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
     row: dict[str, Any] = {"workload": w.name}
     fns: dict[str, Callable[..., Any]] = {"eager": w.fn}
     for backend in ("inductor", "kiln"):
-        fn, secs = compiled(w, backend)
+        fn, secs = compiled(w, backend, MODE)
         fns[backend], row[f"{backend}_compile_s"] = fn, secs
     row["kiln_max_rel_err"] = check_against_eager(w, fns["kiln"], first)
+    if MODE:
+        fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
     for name, fn in fns.items():
         with _grad(w):
             row[f"{name}_ms"] = time_fn(fn, sets, reps)
     row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
+    if MODE:
+        row["mode"] = MODE
     for name in ("eager", "inductor", "kiln"):
         print(f"# {w.name}: {name} top kernels", file=sys.stderr)
         with _grad(w):
@@ -443,6 +453,11 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
             "kiln GPU ms", "inductor GPU ms", "kiln kernel GB/s", "kiln %copy",
             "inductor %copy", "launches eager/inductor/kiln", "kiln compile s",
             "inductor compile s")
+    tuned = any("kiln_default_ms" in r for r in rows)
+    if tuned:
+        print(f"mode: {rows[0].get('mode')} (Inductor and Kiln); kiln default = Kiln's "
+              "default mode")
+        head = head[:4] + ("kiln default ms",) + head[4:]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
@@ -455,6 +470,8 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
                  f"{r['eager_launches']:.0f}/{r['inductor_launches']:.0f}/"
                  f"{r['kiln_launches']:.0f}",
                  f"{r['kiln_compile_s']:.1f}", f"{r['inductor_compile_s']:.1f}"]
+        if tuned:
+            cells.insert(4, f"{r.get('kiln_default_ms', float('nan')):.3f}")
         print("| " + " | ".join(cells) + " |")
 
 
@@ -525,9 +542,13 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", default="")
+    parser.add_argument("--max-autotune", nargs="?", const="max-autotune", default=None,
+                        metavar="MODE", help="compile with this torch.compile mode")
     parser.add_argument("--dynamic", action="store_true",
                         help="the decoder with a dynamic sequence length only")
     ns = parser.parse_args()
+    global MODE
+    MODE = ns.max_autotune
     torch.manual_seed(0)
     if ns.dynamic:
         dyn = run_dynamic(ns.reps)

@@ -20,6 +20,7 @@ from .codegen.simd import SIMDScheduling
 from .compiled_graph import CompiledGraph
 from .errors import KilnCompileError
 from .graph import GraphLowering
+from .ir.template import GemmSelection, record_gemm_choices
 from .kernel_compile import compile_kernel
 from .memory import MemoryPlan, describe, plan_memory
 from .runtime.kernel_files import write_source
@@ -57,6 +58,8 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                            lambda: gm.print_readable(print_output=False))
     sizevars = SizeVars({size_symbol(i): r for i, r in enumerate(symbols)})
     graph = GraphLowering(gm, example_inputs, name, options, target, sizevars)
+    # Matmuls: extern calls, or (max-autotune) the template configs chosen for them.
+    graph.gemm_selection = gemm_selection(graph, options or {}, target)
     with V.set_graph_handler(graph):
         t = time.perf_counter()
         with trace.span("lowering", cat="compiler", graph=name):
@@ -83,6 +86,18 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         debug.write_debug_file(folder, "schedule.txt", lambda: scheduler.debug_str() + "\n\n"
                                + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
+
+
+def gemm_selection(graph: GraphLowering, options: dict[str, Any],
+                   target: dict[str, Any] | None) -> GemmSelection:
+    from .codegen.graph_codegen import kernel_backend
+
+    device_type = graph.default_device.type
+    # Templates are generated for static shapes: a dynamic graph's matmuls are extern calls.
+    templates = (kernel_backend(device_type, options) == "triton"
+                 and not graph.sizevars.is_dynamic())
+    return GemmSelection.from_options(options, templates,
+                                      target or DEFAULT_TARGETS.get(device_type))
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -116,6 +131,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                         if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
+    record_gemm_choices(compiled, sg.graph.gemm_selection)
     if sg.graph.sizevars.is_dynamic():
         compiled.stats["dynamic"] = dynamic_stats(sg.graph.sizevars)
     if compile_kernels:

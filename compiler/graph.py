@@ -33,6 +33,7 @@ from .ir.nodes import (
     as_storage_and_layout,
 )
 from .ir.sym import sympify_tuple
+from .ir.template import GemmSelection
 from .lowering import lowerings
 from .lowering.fallbacks import eager_reason, effectful_lowerings
 from .lowering.symbolic import SYMBOLIC_OPS
@@ -72,6 +73,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.current_node: torch.fx.Node | None = None
         # Nodes run eagerly inside the compiled graph (FallbackKernels), and why.
         self.fallback_reasons: dict[str, str] = {}
+        self.gemm_selection = GemmSelection()  # how matmuls lower (the driver sets it)
 
     def _default_device(self) -> torch.device:
         for t in self.example_inputs:

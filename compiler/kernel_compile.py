@@ -15,7 +15,9 @@ from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .errors import KilnCompileError
 
-CONSTEXPR_KEYS = ("XBLOCK", "YBLOCK", "RBLOCK")
+# Block sizes a kernel takes as constexpr arguments, in signature order (the last four:
+# GEMM templates' tiles).
+CONSTEXPR_KEYS = ("XBLOCK", "YBLOCK", "RBLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sympy
 from .dependencies import MemoryDep
 from .ir.extern import ExternKernel, FallbackKernel, MultiOutput
 from .ir.layout import Layout, MutationLayout
-from .ir.nodes import Buffer, ComputedBuffer, InputBuffer
+from .ir.nodes import Buffer, ComputedBuffer, InputBuffer, TemplateBuffer
 from .ir.sym import Expr
 from .scheduler import BaseSchedulerNode, Scheduler
 from .virtualized import V
@@ -121,7 +121,8 @@ def find_removed_buffers(scheduler: Scheduler, outputs: set[str]) -> set[str]:
             continue
         for sub in node.get_nodes():
             buf = getattr(sub, "node", None)
-            if not isinstance(buf, ComputedBuffer) or isinstance(buf.layout, MutationLayout):
+            if not isinstance(buf, (ComputedBuffer, TemplateBuffer)) or isinstance(
+                    buf.layout, MutationLayout):
                 continue
             name = buf.get_name()
             if name in outputs or users.get(name, set()) != {i}:
@@ -239,7 +240,7 @@ def _fresh(buf: Buffer | None) -> bool:
     (a fallback op may return a view of its input)."""
     if buf is None or not _allocates(buf):
         return False
-    return isinstance(buf, ComputedBuffer) or (
+    return isinstance(buf, (ComputedBuffer, TemplateBuffer)) or (
         isinstance(buf, ExternKernel) and not isinstance(buf, (FallbackKernel, MultiOutput)))
 
 

@@ -74,7 +74,8 @@ NON_OUTPUT_OPTIONS = frozenset(
 # Options a request may carry to a worker: the ones that change the compiled output.
 # Anything else in a request (debug folders, log settings, a store) is dropped there:
 # a caller never picks a path on a worker.
-COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune"})
+COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_autotune",
+                             "allow_tf32"})
 
 # Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.

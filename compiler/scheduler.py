@@ -128,10 +128,14 @@ class SchedulerNode(BaseSchedulerNode):
     def _compute_read_writes(self) -> ReadWrites:
         node = self.node
         if isinstance(node, TemplateBuffer):
-            # Templates declare their inputs; their bodies are not interpreted.
+            # Templates declare their inputs (read whole); they write every element of
+            # their output once, which is what lets a pointwise epilogue fuse into them.
             reads: set[Dep] = {StarDep(x.get_name()) for x in node.inputs
                                if isinstance(x, (Buffer, ReinterpretView))}
-            return ReadWrites(frozenset(reads), frozenset({StarDep(node.get_name())}))
+            name, indexer = node.get_name(), node.get_layout().make_indexer()
+            writes = extract_read_writes(lambda idx: V.ops.store(name, indexer(idx), None),
+                                         node.get_size()).writes
+            return ReadWrites(frozenset(reads), writes)
         data = node.data
         rw = extract_read_writes(node.store_body(), data.get_size(), data.get_reduction_size())
         # A scatter into a buffer the graph computed runs after all of that buffer is
@@ -256,6 +260,9 @@ class FusedSchedulerNode(BaseSchedulerNode):
 
     def get_buffer_names(self) -> set[str]:
         return set().union(*(n.get_buffer_names() for n in self.snodes))
+
+    def is_template(self) -> bool:
+        return self.snodes[0].is_template()
 
     def debug_str(self) -> str:
         inner = "\n".join("  " + line for n in self.snodes for line in n.debug_str().split("\n"))
@@ -468,7 +475,7 @@ class Scheduler:
         if node1 is node2:
             return False
         for n in (node1, node2):
-            if n.is_extern() or n.is_nop() or n.is_template():
+            if n.is_extern() or n.is_nop():
                 return False
         if node1.get_device() != node2.get_device():
             return False
@@ -478,6 +485,11 @@ class Scheduler:
         if (has_scatter(node1) and node2.is_reduction()) or (
                 has_scatter(node2) and node1.is_reduction()):
             return False
+        if node1.is_template() or node2.is_template():
+            # A template's epilogue stores plainly: no scatter's atomic stores in it.
+            if has_scatter(node1) or has_scatter(node2):
+                return False
+            return self.can_fuse_epilogue(node1, node2)
         # A fusion that shares no access (same buffer, same element per iteration) saves no
         # memory traffic: it is not profitable, and the two loops may walk memory in
         # different orders (a row-wise loop next to a column reduction or a transpose).
@@ -494,6 +506,24 @@ class Scheduler:
             return self.can_fuse_vertical(node1, node2) and self.backend.can_fuse_vertical(
                 node1, node2)
         return self.backend.can_fuse_horizontal(node1, node2)
+
+    def can_fuse_epilogue(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+        """A template takes pointwise consumers of its output into its store: over the
+        same elements, reading its output where it wrote it, writing none of its inputs."""
+        template, other = (node1, node2) if node1.is_template() else (node2, node1)
+        if other.is_template() or other.is_reduction():
+            return False
+        if not template.get_names() & self.dependency_names(other):
+            return False
+        if template.group != other.group or self.score_fusion_memory(template, other) == 0:
+            return False
+        inputs = {d.name for d in template.get_nodes()[0].read_writes.reads}
+        written = other.read_writes.write_names() | {
+            target for n in other.get_nodes() for target in self._mutations(n)}
+        if written & inputs:  # other tiles may still be reading what it overwrites
+            return False
+        return self.can_fuse_vertical(template, other) and self.backend.can_fuse_vertical(
+            template, other)
 
     def can_fuse_vertical(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         """Every read in node2 of node1's buffers touches the element node1 wrote there."""

@@ -8,7 +8,6 @@ warning naming the graph and the stage; the backend never raises into the user's
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import warnings
@@ -36,11 +35,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  mode: str | None = None, options: dict[str, Any] | None = None
                  ) -> Callable[..., Any]:
     """``torch.compile(model, backend="kiln", options={...})``."""
-    config = KilnConfig.resolve(options)
+    config = KilnConfig.resolve(options).with_mode(mode)
     if start_recording(config.debug):
         register_dynamo_spans()
-    if mode == "reduce-overhead":  # torch.compile's name for CUDA graphs
-        config = dataclasses.replace(config, cudagraphs=True)
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
         return compile_aten_graph(graph, inputs, config, name)

@@ -128,6 +128,7 @@ class KilnClient:
                 self.farm.kernels.backing = self.kernel_store
         self.local: InProcessFarm = self.farm if isinstance(self.farm, InProcessFarm) \
             else InProcessFarm(kernels)
+        self.local.attach_store(self.store)  # max-autotune choices, shared through the store
         self.farm_down: str | None = None
         self.counters = ClientCounters(self.store.stats().get("stats_file")
                                        or default_stats_file())

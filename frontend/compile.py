@@ -84,8 +84,12 @@ def target_for(device: torch.device) -> dict[str, Any]:
 
 def request_options(config: KilnConfig) -> dict[str, Any]:
     """Options that reach the compiler and the key: those that change compiled code
-    (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs)."""
+    (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs), and,
+    only when on, max-autotune (matmuls lower otherwise; fp32 templates follow torch's
+    TF32 flag)."""
     options = config.compiler_options()
+    if config.max_autotune:
+        options.update(max_autotune=True, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
     if torch.are_deterministic_algorithms_enabled():
         options["deterministic"] = True  # scatters run ATen's sorted kernels, not atomics
     return options

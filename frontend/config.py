@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.artifact_store.config import (
@@ -31,6 +31,7 @@ from kiln.artifact_store.config import (
 )
 
 DEFAULT_FARM_TIMEOUT = 300.0
+MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 FARM_MODES = ("local", "inprocess", "embedded", "auto")
 CPU_BACKENDS = ("cpp", "triton-interpret")
 LOG_NAMES = ("output_code",)
@@ -171,6 +172,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cpu_backend", choice(*CPU_BACKENDS), "cpp", "kernels for CPU graphs",
             in_key=True),
     Setting("autotune", parse_flag, True, "autotune GPU kernels", in_key=True),
+    # In the key when on (``frontend.compile.request_options``): off leaves keys as they were.
+    Setting("max_autotune", parse_flag, False,
+            "tune matmuls over GEMM templates and the library call"),
     Setting("deterministic", parse_flag, False,
             "scatters with float sums run ATen's deterministic kernels, not atomics",
             in_key=True),
@@ -284,6 +288,7 @@ class KilnConfig:
     require_signed: bool | None = None  # None: required exactly when a key is set
     cpu_backend: str = "cpp"
     autotune: bool = True
+    max_autotune: bool = False
     deterministic: bool = False
     cudagraphs: bool = False  # a runtime choice: not in the key
     stats_file: str | None = None
@@ -321,6 +326,16 @@ class KilnConfig:
         """The options that change compiled code: the only ones that reach the compiler
         (and so the cache key)."""
         return {s.name: getattr(self, s.name) for s in SETTINGS.values() if s.in_key}
+
+    def with_mode(self, mode: str | None) -> KilnConfig:
+        """``torch.compile``'s ``mode``: "reduce-overhead" replays GPU graphs as CUDA
+        graphs; "max-autotune" (and its no-cudagraphs form) tunes matmuls over GEMM
+        templates and the library call; other modes change nothing."""
+        if mode == "reduce-overhead" and not self.cudagraphs:
+            return replace(self, cudagraphs=True)
+        if mode in MAX_AUTOTUNE_MODES and not self.max_autotune:
+            return replace(self, max_autotune=True)
+        return self
 
     def debug_options(self) -> dict[str, Any]:
         return {"debug": "1" if self.debug else "", "debug_dir": self.debug_dir,

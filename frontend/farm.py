@@ -74,7 +74,16 @@ class InProcessFarm:
     description = "this process"
 
     def __init__(self, kernels: KernelCache | None = None) -> None:
+        from kiln.workers.select import MemoryChoiceCache
+
         self.kernels = kernels or KernelCache()
+        self.choices = MemoryChoiceCache()  # max-autotune's matmul choices
+
+    def attach_store(self, store: Any) -> None:
+        """Keep max-autotune's choices in ``store`` too (fleet-wide)."""
+        from kiln.workers.select import MemoryChoiceCache, StoreChoiceCache
+
+        self.choices = MemoryChoiceCache(StoreChoiceCache(store))
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0, debug_options: dict[str, Any] | None = None
@@ -82,7 +91,7 @@ class InProcessFarm:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
-                                     extra_options=debug_options)
+                                     extra_options=debug_options, choices=self.choices)
         except Exception as e:
             raise CompileFailure.wrap(e, key) from e
 

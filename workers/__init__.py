@@ -15,4 +15,5 @@ Importing this package does not import Ray; ``workers.actors`` and
 # The coordinator's counters (``KilnFarm.stats``), every one reported, zeros included.
 FARM_COUNTERS = ("requests", "recent_hits", "deduplicated", "failures", "graph_compiles",
                  "kernel_compiles", "kernel_cache_hits", "autotune_calls",
-                 "autotuned_kernels", "refused", "published", "not_published")
+                 "autotuned_kernels", "gemm_benchmarks", "refused", "published",
+                 "not_published")

@@ -15,6 +15,7 @@ import ray
 
 from kiln.compiler import trace
 from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 
 from . import autotune
@@ -50,12 +51,15 @@ class CompileWorker:
         return os.getpid()
 
     def compile_sources(self, request_bytes: bytes, key: str, delay: float = 0.0,
-                        traced: bool = False) -> dict[str, Any]:
+                        traced: bool = False, extra_options: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+        """``extra_options``: the matmul choices of max-autotune (not part of the key)."""
         self.compiles += 1
         trace.set_process_name("compile worker")
         try:
             with trace.capture(traced) as events:
-                result = compile_sources(request_bytes, key, delay=delay).to_dict()
+                result = compile_sources(request_bytes, key, delay=delay,
+                                         extra_options=extra_options).to_dict()
             if traced:
                 result["trace"] = events
             return result
@@ -102,3 +106,10 @@ class Autotuner:
     def benchmark(self, spec: dict[str, Any], binaries: list[dict[str, Any]]) -> list[float]:
         return autotune.benchmark(KernelSpec.from_dict(spec),
                                   [KernelBinary.from_dict(b) for b in binaries])
+
+    def benchmark_gemm(self, problem: dict[str, Any], specs: list[dict[str, Any]],
+                       binaries: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """The extern call and each template config of one matmul problem, timed."""
+        return autotune.benchmark_gemm(
+            GemmProblem.from_dict(problem), [KernelSpec.from_dict(s) for s in specs],
+            [None if b is None else KernelBinary.from_dict(b) for b in binaries])

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Any
 
 from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 
 log = logging.getLogger("kiln.autotune")
@@ -61,3 +63,76 @@ def benchmark(spec: KernelSpec, binaries: list[KernelBinary]) -> list[float]:
                         binary.config, e)
             timings.append(math.inf)
     return timings
+
+
+def fake_gemm_timings(count: int) -> dict[str, Any]:
+    """Deterministic stand-in for a GEMM benchmark: the first template config wins."""
+    return {"extern_ms": 1.0, "template_ms": [0.9 + 0.01 * i for i in range(count)],
+            "round_trip_ms": 0.05}
+
+
+def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
+                   binaries: list[KernelBinary | None]) -> dict[str, Any]:
+    """Milliseconds of the extern call and of each template config (infinity where one
+    fails) for ``problem`` on this GPU, and of a round trip of its output through memory
+    (what an unfused epilogue costs the extern call)."""
+    if fake_autotune():
+        return fake_gemm_timings(len(specs))
+    import torch
+
+    from kiln.compiler.autotune import time_launch
+    from kiln.compiler.runtime.triton_launcher import TritonLauncher
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    a, b, out = gemm_operands(problem, device)
+    extern = torch.bmm if problem.op == "bmm" else torch.mm
+    ca, cb = a.to(problem.torch_dtype), b.to(problem.torch_dtype)
+    extern_ms = time_launch(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
+    expected = out.float()
+    template_ms = []
+    for spec, binary in zip(specs, binaries):
+        try:
+            assert binary is not None, "the config did not compile"
+            launcher = TritonLauncher(spec, binary.config, "binary", binary)
+            out.zero_()
+            launcher.run(a, b, out)
+            check_product(out, expected, problem)
+            template_ms.append(time_launch(launcher.run, [a, b, out]))
+        except Exception as e:  # a config that cannot run here is never chosen
+            log.warning("kiln autotune: GEMM template %s config %s failed: %s", spec.name,
+                        spec.configs[0], e)
+            template_ms.append(math.inf)
+    copy = torch.empty_like(out)
+    round_trip_ms = time_launch(lambda src, dst: dst.copy_(src), [out, copy])
+    return {"extern_ms": extern_ms, "template_ms": template_ms, "round_trip_ms": round_trip_ms}
+
+
+def check_product(out: Any, expected: Any, problem: GemmProblem) -> None:
+    """A fast config must also be right: its product against the library's (a K-long
+    sum in the inputs' precision), else it is never chosen."""
+    scale = float(expected.abs().max()) + 1.0
+    rel = {"float16": 1e-2, "bfloat16": 5e-2}.get(problem.dtype, 2e-2 if problem.allow_tf32
+                                                    else 1e-3)
+    error = float((out.float() - expected).abs().max())
+    if not error <= rel * scale:
+        raise ValueError(f"wrong product: max error {error:.3g} against the library's")
+
+
+def gemm_operands(problem: GemmProblem, device: Any) -> tuple[Any, Any, Any]:
+    """Random operands with the problem's strides and dtypes, and its output."""
+    import torch
+
+    p = problem
+    from kiln.compiler.ir.template import dtype_from_name
+
+    def make(rows: int, cols: int, stride: tuple[int, int, int], dtype: str) -> Any:
+        size, strides = [p.batch, rows, cols], list(stride)
+        if p.op != "bmm":
+            size, strides = size[1:], strides[1:]
+        t = torch.empty_strided(size, strides, dtype=dtype_from_name(dtype), device=device)
+        return t.normal_()
+
+    a = make(p.m, p.k, p.a_stride, p.a_dtype)
+    b = make(p.k, p.n, p.b_stride, p.b_dtype)
+    out = torch.empty(p.out_size(), dtype=p.torch_dtype, device=device)
+    return a, b, out

@@ -32,6 +32,7 @@ import ray
 
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
@@ -42,6 +43,18 @@ from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_p
 from .kernel_store import KernelStore
 from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
 from .publish import FarmPublisher
+from .select import (
+    ChoiceCache,
+    MemoryChoiceCache,
+    StoreChoiceCache,
+    decide,
+    pending_problems,
+    selection_stats,
+    split_known,
+    template_jobs,
+    untuned_record,
+    with_choices,
+)
 
 log = logging.getLogger("kiln.farm")
 
@@ -90,6 +103,7 @@ class KilnFarm:
         self.autotuner_arch: list[int | None] = []
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
+        self.choices: ChoiceCache | None = None
         self.publisher = FarmPublisher()
         self.started = time.time()
         # Start the workers' processes now: the first miss should not pay for imports.
@@ -241,6 +255,11 @@ class KilnFarm:
             timeline.extend(worker_events)
         compiled = CompiledGraph.from_dict(sources)
         request = CompileRequest.from_bytes(request_bytes)
+        tuners = await self._autotuners_for(request) if request.options.get(
+            "autotune", True) else []
+        if compiled.stats.get("gemm_pending"):
+            # Max-autotune: choose each matmul's algorithm, then the graph again with them.
+            compiled = await self._select(key, request_bytes, compiled, request, tuners, i)
         fanned = trace.now_us()
         start = time.perf_counter()
         jobs = kernel_jobs(compiled, request.target)
@@ -251,8 +270,6 @@ class KilnFarm:
         if timeline is not None:
             timeline.append(trace.make_event("kernel fan-out", fanned, trace.now_us(),
                                              cat="farm", kernels=len(jobs)))
-        tuners = await self._autotuners_for(request) if request.options.get(
-            "autotune", True) else []
         if tuners and any(len(group) > 1 for group in
                           kernel_jobs(compiled, request.target, autotune=True).values()):
             compiled.stats["autotune_pending"] = True
@@ -285,6 +302,56 @@ class KilnFarm:
             wall = time.perf_counter() - start
             await asyncio.to_thread(self.publisher.publish, key, request, tuned, wall)
         return tuned
+
+    async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
+                      request: CompileRequest, tuners: list[Any], worker: int
+                      ) -> CompiledGraph:
+        """Cached choices from the store; the rest compiled as kernel tasks and timed on
+        the GPU autotuners (problems spread over them); winners cached for the fleet."""
+        start = time.perf_counter()
+        cache = self._choice_cache()
+        known, todo = await asyncio.to_thread(split_known, pending_problems(compiled), cache)
+        new: dict[str, dict[str, Any]] = {}
+        if tuners:
+            found = await asyncio.gather(*(
+                self._tune_gemm(choice, problem, request.target, tuners[n % len(tuners)])
+                for n, (choice, problem) in enumerate(todo.items())))
+            new = dict(found)
+            for choice, record in new.items():
+                await asyncio.to_thread(cache.put, choice, record)
+        else:
+            new = {choice: untuned_record() for choice in todo}
+        options = {"gemm_choices": {**known, **new}}
+        sources = await self.workers[worker].compile_sources.remote(request_bytes, key, 0.0,
+                                                                    False, options)
+        result = CompiledGraph.from_dict(sources)
+        result.timings["gemm_selection"] = time.perf_counter() - start
+        return with_choices(result, selection_stats(known, todo, bool(tuners)))
+
+    async def _tune_gemm(self, choice: str, problem: GemmProblem, target: dict[str, Any],
+                         tuner: Any) -> tuple[str, dict[str, Any]]:
+        jobs = template_jobs(choice, problem, target)
+        kernel_jobs = [job for _, job in jobs if job is not None]
+        outcomes = await asyncio.gather(*(self._binary(job) for job in kernel_jobs),
+                                        return_exceptions=True)
+        binaries = [None if isinstance(o, BaseException) else o.to_dict() for o in outcomes]
+        self.counters["gemm_benchmarks"] += 1
+        timings = await tuner.benchmark_gemm.remote(
+            problem.to_dict(), [job.spec.to_dict() for job in kernel_jobs], binaries)
+        return choice, decide(problem, [c for c, _ in jobs], timings)
+
+    def _choice_cache(self) -> ChoiceCache:
+        """The farm's matmul choices: in the store its environment names (fleet-wide),
+        with this coordinator's memory in front; memory alone if no store opens."""
+        if self.choices is None:
+            try:
+                from kiln.artifact_store import open_store
+
+                self.choices = MemoryChoiceCache(StoreChoiceCache(open_store()))
+            except Exception as e:  # choices are an optimization: tune again later
+                log.warning("kiln farm: no store for matmul choices (%s)", e)
+                self.choices = MemoryChoiceCache()
+        return self.choices
 
     async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any],
                       timeline: list[trace.Event] | None

@@ -289,16 +289,23 @@ class KernelCache:
 
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
-                      delay: float = 0.0, extra_options: dict[str, Any] | None = None
-                      ) -> CompiledGraph:
-    """The whole pipeline in this process, no Ray, with heuristic configs. Where this
-    process could autotune (asked, a GPU of the target's arch) and some kernel has
-    several candidates, ``stats["autotune_pending"]`` says so: the client then runs
+                      delay: float = 0.0, extra_options: dict[str, Any] | None = None,
+                      choices: Any = None) -> CompiledGraph:
+    """The whole pipeline in this process, no Ray, with heuristic configs. Max-autotune
+    first chooses each matmul's algorithm (``workers.select``; ``choices`` caches them).
+    Where this process could autotune (asked, a GPU of the target's arch) and some kernel
+    has several candidates, ``stats["autotune_pending"]`` says so: the client then runs
     ``autotune_inprocess`` in the background."""
     cache = cache or KernelCache()
     compiled = compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
     request = CompileRequest.from_bytes(request_bytes)
     target = request.target
+    if compiled.stats.get("gemm_pending"):
+        from .select import MemoryChoiceCache, select_inprocess
+
+        compiled = select_inprocess(request_bytes, key, compiled, target,
+                                    cache.get_or_compile, choices or MemoryChoiceCache(),
+                                    extra_options, bool(request.options.get("autotune", True)))
     start = time.perf_counter()
     chosen = {name: cache.get_or_compile(jobs[0])
               for name, jobs in kernel_jobs(compiled, target).items()}

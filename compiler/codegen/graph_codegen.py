@@ -13,6 +13,7 @@ from ..scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 from ..virtualized import V
 from .kernel_spec import KernelSpec
 from .triton.scheduling import NAME_PLACEHOLDER, UnforwardedBuffers, codegen_triton
+from .triton.templates import codegen_template
 from .wrapper import WrapperCodegen
 
 WRAPPER_HEADER = """# Kiln wrapper for graph {name}: {kernels} kernel(s), {buffers} buffer(s)
@@ -91,9 +92,10 @@ def codegen_kernels(sg: Any, backend: str) -> dict[int, tuple[str, KernelSpec]]:
             if isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
                 continue
             removed = set(sg.memory.removed_buffers)
+            node_gen = codegen_template if node.is_template() else gen
             while True:
                 try:
-                    kernels[i] = gen(node, removed)
+                    kernels[i] = node_gen(node, removed)
                     break
                 except UnforwardedBuffers as e:
                     lost |= e.names

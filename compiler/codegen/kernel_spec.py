@@ -35,6 +35,8 @@ class KernelSpec:
     # Storage bytes of each argument buffer, in argument order: what an autotuner must
     # allocate to launch the kernel alone. Empty in specs from before it was recorded.
     arg_bytes: tuple[int, ...] = ()
+    # Templates: (batch, M, N) of the output their tiles cover (the launch grid's extent).
+    tile_shape: tuple[int, ...] = ()
     # A graph with dynamic shapes: the scalar arguments after the buffers (numels, size
     # symbols), as Python expressions over ``s0, s1, ...`` that the wrapper evaluates.
     # ``xnumel``/``rnumel`` above are then size hints, for configs and autotuning.
@@ -45,7 +47,8 @@ class KernelSpec:
                 "source": self.source, "arg_buffers": list(self.arg_buffers),
                 "signature": dict(self.signature), "xnumel": self.xnumel,
                 "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
-                "arg_bytes": list(self.arg_bytes), "size_args": list(self.size_args)}
+                "arg_bytes": list(self.arg_bytes), "tile_shape": list(self.tile_shape),
+                "size_args": list(self.size_args)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
@@ -54,4 +57,18 @@ class KernelSpec:
                           tuple(d["arg_buffers"]), dict(d["signature"]), int(d["xnumel"]),
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
                           tuple(int(n) for n in d.get("arg_bytes", ())),
+                          tuple(int(n) for n in d.get("tile_shape", ())),
                           tuple(str(a) for a in d.get("size_args", ())))
+
+    def grid(self, config: dict[str, Any]) -> tuple[int, int, int]:
+        """Programs to launch with ``config``: one per tile (templates) or x block."""
+        if self.tile_shape:
+            batch, m, n = self.tile_shape
+            tiles = batch * _cdiv(m, int(config["BLOCK_M"])) * _cdiv(n, int(config["BLOCK_N"]))
+            # A persistent template runs one program per SM over all the tiles.
+            return (min(tiles, int(config.get("NUM_SMS") or tiles)), 1, 1)
+        return (_cdiv(self.xnumel, int(config["XBLOCK"])), 1, 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -19,6 +19,7 @@ from ..ir.nodes import (
     InputBuffer,
     IRNode,
     ReinterpretView,
+    TemplateBuffer,
 )
 from ..memory import MemoryPlan
 from ..scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
@@ -127,7 +128,7 @@ class WrapperCodegen:
         first whose bound holds for this call's row length runs instead."""
         for name in sorted(node.get_buffer_names() - self.plan.removed_buffers):
             buf = V.graph.name_to_buffer.get(name)
-            if isinstance(buf, ComputedBuffer):
+            if isinstance(buf, (ComputedBuffer, TemplateBuffer)):
                 self.allocate(buf)
         self.kernels.setdefault(spec.name, spec)
         if not guarded:

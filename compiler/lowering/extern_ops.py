@@ -11,6 +11,7 @@ import torch
 from ..ir.extern import ExternKernel, make_fallback_call
 from ..ir.nodes import IRNode, Pointwise, TensorBox
 from ..virtualized import V, ops
+from .gemm import tuned_matmul
 from .pointwise import to_dtype
 from .registry import expand, lowerings, register_lowering
 
@@ -66,13 +67,16 @@ def _keep_stride_order(x: TensorBox, like: IRNode) -> None:
 
 
 @register_lowering(aten.mm)
-def mm(a: IRNode, b: IRNode) -> TensorBox:
-    return _padded_matmul(aten.mm.default, a, b)
+def mm(a: IRNode, b: IRNode, a_arg: int = 0, b_arg: int = 1) -> TensorBox:
+    # max-autotune: a Triton template where the graph's selection chose one.
+    tuned = tuned_matmul("mm", a, b, a_arg, b_arg)
+    return tuned if tuned is not None else _padded_matmul(aten.mm.default, a, b)
 
 
 @register_lowering(aten.bmm)
-def bmm(a: IRNode, b: IRNode) -> TensorBox:
-    return _padded_matmul(aten.bmm.default, a, b)
+def bmm(a: IRNode, b: IRNode, a_arg: int = 0, b_arg: int = 1) -> TensorBox:
+    tuned = tuned_matmul("bmm", a, b, a_arg, b_arg)
+    return tuned if tuned is not None else _padded_matmul(aten.bmm.default, a, b)
 
 
 def _scaled_epilogue(product: IRNode, bias: IRNode, beta: Any, alpha: Any) -> TensorBox:
@@ -97,16 +101,19 @@ def addmm(bias: IRNode, a: IRNode, b: IRNode, *, beta: Any = 1, alpha: Any = 1) 
     # A row bias goes into the library call (cuBLASLt adds it in the matmul's epilogue:
     # no extra pass over the output); other forms are a matmul plus a pointwise epilogue
     # that fuses with what follows.
+    tuned = tuned_matmul("mm", a, b, 1, 2)
+    if tuned is not None:  # max-autotune chose the template: the bias fuses into its store
+        return _scaled_epilogue(tuned, bias, beta, alpha)
     if beta == 1 and alpha == 1 and len(bias.get_size()) == 1 and _row_padding(a, b) == 1 \
             and a.get_device().type == "cuda":
         return ExternKernel.create(aten.addmm.default, [bias, a, b])
-    return _scaled_epilogue(mm(a, b), bias, beta, alpha)
+    return _scaled_epilogue(mm(a, b, 1, 2), bias, beta, alpha)
 
 
 @register_lowering(aten.baddbmm)
 def baddbmm(bias: IRNode, a: IRNode, b: IRNode, *, beta: Any = 1, alpha: Any = 1
             ) -> TensorBox:
-    return _scaled_epilogue(bmm(a, b), bias, beta, alpha)
+    return _scaled_epilogue(bmm(a, b, 1, 2), bias, beta, alpha)
 
 
 @register_lowering(aten.convolution)

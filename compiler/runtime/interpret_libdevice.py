@@ -86,3 +86,28 @@ fmod = _binary(np.fmod)
 hypot = _binary(np.hypot)
 copysign = _binary(np.copysign)
 nextafter = _binary(np.nextafter)
+
+
+def patch_interpreter_dot() -> None:
+    """Triton's interpreter keeps bf16 as raw uint16 bits and multiplies those in
+    ``tl.dot``: widen bf16 operands to the fp32 values they stand for (exactly) first."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    original = InterpreterBuilder.create_dot
+    if getattr(original, "_kiln_bf16", False):
+        return
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        if tl.bfloat16 in (a.dtype, b.dtype):
+            a, b = _bf16_to_fp32(a), _bf16_to_fp32(b)
+        return original(self, a, b, d, *args)
+
+    create_dot._kiln_bf16 = True  # type: ignore[attr-defined]
+    InterpreterBuilder.create_dot = create_dot  # type: ignore[method-assign]
+
+
+def _bf16_to_fp32(x: Any) -> Any:
+    if x.dtype != tl.bfloat16:
+        return x
+    bits = x.data.astype(np.uint32) << np.uint32(16)
+    return TensorHandle(bits.view(np.float32), tl.float32)

@@ -71,5 +71,6 @@ def _bind_interpreted_helpers(module: ModuleType) -> None:
     """Under the interpreter, kernels call NumPy's libdevice (extern calls cannot run)."""
     from . import interpret_libdevice
 
+    interpret_libdevice.patch_interpreter_dot()
     if hasattr(module, "libdevice"):
         module.libdevice = interpret_libdevice  # type: ignore[attr-defined]

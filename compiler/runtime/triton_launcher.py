@@ -25,8 +25,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def launch_grid(spec: KernelSpec, config: dict[str, Any]) -> tuple[int, int, int]:
-    """The grid of a generated kernel: one program per XBLOCK elements of x."""
-    return (_cdiv(spec.xnumel, int(config["XBLOCK"])), 1, 1)
+    """The grid of a generated kernel: one program per tile (templates) or per XBLOCK
+    elements of x."""
+    return spec.grid(config)
 
 
 class TritonLauncher:
@@ -38,9 +39,10 @@ class TritonLauncher:
         self.config = dict(config)
         self.mode = mode  # "interpret", "binary" or "jit"
         self.grid = launch_grid(spec, config)
-        # Dynamic shapes: the grid follows the xnumel argument of each launch.
+        # Dynamic shapes: the grid follows the xnumel argument of each launch (templates
+        # are generated for static shapes only).
         self.xnumel_at = list(spec.signature).index("xnumel") if spec.size_args else None
-        self.xblock = int(config["XBLOCK"])
+        self.xblock = int(config.get("XBLOCK", 1))
         self.constexprs = [config[k] for k in CONSTEXPR_KEYS if k in spec.signature]
         self.blocks = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
         self._fn: Any = None
@@ -60,6 +62,13 @@ class TritonLauncher:
         gx, gy, gz = self.grid
         raw_stream = torch._C._cuda_getCurrentRawStream
         current_device = torch.cuda.current_device
+        if getattr(compiled.metadata, "global_scratch_size", 0):
+            def scratch_run(*args: Any) -> None:
+                ensure_scratch_allocator()
+                launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None,
+                       None, *args, *constexprs)
+
+            return scratch_run
         at, xblock = self.xnumel_at, self.xblock
 
         def run(*args: Any) -> None:
@@ -74,10 +83,32 @@ class TritonLauncher:
         return run if at is None else run_dynamic
 
     def run(self, *args: Any) -> None:
+        if self.mode == "jit" and self.spec.kind == "template":
+            ensure_scratch_allocator()
         grid = self.grid if self.xnumel_at is None else (
             max(1, _cdiv(args[self.xnumel_at], self.xblock)), 1, 1)
         self._fn[grid](*args, **self.blocks, num_warps=int(self.config["num_warps"]),
                        num_stages=int(self.config["num_stages"]))
+
+
+def _torch_scratch(size: int, alignment: int, stream: Any) -> Any:
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that build TMA descriptors on the device need global scratch memory from
+    the allocator of ``triton.set_allocator``: where none is set (in this thread's
+    context: the backward pass runs in autograd's threads), torch's allocator serves."""
+    from triton.runtime import _allocation
+
+    holder: Any = getattr(_allocation, "_allocator", None)
+    current = holder.get() if hasattr(holder, "get") else holder
+    if type(current).__name__ == "NullAllocator":
+        import triton
+
+        triton.set_allocator(_torch_scratch)
 
 
 def load_binary(spec: KernelSpec, binary: KernelBinary) -> Any:

@@ -68,10 +68,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                         KILN_DEBUG="1", KILN_DEBUG_DIR=str(root / "debug"))
     assert filled.returncode == 0, filled.stderr[-3000:]
     assert "published 2 artifacts" in filled.stdout
-    world.keys = sorted(p.name for p in (root / "store" / "ac").rglob("*") if p.is_file())
+    jsons = sorted((root / "debug").rglob("key.json"))
+    # the two graphs' keys (kernels shared through the store have entries of their own)
+    world.keys = sorted(json.loads(p.read_text())["key"] for p in jsons)
+    stored = {p.name for p in (root / "store" / "ac").rglob("*") if p.is_file()}
+    assert len(world.keys) == 2 and set(world.keys) <= stored
     # a key.json of the first key, so that explain-miss against the second differs
-    world.key_json = str(next(p for p in sorted((root / "debug").rglob("key.json"))
-                              if world.keys[1] not in p.read_text()))
+    world.key_json = str(next(p for p in jsons if world.keys[1] not in p.read_text()))
     yield world
 
 

@@ -66,8 +66,10 @@ def test_aten_ops_with_private_names_still_resolve() -> None:
 
 def test_request_options_are_filtered_to_compile_options() -> None:
     hostile = {"debug": "1", "debug_dir": "/etc/kiln-owned", "logs": "output_code",
-               "store": "s3://elsewhere", "cpu_backend": "cpp", "autotune": False}
-    assert compile_options(hostile) == {"cpu_backend": "cpp", "autotune": False}
+               "store": "s3://elsewhere", "cpu_backend": "cpp", "autotune": False,
+               "max_autotune": True, "gemm_choices": {"choice-x": {}}}
+    assert compile_options(hostile) == {"cpu_backend": "cpp", "autotune": False,
+                                        "max_autotune": True}
 
 
 def _constant_wire(offset: int) -> bytes:

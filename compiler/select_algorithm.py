@@ -1,0 +1,106 @@
+"""Algorithm selection for matmuls (max-autotune): the choices, their key, and the rule
+that picks a winner from measured times. No GPU, Ray or store here: the farm compiles
+the candidates, times them on GPU workers and caches the records (``workers/select.py``).
+
+A *choice key* is sha256 over the problem (op, sizes, dtypes, strides, TF32), the GPU
+target and the compiler's versions: a second graph, model or process that poses the same
+problem on the same GPU finds the record and benchmarks nothing.
+
+A *choice record* is ``{"kind": "extern"}`` or ``{"kind": "template", "config": {...}}``
+plus the timings that decided it (``"timings"``: one entry per candidate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .ir.template import EXTERN, TEMPLATE, GemmProblem
+from .versions import versions
+
+CHOICE_SCHEMA = 1
+
+
+def choice_key(problem: GemmProblem, target: dict[str, Any]) -> str:
+    """The key of ``problem``'s choice on ``target`` (prefixed, so it never looks like a
+    graph key in the store)."""
+    target_part = {k: target.get(k) for k in ("kind", "backend", "arch", "warp_size", "isa")}
+    parts = ["gemm-choice", CHOICE_SCHEMA, problem.to_dict(), target_part, versions()]
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    return "choice-" + hashlib.sha256(blob).hexdigest()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to compute a problem: the extern library call, or a template config."""
+
+    kind: str
+    config: dict[str, Any] | None = None
+
+    def record(self) -> dict[str, Any]:
+        if self.kind == EXTERN:
+            return {"kind": EXTERN}
+        return {"kind": TEMPLATE, "config": dict(self.config or {})}
+
+
+def candidates(problem: GemmProblem) -> list[Candidate]:
+    """The extern call first (the default's choice), then every template config."""
+    from .codegen.triton.templates import gemm_configs
+
+    return [Candidate(EXTERN)] + [Candidate(TEMPLATE, c) for c in gemm_configs(problem)]
+
+
+def pick_winner(problem: GemmProblem, timed: list[tuple[Candidate, float]],
+                round_trip_ms: float = 0.0) -> dict[str, Any]:
+    """The record of the fastest candidate.
+
+    Where pointwise work follows the product (``problem.epilogue``), a template stores
+    it fused while the extern call writes the product and an epilogue kernel reads it
+    back: the extern's time is charged ``round_trip_ms``, that round trip as measured.
+    Ties keep the earlier candidate (the extern call); a candidate that failed (inf or
+    NaN) never wins, and if none ran the extern call is chosen.
+    """
+    def cost(item: tuple[Candidate, float]) -> float:
+        cand, ms = item
+        if not math.isfinite(ms):
+            return math.inf
+        return ms + (round_trip_ms if cand.kind == EXTERN and problem.epilogue else 0.0)
+
+    finite = [item for item in timed if math.isfinite(cost(item))]
+    best = min(finite, key=cost)[0] if finite else Candidate(EXTERN)
+    return {**best.record(), "round_trip_ms": round_trip_ms,
+            "timings": [{**c.record(), "ms": ms if math.isfinite(ms) else None}
+                        for c, ms in timed]}
+
+
+def check_record(record: Any) -> dict[str, Any]:
+    """A choice record read from outside (store, farm): its shape checked before use."""
+    if not isinstance(record, dict) or record.get("kind") not in (EXTERN, TEMPLATE):
+        raise ValueError(f"not a choice record: {record!r:.200}")
+    if record["kind"] == TEMPLATE:
+        config = record.get("config")
+        needed = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+        if not isinstance(config, dict) or any(
+                not isinstance(config.get(k), int) or not 0 < config[k] <= 1024
+                for k in needed):
+            raise ValueError(f"bad template config in a choice record: {config!r:.200}")
+        checked = {k: int(config[k]) for k in needed}
+        tma, sms = config.get("TMA", 0), config.get("NUM_SMS", 0)
+        if tma not in (0, 1) or not isinstance(sms, int) or not 0 <= sms <= 1024 or \
+                (sms and not tma):
+            raise ValueError(f"bad TMA / NUM_SMS in a choice record: {tma!r:.20} {sms!r:.20}")
+        checked.update({"TMA": 1} if tma else {})
+        checked.update({"NUM_SMS": sms} if sms else {})
+        return {"kind": TEMPLATE, "config": checked, **_evidence(record)}
+    return {"kind": EXTERN, **_evidence(record)}
+
+
+def _evidence(record: dict[str, Any]) -> dict[str, Any]:
+    """The timings a record keeps, as plain data (they are only reported, never run)."""
+    timings = record.get("timings", [])
+    round_trip = record.get("round_trip_ms", 0.0)
+    return {"timings": timings if isinstance(timings, list) else [],
+            "round_trip_ms": float(round_trip) if isinstance(round_trip, (int, float)) else 0.0}

@@ -1,0 +1,98 @@
+"""Max-autotune's matmul choices: compiled on CPU workers, timed on a GPU autotuner,
+cached in the store; a second process with another model of the same GEMM shapes
+benchmarks nothing. This machine has no GPU: the benchmark is the deterministic fake
+(``KILN_TEST_FAKE_AUTOTUNE``), which makes the first template config the fastest; the
+compiles, the fan-out, the store and the bookkeeping are real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from farm_helpers import RayHead, python_env, run_python
+
+from kiln.artifact_store import open_store
+from kiln.compiler.codegen.triton.templates import gemm_configs
+from kiln.compiler.ir.template import GemmProblem
+from kiln.workers.select import StoreChoiceCache
+
+# One model per process: NAME picks it. Both pose the same matmul (64x128 @ 128x96,
+# fp32, followed by pointwise work).
+CLIENT = """
+import json
+import torch
+import torch.nn.functional as F
+from farm_helpers import cuda_request
+from kiln.frontend.client import KilnClient
+from kiln.frontend.compile import request_options
+from kiln.frontend.config import KilnConfig
+
+def model_a(x, w, b):
+    return F.gelu(x @ w + b)
+
+def model_b(x, w, b):
+    return torch.tanh(torch.addmm(b, x, w)) * 3
+
+config = KilnConfig.resolve().with_mode("max-autotune")
+request = cuda_request({NAME}, shapes=((64, 128), (128, 96), (96,)),
+                       options=request_options(config))
+result = KilnClient(config).compile(request)
+compiled = result.compiled
+print(json.dumps({"source": result.source, "selection": compiled.stats.get("gemm_selection"),
+                  "choices": compiled.stats.get("gemm_choices"),
+                  "kernels": [k.name for k in compiled.kernels],
+                  "wrapper": compiled.wrapper_source}))
+"""
+
+
+def _check_pair(first: dict, second: dict, store: Path) -> None:  # type: ignore[type-arg]
+    assert first["selection"] == {"problems": 1, "cached": 0, "benchmarked": 1, "untuned": 0}
+    assert second["selection"] == {"problems": 1, "cached": 1, "benchmarked": 0, "untuned": 0}
+    for out in (first, second):
+        (key, choice), = out["choices"].items()
+        assert key.startswith("choice-") and choice["kind"] == "template"
+        # The winner is recorded with every candidate's time: the extern call, each config.
+        timings = choice["timings"]
+        configs = gemm_configs(GemmProblem.from_dict(choice["problem"]))
+        assert timings[0]["kind"] == "extern" and len(timings) == 1 + len(configs) > 4
+        assert choice["config"] == timings[1]["config"]
+        assert [k for k in out["kernels"] if k.startswith("triton_tem_fused_mm")], out["kernels"]
+        assert "torch.ops.aten.mm" not in out["wrapper"]
+        assert "torch.ops.aten.addmm" not in out["wrapper"]
+    cache = StoreChoiceCache(open_store(f"file://{store}", stats_file=False))
+    (key, _), = first["choices"].items()
+    assert cache.get(key) is not None and cache.get(key)["kind"] == "template"  # type: ignore[index]
+
+
+def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
+    env = python_env(KILN_FARM="inprocess", KILN_TEST_FAKE_AUTOTUNE="1",
+                     KILN_STORE=str(tmp_path / "store"), KILN_LOCAL_CACHE="off",
+                     XDG_CACHE_HOME=str(tmp_path / "client"))
+    first = run_python(CLIENT.replace("{NAME}", "model_a"), env)
+    second = run_python(CLIENT.replace("{NAME}", "model_b"), env)
+    assert first["source"] == second["source"] == "local"
+    _check_pair(first, second, tmp_path / "store")
+
+
+def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
+        tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    head = RayHead(tmp_path / "gpu-head.log", num_cpus=2, num_gpus=1,
+                   env={"KILN_TEST_FAKE_AUTOTUNE": "1", "KILN_STORE": str(store),
+                        "KILN_LOCAL_CACHE": "off",
+                        "XDG_CACHE_HOME": str(tmp_path / "workers")})
+    try:
+        env = python_env(KILN_FARM=head.address, KILN_STORE=str(store),
+                         KILN_LOCAL_CACHE="off", XDG_CACHE_HOME=str(tmp_path / "client"))
+        first = run_python(CLIENT.replace("{NAME}", "model_a"), env, timeout=400)
+        # A new coordinator: the second model finds the choice in the store, not in memory.
+        head.stop()
+        head = RayHead(tmp_path / "gpu-head2.log", num_cpus=2, num_gpus=1,
+                       env={"KILN_TEST_FAKE_AUTOTUNE": "1", "KILN_STORE": str(store),
+                            "KILN_LOCAL_CACHE": "off",
+                            "XDG_CACHE_HOME": str(tmp_path / "workers")})
+        env["KILN_FARM"] = head.address
+        second = run_python(CLIENT.replace("{NAME}", "model_b"), env, timeout=400)
+    finally:
+        head.stop()
+    assert first["source"] == second["source"] == "farm"
+    _check_pair(first, second, store)
