@@ -151,6 +151,21 @@ def use_farm_token(info: dict[str, Any]) -> None:
     if token_file and not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(token_file))
+        _refresh_ray_auth()
+
+
+def _refresh_ray_auth() -> None:
+    """Ray reads its auth mode and token once and caches them: a Ray imported before the
+    variables were set must read them again, or it joins without the token."""
+    if "ray" not in sys.modules:
+        return
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as e:  # a Ray without token authentication
+        log.debug("kiln farm: could not refresh Ray's auth settings: %s", e)
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -302,11 +317,13 @@ class RayFarm:
         # gives the farm up, compiles itself, and leaves Ray: ``release``).
         os.environ.setdefault(RECONNECT_ENV, str(7 * 24 * 3600))
         address = self.address
+        info = read_farm_file()
         if address is None:  # local: `kiln farm up`'s cluster if it answers
-            info = read_farm_file()
             if info is not None and probe(str(info["address"])) is None:
                 address = str(info["address"])
                 use_farm_token(info)
+        elif info is not None and str(info.get("address")) == address:
+            use_farm_token(info)  # `kiln farm up`'s cluster, named by its address
         kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING,
                                   "ignore_reinit_error": True}
         if address is None:
