@@ -245,9 +245,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CliError(f"artifact {artifact.key} changed while it was read; try again")
     manifest = artifact.manifest
     if args.source:
-        entries = [e for e in manifest["kernels"] if e["name"] == args.source]
+        entries = [e for e in manifest.get("kernels") or [] if e["name"] == args.source]
         if not entries:
-            names = ", ".join(e["name"] for e in manifest["kernels"]) or "none"
+            names = ", ".join(e["name"] for e in manifest.get("kernels") or []) or "none"
             raise CliError(f"no kernel {args.source} in artifact {artifact.key}; its "
                            f"kernels: {names}")
         print(artifact.blobs[entries[0]["source_blob"]].decode())

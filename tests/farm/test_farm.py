@@ -146,11 +146,13 @@ def test_compile_error_names_key_stage_and_op(farm: RayFarm) -> None:
         farm.compile(key, request)
     error = info.value
     assert (error.stage, error.op, error.key) == ("lowering", "aten.div.Tensor_mode", key)
-    assert key in str(error) and "rounding_mode 'sideways'" in str(error)
+    assert key in str(error) and "sideways" in str(error)
 
 
-def test_compile_error_falls_back_to_eager_with_one_warning(farm: RayFarm,
-                                                            ray_cluster: RayHead) -> None:
+def test_complex_ops_run_eagerly_inside_a_farm_compiled_graph(farm: RayFarm,
+                                                             ray_cluster: RayHead) -> None:
+    """Kiln's code generators have no complex dtypes: those ops become FallbackKernels
+    inside the compiled graph (per-op fallback), never a whole-graph eager fallback."""
     import torch
 
     from kiln.compiler.decompositions import trace_aten
@@ -162,11 +164,8 @@ def test_compile_error_falls_back_to_eager_with_one_warning(farm: RayFarm,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn = compile_aten_graph(gm, [x], config, "forward_0")
-    fallbacks = [w for w in caught if issubclass(w.category, KilnFallbackWarning)]
-    assert len(fallbacks) == 1, [str(w.message) for w in caught]
-    message = str(fallbacks[0].message)
-    assert "graph forward_0" in message and "graph key" in message and "stage" in message
-    assert not [w for w in caught if issubclass(w.category, KilnFarmWarning)]
+    assert not [w for w in caught if issubclass(w.category, (KilnFallbackWarning,
+                                                             KilnFarmWarning))]
     out = fn([x])
     torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out,
                                complex_model(x))
