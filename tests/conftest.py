@@ -5,9 +5,36 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 _ROOT = tempfile.mkdtemp(prefix="kiln_tests_")
 os.environ.setdefault("KILN_STORE", "file://" + os.path.join(_ROOT, "store"))
 os.environ.setdefault("KILN_LOCAL_CACHE", os.path.join(_ROOT, "local_cache"))
 os.environ.setdefault("KILN_CACHE_DIR", os.path.join(_ROOT, "cache"))
 os.environ.setdefault("KILN_FARM", "inprocess")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No KILN_* settings from the shell; a fresh store; no stats file; compiles in this
+    process. The kernel cache (under the user cache folder) is kept, so kernels compile
+    once. Shared by tests/cpu and tests/triton_interp."""
+    import torch
+
+    from kiln.frontend.client import reset_clients
+
+    for name in [n for n in os.environ if n.startswith("KILN_")]:
+        if name != "KILN_CACHE_DIR":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
+    monkeypatch.setenv("KILN_FARM", "inprocess")
+    monkeypatch.setenv("KILN_STATS_FILE", "off")
+    reset_clients()
+    torch._dynamo.reset()
+    yield
+    reset_clients()

@@ -7,9 +7,7 @@ Test modules reach the helpers through fixtures (``check_lowering``, ``assert_sa
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -200,24 +198,6 @@ def compile_graph_fixture() -> Callable[..., ScheduledGraph]:
 def draw_fixture() -> Callable[..., torch.Tensor]:
     """``draw(shape, dtype, domain="real")``: fresh random inputs (see ``draw``)."""
     return draw
-
-
-@pytest.fixture
-def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """No KILN_* settings from the shell; a fresh store; compiles in this process. The
-    kernel cache (under the user cache folder) is kept, so kernels compile once."""
-    from kiln.frontend.client import reset_clients
-
-    for name in [n for n in os.environ if n.startswith("KILN_")]:
-        if name != "KILN_CACHE_DIR":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
-    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
-    monkeypatch.setenv("KILN_FARM", "inprocess")
-    reset_clients()
-    torch._dynamo.reset()
-    yield
-    reset_clients()
 
 
 @pytest.fixture(autouse=True)

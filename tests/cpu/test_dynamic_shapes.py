@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,8 @@ OPTIONS = {"cpu_backend": "cpp"}
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    from kiln.frontend.client import reset_clients
-
-    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
-    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
-    monkeypatch.setenv("KILN_FARM", "inprocess")
-    monkeypatch.setenv("KILN_STATS_FILE", "off")
-    reset_clients()
-    yield
-    reset_clients()
+def _isolated(kiln_isolated: None) -> None:
+    """Every test: a fresh store, in process (tests/conftest.py)."""
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -4,10 +4,6 @@ interpreter on CPU tensors (``KILN_CPU_BACKEND=triton-interpret``): the same har
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,20 +17,9 @@ SLOW_UNDER_INTERPRETER = {"nn.functional.linear_cross_entropy", "linalg.inv", "t
 
 
 @pytest.fixture(autouse=True)
-def _triton_interpret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    from kiln.frontend.client import reset_clients
-
-    for name in [n for n in os.environ if n.startswith("KILN_")]:
-        if name != "KILN_CACHE_DIR":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
-    monkeypatch.setenv("KILN_LOCAL_CACHE", "off")
-    monkeypatch.setenv("KILN_FARM", "inprocess")
+def _triton_interpret(kiln_isolated: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh store, in process (tests/conftest.py), CPU graphs on the Triton interpreter."""
     monkeypatch.setenv("KILN_CPU_BACKEND", "triton-interpret")
-    reset_clients()
-    torch._dynamo.reset()
-    yield
-    reset_clients()
 
 
 @pytest.mark.parametrize("op", select_ops([n for n in FAST_OPS
