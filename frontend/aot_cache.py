@@ -321,7 +321,7 @@ class AotCache:
 
     def _load(self, key: str, entry: AotEntry, result: CompileResult,
               example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
-        name = f"aot_hit_{result.compiled.name}"
+        name = result.compiled.name  # as it was called when it was compiled
         try:
             call = load_stored(result, entry.constants, input_device(example_inputs),
                                self.config, name)

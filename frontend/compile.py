@@ -166,6 +166,7 @@ def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],
     except Exception as e:
         raise LoadFailure(f"{type(e).__name__}: {e}") from e
     print_output_code(config, name, result)
+    _notify(name, result)
     return fn
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgpack
 import torch
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kiln.compiler.keys import KeyInfo, key_from_parts, schema
 from kiln.compiler.request import OP_NAMESPACES, TensorMeta, canonical
@@ -48,6 +49,9 @@ _FUNCTION_ROOTS = frozenset({"torch", "operator", "_operator", "math", "builtins
 # Node metadata that steers AOTAutograd's partitioner (activation checkpointing tags).
 _PARTITIONER_META = ("recompute", "ac_graph_id", "partitioner_tag", "custom")
 _INT_RANGE = (-(2**63), 2**64)
+# FX keeps node arguments in immutable lists and dicts.
+_SEQUENCES: dict[type, str] = {list: "list", immutable_list: "list", tuple: "tuple",
+                               torch.Size: "size"}
 
 
 class NotCacheable(Exception):
@@ -125,12 +129,9 @@ def _arg_wire(value: Any, index: Mapping[torch.fx.Node, int]) -> Any:
         return value
     if isinstance(value, torch.fx.Node):
         return ["node", index[value]]
-    if isinstance(value, (torch.Size, list, tuple)):
-        tag = "size" if isinstance(value, torch.Size) else type(value).__name__
-        if tag not in ("size", "list", "tuple"):  # a named tuple or another subclass
-            raise NotCacheable("graph", f"argument of type {type(value).__name__}")
-        return [tag, [_arg_wire(v, index) for v in value]]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if type(value) in _SEQUENCES:  # not a named tuple or another subclass
+        return [_SEQUENCES[type(value)], [_arg_wire(v, index) for v in value]]
+    if type(value) in (dict, immutable_dict) and all(isinstance(k, str) for k in value):
         return ["dict", [[k, _arg_wire(v, index)] for k, v in value.items()]]
     if isinstance(value, slice):
         return ["slice", [_arg_wire(v, index) for v in (value.start, value.stop, value.step)]]
@@ -166,11 +167,13 @@ def inputs_wire(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list
 
 
 def _input_wire(i: int, node: torch.fx.Node, x: Any) -> list[Any]:
+    val = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(x, torch.SymInt) or isinstance(val, torch.SymInt):
+        raise NotCacheable("dynamic_shapes", f"input {i} is a symbolic size")
     if not isinstance(x, torch.Tensor):
         raise NotCacheable("inputs", f"input {i} is a {type(x).__name__}, not a tensor")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         raise NotCacheable("inputs", f"input {i} is a tensor subclass {type(x).__name__}")
-    val = node.meta.get("example_value", node.meta.get("val"))
     if not isinstance(val, torch.Tensor) or not all(
             type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset())):
         raise NotCacheable("dynamic_shapes", f"input {i} has symbolic (or unknown) sizes")
