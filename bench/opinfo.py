@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=3, help="samples per op")
     parser.add_argument("--fast", action="store_true", help="only the CI subset of ops")
     parser.add_argument("--ops", default="", help="comma-separated op names (OpInfo names)")
+    parser.add_argument("--slice", default="", help="START:STOP of the selected ops (op_db "
+                        "order), to run the database in parts")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--jsonl", default="", help="append each op's result here as it "
+                        "comes (a run cut short keeps what it did)")
     parser.add_argument("--quiet", action="store_true", help="no line per op")
     args = parser.parse_args(argv)
 
@@ -42,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [n for n in args.ops.split(",") if n] or (list(FAST_OPS) if args.fast else None)
     ops = select_ops(names)
+    if args.slice:
+        start_s, _, stop_s = args.slice.partition(":")
+        ops = ops[int(start_s or 0):int(stop_s) if stop_s else None]
     backend = os.environ.get("KILN_CPU_BACKEND", "cpp") if args.device == "cpu" else "triton"
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "torch": torch.__version__, "python": platform.python_version(),
@@ -51,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, dtype_name)
 
         def progress(r: object) -> None:
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(asdict(r)) + "\n")  # type: ignore[call-overload]
             if not args.quiet:
                 print(f"{r.status:8s} {r.op} ({r.seconds:.1f} s) {r.detail[:200]}",  # type: ignore[attr-defined]
                       flush=True)
