@@ -56,6 +56,7 @@ FAST_OPS = (
     "nn.functional.layer_norm", "permute", "pow", "reshape", "roll", "rsqrt", "sigmoid",
     "softmax", "squeeze", "squeeze.multiple", "sum", "t", "topk", "tril", "var_mean",
     "view_as_complex", "cfloat", "where", "fft.fft", "nn.functional.linear_cross_entropy",
+    "nn.functional.linear_cross_entropy.chunked",
 )
 
 
