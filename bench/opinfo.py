@@ -46,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
                         "comes (a run cut short keeps what it did)")
     parser.add_argument("--shard", default="", help="I/N: every N-th op from the I-th")
     parser.add_argument("--jobs", type=int, default=1, help="processes, each a shard")
+    parser.add_argument("--budget", type=float, default=0.0, help="seconds: ops not "
+                        "started by then are reported not_reached (a partial run)")
+    parser.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--quiet", action="store_true", help="no line per op")
     args = parser.parse_args(argv)
+    if args.budget and not args.deadline:
+        args.deadline = time.time() + args.budget
     if args.jobs > 1:
         return run_sharded(args)
 
@@ -71,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
 
         start = time.perf_counter()
-        summary = run_ops(ops, args.device, dtype, backend, args.samples, progress)
+        summary = run_ops(ops, args.device, dtype, backend, args.samples, progress,
+                          args.deadline or None)
         print(format_summary(summary))
         print(f"({time.perf_counter() - start:.0f} s)")
         report["runs"].append(summary.to_json())  # type: ignore[attr-defined]
@@ -120,7 +126,8 @@ def run_sharded(args: argparse.Namespace) -> int:
     for i in range(args.jobs):
         cmd = [sys.executable, __file__, "--device", args.device, "--dtypes", args.dtypes,
                "--samples", str(args.samples), "--ops", args.ops, "--slice", args.slice,
-               "--shard", f"{i}/{args.jobs}", "--jsonl", str(folder / f"{i}.jsonl")]
+               "--shard", f"{i}/{args.jobs}", "--jsonl", str(folder / f"{i}.jsonl"),
+               "--deadline", str(args.deadline)]
         cmd += ["--fast"] if args.fast else []
         log = open(folder / f"{i}.log", "w")  # noqa: SIM115 - closed after the wait
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))

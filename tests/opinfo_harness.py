@@ -9,7 +9,8 @@ is one of:
 - ``fallback``: Kiln ran a graph eagerly (the warning's text is kept);
 - ``wrong``: compiled but the values, dtype or shape differ from eager;
 - ``error``: compiling or running raised;
-- ``skipped``: no sample for the dtype, or eager itself failed or is nondeterministic.
+- ``skipped``: no sample for the dtype, or eager itself failed or is nondeterministic;
+- ``not_reached``: the run's time budget ran out before the op (a partial run).
 
 ``tests/cpu/test_opinfo.py`` runs a fast subset (and the whole set with ``-m opinfo_full``);
 ``bench/opinfo.py`` runs any set on any device and writes JSON.
@@ -89,7 +90,7 @@ class Summary:
 
     def pass_rate(self) -> float:
         counts = self.counts()
-        ran = sum(v for k, v in counts.items() if k != "skipped")
+        ran = sum(v for k, v in counts.items() if k not in ("skipped", "not_reached"))
         return counts.get("pass", 0) / ran if ran else 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -279,12 +280,16 @@ def _compare_leaf(a: Any, e: Any, uninitialized: bool, exact: bool) -> str | Non
 
 
 def run_ops(ops: Sequence[Any], device: str, dtype: torch.dtype, backend: str,
-            max_samples: int = 3, progress: Callable[[OpResult], None] | None = None
-            ) -> Summary:
-    """Every op of ``ops`` for ``dtype``; ``progress`` sees each result as it comes."""
+            max_samples: int = 3, progress: Callable[[OpResult], None] | None = None,
+            deadline: float | None = None) -> Summary:
+    """Every op of ``ops`` for ``dtype``; ``progress`` sees each result as it comes. Ops
+    after ``deadline`` (``time.time()``) are ``not_reached``."""
     summary = Summary(device, str(dtype).removeprefix("torch."), backend)
     for op in ops:
-        result = run_op(op, device, dtype, max_samples)
+        if deadline is not None and time.time() > deadline:
+            result = OpResult(full_name(op), summary.dtype, "not_reached")
+        else:
+            result = run_op(op, device, dtype, max_samples)
         summary.results.append(result)
         if progress is not None:
             progress(result)
@@ -298,6 +303,6 @@ def format_summary(summary: Summary) -> str:
              + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
              + f"; pass rate {100 * summary.pass_rate():.2f}% of ops that ran"]
     for r in summary.results:
-        if r.status not in ("pass", "skipped"):
+        if r.status not in ("pass", "skipped", "not_reached"):
             lines.append(f"  {r.status:8s} {r.op}: {r.detail[:300]}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.opinfo_harness import FAST_OPS, format_summary, run_op, run_ops, select_ops
+from tests.opinfo_harness import FAST_OPS, format_summary, full_name, run_op, run_ops, select_ops
 
 # The issue's target: ops compiled with no whole-graph fallback and matching eager.
 FULL_PASS_RATE = 0.995
@@ -67,3 +67,24 @@ def test_the_database_loads_without_expecttest() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True, timeout=300)
     assert out.stdout.split() == ["2", "module", "False"], out.stdout + out.stderr
+
+
+def test_ops_past_the_deadline_are_not_reached() -> None:
+    summary = run_ops(select_ops(["abs", "neg"]), "cpu", torch.float32, "cpp", deadline=0.0)
+    assert [(r.op, r.status) for r in summary.results] == [("abs", "not_reached"),
+                                                           ("neg", "not_reached")]
+    assert summary.pass_rate() == 0.0 and "not_reached" not in format_summary(summary)[30:]
+
+
+def test_bench_shards_merge_in_database_order(tmp_path: Path) -> None:
+    """bench/opinfo.py --jobs 2: two processes, each every other op; one report."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    env = {**os.environ, "KILN_STORE": str(tmp_path / "store")}
+    subprocess.run([sys.executable, str(root / "bench" / "opinfo.py"), "--ops",
+                    "abs,neg,flip", "--samples", "1", "--jobs", "2", "--json", str(out)],
+                   cwd=root, env=env, capture_output=True, text=True, check=True, timeout=600)
+    run = json.loads(out.read_text())["runs"][0]
+    order = [full_name(op) for op in select_ops(["abs", "neg", "flip"])]
+    assert [(r["op"], r["status"]) for r in run["results"]] == [(n, "pass") for n in order]
+    assert run["counts"] == {"pass": 3}
