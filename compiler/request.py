@@ -21,6 +21,7 @@ Every value that is not a msgpack scalar is a tagged list (``["dtype", "float32"
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import operator
 import re
@@ -79,7 +80,12 @@ COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_au
 
 # Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
-OP_NAMESPACES = frozenset({"aten", "prims"})
+# ``torch_nn`` holds ops torch itself defines with ``torch.library`` (the chunked
+# ``F.linear_cross_entropy``): pure computations, per-op fallbacks in the graph.
+OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn"})
+# torch modules that register a namespace's ops when imported (torch imports them lazily,
+# so a worker that never called the function has not registered them yet).
+_NAMESPACE_MODULES = {"torch_nn": ("torch.nn.modules.linear_cross_entropy",)}
 _OP_PART_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*|_[A-Za-z0-9][A-Za-z0-9_]*")
 
 # Bounds on tensor metadata from a request: a constant's storage is allocated for real.
@@ -558,6 +564,7 @@ def _resolve_target(wire: Any) -> Any:
         raise SerializationError(
             f"op {qualname!r:.200} is not allowed in a request: ops come from the "
             f"{sorted(OP_NAMESPACES)} namespaces, named by identifiers (no dunders)")
+    _register_namespace(parts[0])
     try:
         target: Any = getattr(getattr(torch.ops, parts[0]), parts[1])
         if kind == "op":
@@ -568,6 +575,14 @@ def _resolve_target(wire: Any) -> Any:
     if not isinstance(target, wanted):
         raise SerializationError(f"{qualname!r} is not an operator overload")
     return target
+
+
+def _register_namespace(namespace: str) -> None:
+    for module in _NAMESPACE_MODULES.get(namespace, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an older torch: its ops are unknown, which the caller says
+            pass
 
 
 # ---------------------------------------------------------------------------------------
