@@ -177,7 +177,7 @@ def use_loopback_ray(address: str) -> None:
     os.environ[RAY_LOOPBACK_ENV] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
-        constants.ENABLE_RAY_CLUSTER = False
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
 
 
 def _refresh_ray_auth() -> None:
