@@ -144,7 +144,8 @@ class Chaos:
 
         from moto.server import ThreadedMotoServer
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        # (a full disk makes moto log each failed PUT's traceback at ERROR)
+        logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
         if not hasattr(self, "disk"):
             import moto.s3.models as moto_models
 
@@ -470,7 +471,8 @@ def main() -> None:
           "(farm: graph compiles started on the farm; local: compiled by clients)")
     for r in rows:
         extra = {k: r[k] for k in ("republished", "free_bytes_when_full", "lost_while_full",
-                                   "farm_warning", "errors") if r.get(k)}
+                                   "farm_warning", "errors") if r.get(k) or
+                 (k in r and k in ("free_bytes_when_full", "lost_while_full"))}
         if extra:
             print(f"{r['scenario']}: {json.dumps(extra)}")
     if args.json:
