@@ -4,18 +4,19 @@ processes are the builder (they hold the private Ed25519 key and publish to the 
 an S3 API server (moto, loopback) as the store, and client processes that hold only the
 public key with KILN_REQUIRE_SIGNED=1.
 
-Scenarios, one after another on the same cluster and store:
+Scenarios, one after another on the same cluster and store (after a store fault, the next
+starts once the farm's store cool-down, 30 s, has passed: its publishes are tried again):
 
     same-key        20 clients ask for one key at once
     distinct-keys   20 clients ask for 20 keys at once
     kill-worker     5 clients mid-compile; the CompileWorker processes are SIGKILLed
     store-outage    5 clients mid-compile; the S3 server stops until they are done
-    kill-coordinator 5 clients mid-compile; the KilnFarm actor is killed (restarts empty)
     disk-full       5 clients mid-compile; the S3 server's disk fills up (its last free
                     byte taken by another file) until they are done: the farm's publishes
                     fail; then space returns
-    disk-freed      past the store's 30 s cool-down, the same 5 graphs and 5 new ones:
-                    the farm publishes all 10 (the 5 again from its memory, no compile)
+    disk-freed      the same 5 graphs and 5 new ones: the farm publishes all 10 (the 5
+                    again from its memory, no compile)
+    kill-coordinator 5 clients mid-compile; the KilnFarm actor is killed (restarts empty)
     kill-head       5 clients mid-compile; the Ray head's process group is SIGKILLed (the
                     clients then live 75 s more, as a user's program would: they must
                     not be aborted by Ray for having joined the farm)
@@ -136,6 +137,7 @@ class Chaos:
         self.published: dict[str, int] = {}  # key -> graph seed, for the final read
         self.results: list[dict[str, Any]] = []
         self.struck: dict[str, int] | None = None  # the coordinator's counters at a fault
+        self.store_fault_ended = -COOLDOWN_S  # when the store last came back
 
     # -- the store ------------------------------------------------------------------
 
@@ -267,6 +269,9 @@ class Chaos:
     def scenario(self, name: str, graphs: list[int], delay: float = 0.0,
                  during: Any = None, linger: float = 0.0, after_jobs: Any = None
                  ) -> dict[str, Any]:
+        # A store fault stops the farm's writes for the store's cool-down: no scenario
+        # starts inside it, or its publishes would be skipped for the last one's fault.
+        time.sleep(max(0.0, self.store_fault_ended + COOLDOWN_S + 1.0 - time.monotonic()))
         before = self.farm_stats()
         self.struck = None
         self.notes: dict[str, Any] = {}
@@ -323,11 +328,15 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
 
     def store_outage(self) -> None:
+        """The S3 server stops mid-compile, and stays down until the clients are done
+        (`restart_store`): every publish of the scenario meets it down."""
         self.wait_inflight()
         self.struck = None  # the coordinator lives on
         self.s3.stop()
-        time.sleep(self.args.delay + 8.0)  # past the compiles: their publishes fail
+
+    def restart_store(self) -> None:
         self.start_store()
+        self.store_fault_ended = time.monotonic()
 
     def fill_disk(self) -> None:
         """The S3 server's disk fills while the compiles run (they publish into it); every
@@ -341,13 +350,12 @@ class Chaos:
     def free_disk(self) -> None:
         """Space returns once the clients are done; the farm's warning about it."""
         self.disk.free()
-        self.freed_at = time.monotonic()
+        self.store_fault_ended = time.monotonic()
         self.notes["farm_warning"] = self.farm_log_line(("rejected a write", "is full"))
 
     def disk_freed(self, graphs: list[int]) -> dict[str, Any]:
         """Past the store's cool-down after a fault (30 s), the graphs whose publish hit
         the full disk and as many new ones: all published."""
-        time.sleep(max(0.0, self.freed_at + COOLDOWN_S + 1.0 - time.monotonic()))
         return self.scenario("disk-freed", graphs + self.new_graphs(len(graphs)),
                              self.args.delay)
 
@@ -410,7 +418,8 @@ class Chaos:
             "kill-worker": lambda: self.scenario("kill-worker", self.new_graphs(5), delay,
                                                  self.kill_workers),
             "store-outage": lambda: self.scenario("store-outage", self.new_graphs(5), delay,
-                                                  self.store_outage),
+                                                  self.store_outage,
+                                                  after_jobs=self.restart_store),
             "disk-full": lambda: self.scenario("disk-full", full_graphs, delay,
                                                self.fill_disk, after_jobs=self.free_disk),
             "disk-freed": lambda: self.disk_freed(full_graphs),
