@@ -295,7 +295,7 @@ class Chaos:
                "sources": dict(Counter(j["source"] for j in done)),
                "published": sum(1 for j in done if j["published"]),
                "errors": [j["error"] for j in jobs if "error" in j][:3],
-               "republished": after.get("republished", 0) - before.get("republished", 0),
+               "republished": self.counted(before, after, "republished"),
                "wall_s": round(wall, 1), **self.notes}
         print(json.dumps(row), flush=True)
         self.results.append(row)
@@ -310,6 +310,13 @@ class Chaos:
         restarted = after.get("requests", 0) < self.struck.get("requests", 0)
         return done + (after.get("graph_compiles", 0) if restarted else
                        after.get("graph_compiles", 0) - self.struck.get("graph_compiles", 0))
+
+    @staticmethod
+    def counted(before: dict[str, int], after: dict[str, int], name: str) -> int:
+        """A coordinator counter's growth over a scenario; all of it where the counter
+        went back (the coordinator restarted empty)."""
+        grown = after.get(name, 0) - before.get(name, 0)
+        return grown if grown >= 0 else after.get(name, 0)
 
     def wait_inflight(self) -> None:
         """Until the coordinator is compiling something (then a second more): the fault
