@@ -65,6 +65,7 @@ BUCKET = "kiln-chaos"
 SCENARIOS = ("same-key", "distinct-keys", "kill-worker", "store-outage", "disk-full",
              "disk-freed", "kill-coordinator", "kill-head")
 STORE_DISK = 64 << 20
+READ_BACK_TIMEOUT_S = 60.0
 COOLDOWN_S = 30.0  # the store's circuit breaker after a fault (artifact_store.faults)
 
 # One client process: builds its jobs' requests, compiles them on threads (one
@@ -392,13 +393,15 @@ class Chaos:
 
     def reader(self) -> Any:
         """A fresh fleet client of the store: public key, signatures required, no local
-        tier, never writing (what it finds damaged stays for the next check)."""
+        tier, never writing (what it finds damaged stays for the next check). Its timeout
+        is long: it asks whether the bytes are there, not how fast a loaded moto answers
+        (one timeout would open its circuit breaker and count every later read lost)."""
         from kiln.artifact_store import open_store
 
         return open_store(storage_options=json.loads(self.store_env()["KILN_STORE_OPTIONS"]),
                           url=self.store_env()["KILN_STORE"], signing_key=self.public,
                           require_signed=True, local_cache=False, stats_file=False,
-                          read_only=True)
+                          read_only=True, timeout=READ_BACK_TIMEOUT_S)
 
     def artifacts_lost(self) -> dict[str, int]:
         """Read back every artifact the farm published, as a fresh fleet client."""
