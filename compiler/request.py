@@ -362,7 +362,8 @@ def example_inputs_from_metas(
 # Constants: tensors by value.
 
 
-def _encode_constant(t: torch.Tensor, where: str) -> list[Any]:
+def encode_constant(t: torch.Tensor, where: str) -> list[Any]:
+    """A tensor constant by value: its metadata and its values in row-major order."""
     if isinstance(t, FakeTensor) or t.device.type == "meta":
         raise SerializationError(f"{where}: constant is a fake/meta tensor and has no value")
     if t.layout != torch.strided or t.is_quantized:
@@ -387,7 +388,8 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+def decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+    """The tensor of :func:`encode_constant`'s wire form, checked against its bounds."""
     # A constant is a real tensor even where the caller runs under a fake mode (the
     # in-process farm decodes inside Dynamo's tracing).
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -606,7 +608,7 @@ def _encode_node(
             value = getattr(value, atom, None)
         if not isinstance(value, torch.Tensor):
             raise SerializationError(f"get_attr of a {type(value).__name__}, not a tensor")
-        return ["get_attr", _encode_constant(value, node.name), [], [], meta]
+        return ["get_attr", encode_constant(value, node.name), [], [], meta]
     if node.op in ("call_function", "output"):
         target = _encode_target(node.target) if node.op == "call_function" else None
         args = [_encode_arg(a, index) for a in node.args]
@@ -661,7 +663,7 @@ class _GraphBuilder:
         if op == "get_attr":
             name = f"_tensor_constant{self.num_constants}"
             self.num_constants += 1
-            setattr(self.root, name, _decode_constant(target, self.constants_device))
+            setattr(self.root, name, decode_constant(target, self.constants_device))
             return self.graph.get_attr(name)
         args = tuple(_decode_arg(a, self.nodes) for a in args_wire)
         kwargs = {k: _decode_arg(v, self.nodes) for k, v in kwargs_wire}

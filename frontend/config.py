@@ -180,6 +180,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             in_key=True),
     Setting("cudagraphs", parse_flag, False,
             "replay each GPU graph's launches as one CUDA graph (reduce-overhead)"),
+    Setting("aot_cache", parse_flag, True,
+            "a warm start skips AOTAutograd through a cache keyed on Dynamo's graph"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -292,6 +294,7 @@ class KilnConfig:
     max_autotune: bool = False
     deterministic: bool = False
     cudagraphs: bool = False  # a runtime choice: not in the key
+    aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False
