@@ -203,7 +203,9 @@ class KilnClient:
             self._set_aside(key.key, f"{type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
-        inputs = artifact.manifest.get("inputs")
+        inputs, parts = artifact.manifest.get("inputs"), artifact.manifest.get("key_parts")
+        if not key.parts and isinstance(parts, dict):  # looked up by key alone: as recorded
+            key = KeyInfo(key.key, {str(k): str(v) for k, v in parts.items()})
         return CompileResult(compiled, key, "hit", timings,
                              recorded_compile_s=compile_seconds(artifact.manifest),
                              recorded_inputs=inputs if isinstance(inputs, list) else None)
