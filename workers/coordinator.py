@@ -155,7 +155,12 @@ class KilnFarm:
         if key.key in self.recent:
             self.counters["recent_hits"] += 1
             self.recent.move_to_end(key.key)
-            return self.recent[key.key]
+            result = self.recent[key.key]
+            if not result["published"]:  # the store was down or full: it may be back
+                result["published"] = await self._publish(key, request, result["compiled"],
+                                                          result["wall_s"])
+                self.counters["republished"] += bool(result["published"])
+            return result
         future = self.inflight.get(key.key)
         if future is None:
             future = asyncio.ensure_future(self._compile(key, request, request_bytes, delay,
@@ -218,15 +223,10 @@ class KilnFarm:
             raise
         wall = time.perf_counter() - start
         began = trace.now_us()
-        try:
-            published = await asyncio.to_thread(self.publisher.publish, key, request,
-                                                compiled, wall)
-        except Exception as e:  # the store's own faults are warnings; this is a bug
-            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
-            published = ""
+        published = await self._publish(key, request, compiled, wall)
         self.counters["published" if published else "not_published"] += 1
         result: dict[str, Any] = {"key": key.key, "compiled": compiled,
-                                  "published": published}
+                                  "published": published, "wall_s": wall}
         if timeline is not None:
             now = trace.now_us()
             timeline.append(trace.make_event("farm publish", began, now, cat="farm",
@@ -235,6 +235,17 @@ class KilnFarm:
                                              key=key.key[:16]))
             result["trace"] = timeline
         return result
+
+    async def _publish(self, key: KeyInfo, request: CompileRequest, compiled: dict[str, Any],
+                       wall: float) -> str:
+        """The store's URL once ``compiled`` is published there, "" if it is not (the
+        store's faults are its own warnings, once per outage)."""
+        try:
+            return await asyncio.to_thread(self.publisher.publish, key, request, compiled,
+                                           wall)
+        except Exception as e:  # a bug: the store's methods do not raise
+            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
+            return ""
 
     async def _compile_graph(self, key_info: KeyInfo, request_bytes: bytes, delay: float,
                              timeline: list[trace.Event] | None) -> dict[str, Any]:
