@@ -70,11 +70,12 @@ def export_aten(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     table = kiln_decompositions()
     notes: list[str] = []
     if target.get("kind") == "cuda" and not torch.cuda.is_available():
-        from .fake_device import gpu_sdpa
+        from .sdpa_model import SdpaHost, gpu_sdpa
 
-        # No GPU to pick the fused attention kernel: the target's choice, modelled.
+        # No GPU to pick the fused attention kernel: the target's choice (this torch on
+        # that GPU), modelled.
         table[torch.ops.aten.scaled_dot_product_attention.default] = gpu_sdpa(
-            int(target["arch"]), notes, fallback=_sdpa_math)
+            SdpaHost.for_target(target), notes, fallback=_sdpa_math)
     with torch.no_grad():
         ep = torch.export.export(model, tuple(example_inputs)).run_decompositions(table)
     for note in dict.fromkeys(notes):

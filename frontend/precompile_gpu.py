@@ -81,6 +81,7 @@ class GraphRecord:
 def run_job(make_model: Callable[[], Any], shape_sets: Sequence[Sequence[Sequence[int]]],
             dtype: str, target: dict[str, Any], config: Any, *, check: bool = False,
             train: bool = False, versions: dict[str, Any] | None = None,
+            runtime: dict[str, Any] | None = None,
             on_graph: Callable[[GraphRecord], None] | None = None) -> list[GraphRecord]:
     """Trace every shape set for ``target`` and check or compile each graph."""
     import torch
@@ -99,7 +100,7 @@ def run_job(make_model: Callable[[], Any], shape_sets: Sequence[Sequence[Sequenc
     for shapes in shape_sets:
         inputs = fake_inputs(shapes, getattr(torch, dtype), mode, device)
         for traced in trace_requests(model, inputs, config, target, versions=versions,
-                                     train=train):
+                                     runtime=runtime, train=train):
             record = GraphRecord([list(s) for s in shapes], traced.name, None, "not_keyed",
                                  notes=[*traced.notes, *([traced.reason] if traced.reason
                                                          else [])])
@@ -194,7 +195,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     from .cli_errors import CliError, UsageError
     from .compile import target_for
     from .config import KilnConfig
-    from .fake_device import FakeDeviceError, load_versions, parse_gpu
+    from .fake_device import FakeDeviceError, load_runtime, load_versions, parse_gpu
     from .precompile import MODES, load_entry
 
     shape_sets = list(args.shapes or []) + [s for r in args.shape_range or [] for s in r]
@@ -207,6 +208,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     try:
         target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(device))
         versions = load_versions(args.versions_from) if args.versions_from else None
+        runtime = load_runtime(args.versions_from) if args.versions_from else None
     except FakeDeviceError as e:
         raise UsageError(str(e)) from None
     start, records = time.perf_counter(), []
@@ -215,7 +217,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         for kind in MODES[args.mode or "inference"]:
             records += run_job(load_entry(args.target), shape_sets, args.dtype or "float32",
                                target, config, check=args.check, train=kind == "train",
-                               versions=versions,
+                               versions=versions, runtime=runtime,
                                on_graph=None if args.json else _print_record)
     except FakeDeviceError as e:
         raise CliError(str(e)) from None
@@ -257,12 +259,15 @@ def add_versions_parser(sub: Any) -> None:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
+    """The versions keys carry, plus (``runtime``, not in keys) this host's CUDA and
+    cuDNN versions, which decide the attention kernel a precompile must model."""
     from .keys import versions
+    from .sdpa_model import host_runtime
 
-    mine = versions()
+    mine, runtime = versions(), host_runtime()
     if args.json:
-        print(json.dumps(mine, sort_keys=True))
+        print(json.dumps({**mine, "runtime": runtime}, sort_keys=True))
     else:
-        for name, value in mine.items():
+        for name, value in {**mine, **runtime}.items():
             print(f"{name:<10} {value}")
     return EXIT_OK
