@@ -10,7 +10,9 @@ graph's key is the one a client on that GPU computes. Each request then goes thr
 client (``client.KilnClient``: the store, then the farm when one is up, else this
 process); its kernels are cross-compiled for the target with heuristic configs, and
 the artifact records ``autotuned: False``: tuning is left to GPU workers (the summary
-counts those graphs as ``autotune_pending``). With ``--versions-from`` the keys carry the
+counts those graphs as ``autotune_pending``): the farm's GPU autotuners when a farm is
+up, else the store's autotune queue, which ``kiln precompile --gpu-worker`` drains on a
+GPU host (``autotune_queue``). With ``--versions-from`` the keys carry the
 target host's torch and triton versions (``kiln versions --json`` there) and the graphs
 compile in this process, with this host's compiler, under those keys.
 
@@ -75,6 +77,7 @@ class GraphRecord:
     source: str = ""  # farm or local, for compiled graphs
     kernels: int = 0
     autotune_pending: bool = False
+    autotune: str = ""  # tuned, farm, here, queued (for a GPU worker) or "" (nothing)
     notes: list[str] = field(default_factory=list)
 
 
@@ -134,7 +137,23 @@ def _check_or_compile(client: Any, request: Any, record: GraphRecord, check: boo
         compiled = _compile_for_other_versions(client, key, request)
         record.status, record.source = "compiled", "local"
     record.kernels = len(compiled.binaries)
-    record.autotune_pending = request.target.get("kind") == "cuda" and not compiled.autotuned
+    record.autotune = _autotune_route(client, key.key, compiled, request.target,
+                                      record.source)
+    record.autotune_pending = record.autotune in ("farm", "here", "queued")
+
+
+def _autotune_route(client: Any, key: str, compiled: Any, target: dict[str, Any],
+                    source: str) -> str:
+    """Who tunes the graph: ``tuned`` already, the ``farm``'s GPU autotuners or a GPU
+    ``here`` (the client tunes in the background and publishes), else ``queued`` in the
+    store for ``kiln precompile --gpu-worker`` (``""``: nothing to tune)."""
+    from .autotune_queue import queue_for_gpu
+
+    if compiled.autotuned:
+        return "tuned"
+    if compiled.stats.get("autotune_pending") and source in ("farm", "local"):
+        return "farm" if source == "farm" else "here"
+    return "queued" if queue_for_gpu(client.store, key, compiled, target) else ""
 
 
 def _compile_for_other_versions(client: Any, key: Any, request: Any) -> Any:
@@ -164,6 +183,7 @@ def summarize(records: Sequence[GraphRecord], target: dict[str, Any], seconds: f
             "local": sum(r.source == "local" for r in records),
             "kernels": sum(r.kernels for r in records),
             "autotune_pending": sum(r.autotune_pending for r in records),
+            "autotune_queued": sum(r.autotune == "queued" for r in records),
             "seconds": round(seconds, 3), "records": [asdict(r) for r in records]}
 
 
@@ -179,6 +199,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape-range", action="append", type=expand_shape_range,
                         metavar="RANGE", help="shape sets from ranges: 1..64x128 (powers "
                         "of two), 8..32:8x128 (step 8)")
+    parser.add_argument("--gpu-worker", action="store_true", help="on a GPU host: tune "
+                        "the graphs queued in the store by precompiles without a GPU, and "
+                        "publish them (no TARGET)")
+    parser.add_argument("--limit", type=int, metavar="N", help="--gpu-worker: at most N "
+                        "queued graphs")
     parser.add_argument("--check", action="store_true", help="compile nothing: list the "
                         "graphs missing from the store; exit 1 if any is (a CI gate)")
 
@@ -248,7 +273,8 @@ def _print_summary(summary: dict[str, Any], check: bool) -> None:
           f"in the store, {summary['compiled']} compiled ({summary['farm']} on the farm, "
           f"{summary['local']} here), {summary['not_keyed']} cannot be keyed; "
           f"{summary['kernels']} kernels, {summary['autotune_pending']} graphs left for "
-          f"GPU autotuning; {summary['seconds']:.1f} s")
+          f"GPU autotuning ({summary['autotune_queued']} queued for "
+          f"`kiln precompile --gpu-worker`); {summary['seconds']:.1f} s")
 
 
 def add_versions_parser(sub: Any) -> None:
