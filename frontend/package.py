@@ -44,7 +44,7 @@ from kiln.artifact_store import Artifact, parse_keyring
 from kiln.artifact_store.errors import IntegrityError, UnsupportedFormat
 from kiln.artifact_store.manifest import BlobRef, decode_manifest, encode_manifest
 from kiln.artifact_store.signing import Verdict
-from kiln.compiler.request import TensorMeta
+from kiln.compiler.tensor_meta import TensorMeta
 
 MAGIC = b"KILNPKG\x01"
 PACKAGE_FORMAT = 1
@@ -389,7 +389,7 @@ def _weights(path: Any, meta: dict[str, Any], blobs: Mapping[str, memoryview], g
 
 def _unpack_tensors(index: list[list[Any]], blobs: Mapping[str, memoryview], prefix: str,
                     device: torch.device) -> dict[str, torch.Tensor]:
-    from kiln.compiler.request import dtype_from_name
+    from kiln.compiler.tensor_meta import dtype_from_name
 
     out = {}
     for name, dtype_name, shape, chunk, offset, nbytes in index:

@@ -16,14 +16,16 @@ compiled (farm or in process, wall time), from which ``kiln stats`` counts time 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.artifact_store import Artifact
 from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
-from kiln.compiler.keys import KeyInfo
-from kiln.compiler.request import CompileRequest
+
+if TYPE_CHECKING:  # loading a package imports neither (nor, through them, sympy)
+    from kiln.compiler.keys import KeyInfo
+    from kiln.compiler.request import CompileRequest
 
 LAYOUT_VERSION = 1
 WRAPPER_BLOB = "wrapper.py"
