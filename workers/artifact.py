@@ -16,14 +16,16 @@ compiled (farm or in process, wall time), from which ``kiln stats`` counts time 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.artifact_store import Artifact
 from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
-from kiln.compiler.keys import KeyInfo
-from kiln.compiler.request import CompileRequest
+
+if TYPE_CHECKING:  # loading a package imports neither (nor, through them, sympy)
+    from kiln.compiler.keys import KeyInfo
+    from kiln.compiler.request import CompileRequest
 
 LAYOUT_VERSION = 1
 WRAPPER_BLOB = "wrapper.py"
@@ -74,8 +76,6 @@ def _kernel_entry(compiled: CompiledGraph, spec: KernelSpec, blobs: dict[str, by
 def to_artifact(key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
                 compile_info: dict[str, Any] | None = None) -> Artifact:
     """The store's view of a compiled graph (see the module docstring for the layout)."""
-    blobs: dict[str, bytes] = {WRAPPER_BLOB: compiled.wrapper_source.encode()}
-    graph = compiled.to_dict()
     manifest: dict[str, Any] = {
         "layout": LAYOUT_VERSION,
         "key": key.key,
@@ -84,11 +84,27 @@ def to_artifact(key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
         "versions": request.versions,
         "options": request.options,
         "inputs": [meta.to_wire() for meta in request.inputs],
-        "graph": {name: graph[name] for name in _GRAPH_FIELDS},
-        "kernels": [_kernel_entry(compiled, spec, blobs) for spec in compiled.kernels],
-        "compile": dict(compile_info or {}),
     }
-    return Artifact(key=key.key, manifest=manifest, blobs=blobs)
+    return _with_graph(key.key, manifest, compiled, compile_info)
+
+
+def superseding(artifact: Artifact, compiled: CompiledGraph,
+                compile_info: dict[str, Any] | None = None) -> Artifact:
+    """An artifact of the same key and request as ``artifact`` (a verified one) holding
+    another compile of its graph: a GPU worker's tuned configs for a precompiled graph."""
+    kept = ("layout", "key", "key_parts", "target", "versions", "options", "inputs")
+    manifest = {name: artifact.manifest[name] for name in kept}
+    return _with_graph(artifact.key, manifest, compiled, compile_info)
+
+
+def _with_graph(key: str, manifest: dict[str, Any], compiled: CompiledGraph,
+                compile_info: dict[str, Any] | None) -> Artifact:
+    blobs: dict[str, bytes] = {WRAPPER_BLOB: compiled.wrapper_source.encode()}
+    graph = compiled.to_dict()
+    manifest = {**manifest, "graph": {name: graph[name] for name in _GRAPH_FIELDS},
+                "kernels": [_kernel_entry(compiled, spec, blobs) for spec in compiled.kernels],
+                "compile": dict(compile_info or {})}
+    return Artifact(key=key, manifest=manifest, blobs=blobs)
 
 
 def _blob(artifact: Artifact, name: str) -> bytes:
