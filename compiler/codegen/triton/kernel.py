@@ -58,8 +58,10 @@ class TritonKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
     def __init__(self, kind: str, xnumel: Expr | int, rnumel: Expr | int, removed: set[str],
-                 index_dtype: str = "tl.int32", max_xblock: int | None = None) -> None:
+                 index_dtype: str = "tl.int32", max_xblock: int | None = None,
+                 outer: bool = False) -> None:
         self.kind = kind
+        self.outer = outer  # a column reduction: x contiguous, r strided
         # The largest XBLOCK any launch config uses (None: unknown): a block of x then
         # lies within one multiple of any divisor it divides.
         self.max_xblock = max_xblock
@@ -195,13 +197,18 @@ class TritonKernel:
             lambda e: FloorDiv(XOFFSET, e.args[1]))
 
     def _load_mask(self, index: Expr) -> str:
-        """A reduction's load masked by the block dimensions its address varies along
-        only: a per-row value loads as [XBLOCK, 1], a per-column one as [1, RBLOCK]
-        (no redundant loads, and Triton lays the tile out by the wide loads alone)."""
+        """A reduction's load masked by the block dimensions its address varies along:
+        a per-row value (mean, rstd) loads as [XBLOCK, 1], not once per element. A value
+        per r alone loads as [1, RBLOCK] only in a column reduction (where that is the
+        per-row value and Triton then lays the tile out by the wide, x-contiguous loads
+        alone); in a row reduction it stays a full tile (a weight), in the tile's layout
+        (as [1, RBLOCK] Triton loads it narrow and converts it through shared memory)."""
         used = index.free_symbols
         if not self.is_reduction or not used & {XINDEX, RINDEX} or \
                 used - {XINDEX, RINDEX, XOFFSET} - free_size_symbols([index]):
             return self.mask()  # pointwise, constant or indirect addresses: the full mask
+        if RINDEX in used and XINDEX not in used and not self.outer:
+            return self.mask()
         parts = [m for m, sym in (("xmask", XINDEX), ("rmask", RINDEX)) if sym in used]
         return " & ".join(parts + self.mask_stack)
 

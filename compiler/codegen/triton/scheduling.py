@@ -95,7 +95,7 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
     xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
     configs = tuple(configs_for(kind, xhint, rhint, outer))
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype,
-                          max(int(c.get("XBLOCK", 1)) for c in configs))
+                          max(int(c.get("XBLOCK", 1)) for c in configs), outer)
     order = memory_order(node, removed) if kind == "pointwise" else None
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
         for sub in node.get_nodes():
