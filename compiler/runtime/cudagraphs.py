@@ -11,7 +11,8 @@ of the wrapper's ``call`` and replays them with one launch:
                them where they are. The others get a buffer of the graph's own (the static
                input pool) that each call copies into. The call is recorded; outputs come
                from the graph's private memory pool (the static output pool).
-    later      copy the non-static inputs in, replay. A static input at a new address (a
+    later      copy the non-static inputs in (one ``_foreach_copy_`` launch for all of
+               them), replay. A static input at a new address (a
                parameter replaced, a batch that happened to reuse its predecessor's
                memory) becomes non-static for good and the graph records again; a
                non-static input at the same address two calls running (a backward's
