@@ -96,7 +96,7 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -
         return TritonLauncher(spec, config, "interpret")
     binary = compiled.binaries.get(spec.name)
     if binary is not None and binary.binary and _arch_matches(binary, device):
-        static = _static_launcher(spec, binary)
+        static = _static_launcher(spec, binary, device.index)
         if static is not None:
             return static
         try:
@@ -107,7 +107,8 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -
     return TritonLauncher(spec, config, "jit")
 
 
-def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
+def _static_launcher(spec: KernelSpec, binary: KernelBinary, device: int | None = None
+                     ) -> Any:
     """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch),
     or None where it cannot take this kernel."""
     from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
@@ -119,7 +120,7 @@ def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
     try:
         return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
                                 fallback=lambda: TritonLauncher(spec, binary.config, "binary",
-                                                                binary))
+                                                                binary), device=device)
     except StaticLaunchUnsupported as e:
         log.debug("kiln: kernel %s uses Triton's launcher: %s", spec.name, e)
         return None
