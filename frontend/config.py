@@ -202,7 +202,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
 INTERNAL_VARIABLES = frozenset({"KILN_TEST_COMPILE_DELAY", "KILN_TEST_FAKE_AUTOTUNE",
-                                "KILN_DEMO_DIR"})
+                                "KILN_TEST_FAKE_AUTOTUNE_MS", "KILN_DEMO_DIR"})
 
 
 def known_variables() -> list[str]:
