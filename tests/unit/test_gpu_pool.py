@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kiln.frontend.trace import gpu_usage, spans_from_events
+from kiln.frontend.trace import format_summary, gpu_usage, spans_from_events, summarize
 from kiln.workers.gpu_pool import GpuPool, gpu_lane_event
 
 HOLD_S = 0.05
@@ -84,3 +84,17 @@ def test_no_matching_gpu_is_an_error_not_a_hang() -> None:
 
     with pytest.raises(ValueError, match="no GPU autotuner"):
         asyncio.run(none())
+
+
+def test_trace_summary_reports_each_gpus_busy_time() -> None:
+    pool = _pool(2)
+    events, _, _ = asyncio.run(_run(pool, 4))
+    local = {"name": "gemm benchmark", "ph": "X", "ts": events[0]["ts"], "dur": 10.0,
+             "pid": 7, "tid": 7, "cat": "autotune", "args": {"gpu": "local"}}
+    summary = summarize(spans_from_events(events + [local]))
+    usage = summary["gpu_usage"]
+    assert [(g["gpu"], g["jobs"]) for g in usage["gpus"]] == [("0", 2), ("1", 2)]
+    assert all(g["busy_ms"] >= 2 * HOLD_S * 1e3 * 0.9 for g in usage["gpus"])
+    assert usage["wall_ms"] <= sum(g["busy_ms"] for g in usage["gpus"])
+    text = format_summary(summary)
+    assert "GPU autotuners" in text and "GPU 0" in text and "GPU 1" in text
