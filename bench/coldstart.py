@@ -358,7 +358,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if r["mode"] == mode and r.get("ok")}
 
     cold, mega, warm = base("inductor_cold"), base("inductor_mega"), base("inductor_warm")
-    lines = [f"{'model':<14} {'mode':<22} {'seconds':>8} {'vs ind.':>8}  check  note",
+    lines = [f"{'model':<14} {'mode':<30} {'seconds':>8} {'vs ind.':>8}  check  note",
              "-" * 100]
     for r in rows:
         ref = {"kiln_warm": warm, "kiln_warm_new": mega}.get(r["mode"], cold).get(
@@ -377,7 +377,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             note = f"{note} | {r['gpu_usage']}".strip(" |")
         shown = f"{secs:8.2f}" if isinstance(secs, (int, float)) else f"{'-':>8}"
         mode = r["mode"] + (f" [{r['compile_mode']}]" if r.get("compile_mode") else "")
-        lines.append(f"{r['model']:<14} {mode:<22} {shown} {ratio:>8}  {check:<5}  "
+        lines.append(f"{r['model']:<14} {mode:<30} {shown} {ratio:>8}  {check:<5}  "
                      f"{note[:300]}")
     lines.append("vs ind.: Kiln cold rows against inductor_cold, kiln_warm against "
                  "inductor_warm, kiln_warm_new against inductor_mega")
