@@ -22,8 +22,25 @@ log = logging.getLogger("kiln.autotune")
 FAKE_AUTOTUNE_ENV = "KILN_TEST_FAKE_AUTOTUNE"
 
 
+# With the fake: milliseconds each candidate keeps the (fake) GPU busy, a stand-in for
+# the time a real benchmark takes (the multi-GPU scheduling tests and bench on CPU).
+FAKE_AUTOTUNE_MS_ENV = "KILN_TEST_FAKE_AUTOTUNE_MS"
+
+
 def fake_autotune() -> bool:
     return os.environ.get(FAKE_AUTOTUNE_ENV, "") == "1"
+
+
+def fake_gpu_work(candidates: int) -> None:
+    """Hold this process for ``KILN_TEST_FAKE_AUTOTUNE_MS`` per candidate (default 0)."""
+    import time
+
+    try:
+        ms = max(0.0, float(os.environ.get(FAKE_AUTOTUNE_MS_ENV, "0") or 0))
+    except ValueError:
+        ms = 0.0
+    if ms:
+        time.sleep(ms * candidates / 1000.0)
 
 
 def fake_timings(binaries: list[KernelBinary]) -> list[float]:
@@ -45,6 +62,7 @@ def gpu_arch() -> int | None:
 def benchmark(spec: KernelSpec, binaries: list[KernelBinary]) -> list[float]:
     """Milliseconds per candidate on this GPU (infinity where a candidate fails)."""
     if fake_autotune():
+        fake_gpu_work(len(binaries))
         return fake_timings(binaries)
     import torch
 
@@ -77,6 +95,7 @@ def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     fails) for ``problem`` on this GPU, and of a round trip of its output through memory
     (what an unfused epilogue costs the extern call)."""
     if fake_autotune():
+        fake_gpu_work(1 + len(specs))
         return fake_gemm_timings(len(specs))
     import torch
 
