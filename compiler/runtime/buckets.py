@@ -1,0 +1,122 @@
+"""Size buckets of kernels with dynamic shapes: one launch config per bucket.
+
+A kernel of a graph with symbolic sizes takes ``xnumel`` (and ``rnumel``) as arguments.
+Its bucket at a launch is those numels rounded up to powers of two (``"65536x1024"``);
+autotuning picks a config per bucket from the sizes actually seen, the artifact records
+the configs by bucket (``CompiledGraph.buckets``), and ``BucketedLauncher`` picks the
+bucket's launcher from each launch's numels (a small lookup). A bucket with no config yet
+runs the heuristic config and is reported once, so that it can be tuned in the
+background.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from ..codegen.kernel_spec import KernelSpec
+from ..kernel_compile import CONSTEXPR_KEYS
+
+_BUCKET_RE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
+_CONFIG_INTS = (*CONSTEXPR_KEYS, "num_warps", "num_stages", "num_ctas")
+MAX_BUCKETS = 64  # per kernel, in a stored artifact
+MAX_BLOCK = 2**20
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def bucket_name(xnumel: int, rnumel: int = 1) -> str:
+    """The bucket of a launch over ``xnumel`` x ``rnumel`` elements."""
+    return f"{pow2_ceil(xnumel)}x{pow2_ceil(rnumel)}"
+
+
+def check_bucket(name: object) -> str:
+    """``name`` if it is a bucket name (powers of two, ``"4096x1"``); ValueError else."""
+    match = _BUCKET_RE.fullmatch(name) if isinstance(name, str) else None
+    if match is None or any(pow2_ceil(int(g)) != int(g) for g in match.groups()):
+        raise ValueError(f"invalid size bucket {name!r}: expected two powers of two such "
+                         "as 4096x1")
+    return name  # type: ignore[return-value]
+
+
+def check_config(config: object, where: str) -> dict[str, int]:
+    """A launch config from a store: known keys, small positive integers; ValueError
+    naming ``where`` otherwise."""
+    if not isinstance(config, dict) or not config:
+        raise ValueError(f"{where}: a launch config must be a non-empty map, not {config!r}")
+    out: dict[str, int] = {}
+    for key, value in config.items():
+        if key not in _CONFIG_INTS or type(value) is not int or not 0 < value <= MAX_BLOCK:
+            raise ValueError(f"{where}: invalid launch config entry {key!r}: {value!r}")
+        out[key] = value
+    return out
+
+
+def check_buckets(kernel: str, buckets: object) -> dict[str, dict[str, int]]:
+    """A kernel's configs by bucket, as read from a manifest, checked."""
+    if not isinstance(buckets, dict) or len(buckets) > MAX_BUCKETS:
+        raise ValueError(f"kernel {kernel}: size buckets must be a map of at most "
+                         f"{MAX_BUCKETS} entries")
+    return {check_bucket(name): check_config(config, f"kernel {kernel} bucket {name}")
+            for name, config in buckets.items()}
+
+
+def numel_positions(spec: KernelSpec) -> tuple[int, int | None]:
+    """Where ``xnumel`` and ``rnumel`` are among the kernel's arguments (rnumel: None for a
+    pointwise kernel, or where the row is a compile-time constant)."""
+    names = list(spec.signature)
+    r_at = names.index("rnumel") if spec.signature.get("rnumel") not in (None, "constexpr") \
+        else None
+    return names.index("xnumel"), r_at
+
+
+def launch_sizes(args: tuple[Any, ...]) -> tuple[list[int], list[int]]:
+    """Of one launch's arguments: each tensor's extent in bytes (from its data pointer)
+    and the integer size arguments: what a tuner needs to launch the kernel alone on
+    scratch buffers at this size. No tensor is kept."""
+    nbytes, sizes = [], []
+    for a in args:
+        if isinstance(a, int):
+            sizes.append(a)
+        elif hasattr(a, "stride"):
+            extent = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride())) \
+                if a.numel() else 0
+            nbytes.append(max(1, extent) * a.element_size())
+    return nbytes, sizes
+
+
+NewBucket = Callable[[str, str, list[int], list[int]], None]
+
+
+class BucketedLauncher:
+    """``run(*args)``: the launcher of the launch's size bucket, else the heuristic one
+    (and ``on_new(kernel, bucket, arg_bytes, sizes)`` once per unseen bucket)."""
+
+    def __init__(self, spec: KernelSpec, default: Any, by_bucket: dict[str, Any],
+                 on_new: NewBucket | None = None) -> None:
+        self.name = spec.name
+        self.x_at, self.r_at = numel_positions(spec)
+        self.default = default
+        self.by_bucket = dict(by_bucket)
+        self.on_new = on_new
+        self.seen: set[str] = set(by_bucket)
+
+    def launcher_for(self, xnumel: int, rnumel: int = 1) -> Any:
+        return self.by_bucket.get(bucket_name(xnumel, rnumel), self.default)
+
+    def run(self, *args: Any) -> None:
+        x = args[self.x_at]
+        r = 1 if self.r_at is None else args[self.r_at]
+        bucket = f"{pow2_ceil(x)}x{pow2_ceil(r)}"
+        launcher = self.by_bucket.get(bucket)
+        if launcher is None:
+            launcher = self.default
+            if bucket not in self.seen:
+                self.seen.add(bucket)
+                if self.on_new is not None:
+                    nbytes, sizes = launch_sizes(args)
+                    self.on_new(self.name, bucket, nbytes, sizes)
+        launcher.run(*args)
