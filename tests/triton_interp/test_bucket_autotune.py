@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,8 +47,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     original = TritonLauncher.run
 
     def spy(self: TritonLauncher, *args: Any) -> None:
-        if self.xnumel_at is not None:
-            seen.append((int(args[self.xnumel_at]), int(self.config["XBLOCK"])))
+        xnumel = self.spec.xnumel if self.xnumel_at is None else args[self.xnumel_at]
+        seen.append((int(xnumel), int(self.config["XBLOCK"])))
         original(self, *args)
 
     monkeypatch.setattr(TritonLauncher, "run", spy)
@@ -83,7 +84,10 @@ EXPECTED = {64: (4096, "4096x1", 4096), 2: (128, "128x1", 128), 13: (832, "1024x
             1031: (65984, "131072x1", 4096)}
 
 
-def test_buckets_tuned_swapped_recorded_and_reloaded(launches: list[tuple[int, int]]) -> None:
+def test_buckets_tuned_swapped_recorded_and_reloaded(
+        launches: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KILN_STATS_FILE", str(tmp_path / "stats.json"))
     g = torch.Generator().manual_seed(0)
     compiled = _compiled_marked(g)
     assert launches[-1] == (4096, 1024), launches  # the heuristic config first
@@ -102,6 +106,13 @@ def test_buckets_tuned_swapped_recorded_and_reloaded(launches: list[tuple[int, i
     counters = client_for(KilnConfig.resolve(OPTIONS)).counters.snapshot()
     assert counters["hot_swaps"] == graph.swaps == 4, counters  # 64; 2; 13; 1031
     assert counters["bucket_tunes"] == 4, counters
+    client_for(KilnConfig.resolve(OPTIONS)).counters.flush()
+    from kiln.frontend.cli import main
+
+    capsys.readouterr()
+    assert main(["stats"]) == 0
+    assert "4 switches to tuned kernels in running processes; 4 size buckets tuned" in \
+        capsys.readouterr().out
 
     # The artifact records every bucket's config: a new process starts tuned.
     (kernel,) = [s for s in graph.compiled.kernels if s.size_args]
@@ -164,3 +175,55 @@ def test_failed_tuning_keeps_heuristic_kernels_with_one_warning(
     graph = _swappable()[-1]
     assert graph.swaps == 0 and graph.failed
     assert {block for _, block in launches} == {1024}  # the heuristic config throughout
+
+
+def test_finished_tuning_switches_a_running_static_graph_between_calls(
+        launches: list[tuple[int, int]]) -> None:
+    """What ``_tune_later`` does when a static graph's background autotuning finishes
+    (on a GPU): the loaded graph switches to the tuned configs; calls running on other
+    threads meanwhile finish with whole graphs and match eager."""
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.frontend.compile import _builder, build_request
+    from kiln.workers.autotune import fake_timings
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, WIDTH, generator=g), torch.randn(64, WIDTH, generator=g)
+    config = KilnConfig.resolve(OPTIONS)
+    gm = trace_aten(fn, [x, y])
+    request = build_request(gm, [x, y], config)
+    client = client_for(config)
+    result = client.compile(request)
+    graph = SwappableGraph(_builder(gm, [x, y], config, "static"), result.compiled, client,
+                           result.key, request)
+    (spec,) = result.compiled.kernels
+    assert not spec.size_args and launches == []
+    timings = fake_timings([dict(c) for c in spec.configs])  # the chooser: fake times
+    best = dict(spec.configs[min(range(len(timings)), key=timings.__getitem__)])
+    assert best["XBLOCK"] != spec.configs[0]["XBLOCK"]
+    tuned = type(result.compiled).from_dict(result.compiled.to_dict())
+    tuned.configs[spec.name], tuned.autotuned = best, True
+
+    errors: list[BaseException] = []
+
+    def calls() -> None:
+        for _ in range(6):
+            a, b = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
+            try:
+                (out,) = graph([a, b])
+                torch.testing.assert_close(out, fn(a, b), rtol=1e-5, atol=1e-5)
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+    import threading
+
+    worker = threading.Thread(target=calls)
+    worker.start()
+    client._notify_tuned(result.key.key, tuned)  # the background tuning's completion
+    worker.join()
+    assert not errors, errors
+    assert graph.swaps == 1 and graph.compiled.configs[spec.name] == best
+    launches.clear()
+    (out,) = graph([x, y])
+    torch.testing.assert_close(out, fn(x, y), rtol=1e-5, atol=1e-5)
+    assert launches == [(64 * WIDTH, best["XBLOCK"])], launches
+    assert client.counters.snapshot()["hot_swaps"] == 1
