@@ -33,6 +33,21 @@ def bucket_name(xnumel: int, rnumel: int = 1) -> str:
     return f"{pow2_ceil(xnumel)}x{pow2_ceil(rnumel)}"
 
 
+def _exponent(n: int) -> int:
+    return (n - 1).bit_length() if n > 1 else 0
+
+
+def bucket_index(xnumel: int, rnumel: int = 1) -> int:
+    """The bucket of a launch as one small integer (the launcher's lookup key)."""
+    return _exponent(xnumel) << 8 | _exponent(rnumel)
+
+
+def index_of(name: str) -> int:
+    """The integer key of a bucket name (``check_bucket``'ed)."""
+    x, r = (int(part) for part in check_bucket(name).split("x"))
+    return bucket_index(x, r)
+
+
 def check_bucket(name: object) -> str:
     """``name`` if it is a bucket name (powers of two, ``"4096x1"``); ValueError else."""
     match = _BUCKET_RE.fullmatch(name) if isinstance(name, str) else None
@@ -101,22 +116,27 @@ class BucketedLauncher:
         self.x_at, self.r_at = numel_positions(spec)
         self.default = default
         self.by_bucket = dict(by_bucket)
+        self.by_index = {index_of(name): launcher for name, launcher in by_bucket.items()}
         self.on_new = on_new
-        self.seen: set[str] = set(by_bucket)
+        self.seen: set[int] = set(self.by_index)
 
     def launcher_for(self, xnumel: int, rnumel: int = 1) -> Any:
-        return self.by_bucket.get(bucket_name(xnumel, rnumel), self.default)
+        return self.by_index.get(bucket_index(xnumel, rnumel), self.default)
 
     def run(self, *args: Any) -> None:
         x = args[self.x_at]
         r = 1 if self.r_at is None else args[self.r_at]
-        bucket = f"{pow2_ceil(x)}x{pow2_ceil(r)}"
-        launcher = self.by_bucket.get(bucket)
+        index = ((x - 1).bit_length() if x > 1 else 0) << 8 | \
+            ((r - 1).bit_length() if r > 1 else 0)
+        launcher = self.by_index.get(index)
         if launcher is None:
             launcher = self.default
-            if bucket not in self.seen:
-                self.seen.add(bucket)
-                if self.on_new is not None:
-                    nbytes, sizes = launch_sizes(args)
-                    self.on_new(self.name, bucket, nbytes, sizes)
+            if index not in self.seen:
+                self._report(index, x, r, args)
         launcher.run(*args)
+
+    def _report(self, index: int, x: int, r: int, args: tuple[Any, ...]) -> None:
+        self.seen.add(index)
+        if self.on_new is not None:
+            nbytes, sizes = launch_sizes(args)
+            self.on_new(self.name, bucket_name(x, r), nbytes, sizes)
