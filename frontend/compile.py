@@ -180,7 +180,7 @@ def _loaded(build: Callable[[CompiledGraph, NewBucket | None], Callable[..., Any
     tuning may still come (``frontend.hotswap``), else the loaded wrapper itself."""
     from .hotswap import SwappableGraph, wants_swap
 
-    if not wants_swap(result.compiled, request):
+    if not wants_swap(result.compiled, request, result.source):
         return build(result.compiled, None)
     recorded = result.recorded_compile_s or result.timings.get("compile_s", 0.0)
     return SwappableGraph(build, result.compiled, client, result.key,

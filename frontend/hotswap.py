@@ -34,10 +34,11 @@ log = logging.getLogger("kiln.hotswap")
 Build = Callable[[CompiledGraph, "NewBucket | None"], Callable[..., Any]]
 
 
-def wants_swap(compiled: CompiledGraph, request: CompileRequest) -> bool:
-    """Whether a loaded graph may change kernels while it runs: its tuning is pending,
-    or it has kernels with dynamic sizes and this process can tune their buckets."""
-    if compiled.stats.get("autotune_pending"):
+def wants_swap(compiled: CompiledGraph, request: CompileRequest, source: str) -> bool:
+    """Whether a loaded graph may change kernels while it runs: this process tunes it
+    in the background (``source``: it compiled it), or it has kernels with dynamic sizes
+    and this process can tune their buckets."""
+    if compiled.stats.get("autotune_pending") and source != "hit":
         return True
     dynamic = any(s.size_args and s.backend == "triton" for s in compiled.kernels)
     return dynamic and can_tune_buckets(request)
@@ -95,12 +96,15 @@ class SwappableGraph:
             try:
                 tuned = tune_buckets(self.compiled, self.request.target, seen,
                                      self.client.local.kernels)
+                if tuned.buckets == self.compiled.buckets:
+                    return  # no candidate ran at these sizes: nothing to switch to
                 self._install(tuned)
             except Exception:
                 self.failed = True  # one warning (the tuner's), then no more tuning
                 raise
-        self.client.counters.add(bucket_tunes=len(seen))
-        self.client.publish_tuned(self.key, self.request, tuned, self.recorded_s)
+            self.client.counters.add(bucket_tunes=len(seen))
+            # Under the lock: the store never gets an older set of buckets after a newer.
+            self.client.publish_tuned(self.key, self.request, tuned, self.recorded_s)
 
     def tuned(self, graph: CompiledGraph) -> None:
         """The graph's background autotuning finished: switch to its configs, keeping
@@ -121,8 +125,8 @@ class SwappableGraph:
                 log.warning("kiln: the tuned kernels of graph %s did not load (%s); it "
                             "keeps its first kernels", self.key.key[:16], e)
                 return
-        if merged.buckets != graph.buckets:
-            self.client.publish_tuned(self.key, self.request, merged, self.recorded_s)
+            if merged.buckets != graph.buckets:
+                self.client.publish_tuned(self.key, self.request, merged, self.recorded_s)
 
     def _install(self, graph: CompiledGraph) -> None:
         """Load ``graph`` here, then switch to it in one assignment (between calls)."""
