@@ -119,21 +119,34 @@ class BucketedLauncher:
         self.by_index = {index_of(name): launcher for name, launcher in by_bucket.items()}
         self.on_new = on_new
         self.seen: set[int] = set(self.by_index)
+        self.run = self._runner()  # type: ignore[method-assign]
 
     def launcher_for(self, xnumel: int, rnumel: int = 1) -> Any:
         return self.by_index.get(bucket_index(xnumel, rnumel), self.default)
 
-    def run(self, *args: Any) -> None:
-        x = args[self.x_at]
-        r = 1 if self.r_at is None else args[self.r_at]
-        index = ((x - 1).bit_length() if x > 1 else 0) << 8 | \
-            ((r - 1).bit_length() if r > 1 else 0)
-        launcher = self.by_index.get(index)
-        if launcher is None:
-            launcher = self.default
-            if index not in self.seen:
-                self._report(index, x, r, args)
-        launcher.run(*args)
+    def _runner(self) -> Callable[..., None]:
+        """The launch closure: the bucket's key from the numels, one dict lookup (on
+        the host path of every launch, so everything else is looked up once here)."""
+        x_at, r_at, seen, report = self.x_at, self.r_at, self.seen, self._report
+        runs = {index: launcher.run for index, launcher in self.by_index.items()}
+        default = self.default.run
+
+        def run(*args: Any) -> None:
+            x = args[x_at]
+            r = 1 if r_at is None else args[r_at]
+            index = ((x - 1).bit_length() if x > 1 else 0) << 8 | \
+                ((r - 1).bit_length() if r > 1 else 0)
+            launch = runs.get(index)
+            if launch is None:
+                launch = default
+                if index not in seen:
+                    report(index, x, r, args)
+            launch(*args)
+
+        return run
+
+    def run(self, *args: Any) -> None:  # replaced by ``_runner``'s closure
+        raise NotImplementedError
 
     def _report(self, index: int, x: int, r: int, args: tuple[Any, ...]) -> None:
         self.seen.add(index)
