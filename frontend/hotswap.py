@@ -102,7 +102,8 @@ class SwappableGraph:
             except Exception:
                 self.failed = True  # one warning (the tuner's), then no more tuning
                 raise
-            self.client.counters.add(bucket_tunes=len(seen))
+            self.client.counters.add(bucket_tunes=sum(
+                bucket in tuned.buckets.get(kernel, {}) for kernel, bucket in seen))
             # Under the lock: the store never gets an older set of buckets after a newer.
             self.client.publish_tuned(self.key, self.request, tuned, self.recorded_s)
 

@@ -69,7 +69,7 @@ def test_training_step_with_dynamic_batch_on_gpu() -> None:
 
 
 @pytest.mark.gpu
-def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu() -> None:
+def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu(kiln_isolated: None) -> None:
     """Each sequence-length bucket is tuned in the background when first seen; the
     running graph switches to the tuned kernels (one compile, outputs equal eager before
     and after), the artifact records a config and a cubin per bucket, and a new client
@@ -84,9 +84,7 @@ def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu() -> None:
     model = Decoder(d=64, heads=4, layers=2).cuda().half().eval()
     lengths = (128, 512, 2048)
     ids = {n: torch.randint(0, 97, (2, n), device="cuda") for n in lengths}
-    reset_clients()
-    torch._dynamo.reset()
-    seen = _graphs()
+    seen = _graphs()  # kiln_isolated: a fresh store, so the first compile is a miss
     compiled = torch.compile(model, backend="kiln")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", KilnFallbackWarning)
