@@ -38,6 +38,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     config = KilnConfig.resolve(options).with_mode(mode)
     if start_recording(config.debug):
         register_dynamo_spans()
+    from .regions import prestart
+
+    prestart(gm, config)  # graph-stage processes start while AOTAutograd traces
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
         return compile_aten_graph(graph, inputs, config, name)

@@ -186,6 +186,11 @@ class KilnClient:
             self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total,
                               hits_autotuned=int(result.compiled.autotuned))
 
+    def lookup(self, key: str) -> CompileResult | None:
+        """The stored graph of ``key``, or None (no compile on a miss); the caller loads
+        it and reports with :meth:`loaded` (regions of a stored regional plan)."""
+        return self._lookup(KeyInfo(key))
+
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
         with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
@@ -194,6 +199,8 @@ class KilnClient:
         fetched = time.perf_counter()
         if artifact is None:
             return None
+        if artifact.manifest.get("kind") == "regions":
+            return None  # a regional plan (frontend.regions): this graph compiles whole
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)

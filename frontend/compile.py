@@ -21,7 +21,7 @@ from kiln.compiler.compiled_graph import CompiledGraph, load
 from kiln.compiler.driver import DEFAULT_TARGETS
 from kiln.compiler.request import CompileRequest
 
-from .client import CompileResult, client_for
+from .client import CompileResult, KilnClient, client_for
 from .config import KilnConfig
 from .serialize import make_request
 from .trace import flush as flush_trace
@@ -116,6 +116,10 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
     client = client_for(config)
+    regional = compile_as_regions(client, gm, example_inputs, config, name, request)
+    if regional is not None:
+        flush_trace()
+        return regional
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
     constants, device = graph_constants(gm), input_device(example_inputs)
@@ -154,6 +158,17 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     _notify(name, result)
     flush_trace()
     return fn
+
+
+def compile_as_regions(client: KilnClient, gm: torch.fx.GraphModule,
+                       example_inputs: Sequence[Any], config: KilnConfig, name: str,
+                       request: CompileRequest) -> Callable[..., Any] | None:
+    """A large graph compiled as regions (``frontend.regions``); None: compile it whole."""
+    from .regions import compile_regional, wanted
+
+    if not wanted(gm, example_inputs, config):
+        return None
+    return compile_regional(client, gm, example_inputs, config, name, request)
 
 
 # Observers of every graph compiled in this process (``kiln precompile``'s progress).
