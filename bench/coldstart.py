@@ -16,6 +16,11 @@ Modes:
     kiln_default     KILN_FARM=local with no farm up (must compile here at once)
     kiln_warm        kiln_inprocess's store and caches (same machine)
     kiln_warm_new    kiln_inprocess's store only; empty Kiln, Triton and XDG caches
+The large model (deep24, 24 layers; ``--sweep-model``) is compiled as regions
+(``KILN_REGIONS=on``, unless ``--kiln-env`` says otherwise; its rows fail if it was not) and the worker sweep
+(``--workers 1,4,8,16``: a farm of that many CPUs each) compiles its distinct regions
+on the farm's workers at once. On a 16-core host the sweep takes about 4 to 6 minutes
+(per worker count: the farm's start and warm-up, 20 to 40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
 farm compile went to the farm, the default compiled here without waiting for a farm),
@@ -24,6 +29,8 @@ fails on KilnFallbackWarning, and compares the output with eager.
     python bench/coldstart.py --smoke --device cpu                 # this CPU machine
     python bench/coldstart.py --models gpt2 --modes inductor_cold,kiln_farm
     python bench/coldstart.py --models deep24 --workers 1,4,8,16 --modes none
+    python bench/coldstart.py --models deep24 --workers 1,16 --modes kiln_inprocess \
+        --kiln-env KILN_REGIONS=off          # the same without regional compilation
     python bench/coldstart.py --results r.json ...  then  --table r.json
 
 ``--results`` appends rows to a JSON file so that runs split over several calls print
@@ -169,6 +176,10 @@ class Bench:
             env.update(self.caches(folder, fresh=True), KILN_STORE=str(folder / "store"),
                        KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="900",
                        KILN_FARM_FILE=str(farm_file or m / "no-farm.json"))
+        if mode.startswith("kiln"):
+            if model == self.args.sweep_model:  # whatever its size (smoke is small)
+                env["KILN_REGIONS"] = "on"
+            env.update(kv.split("=", 1) for kv in self.args.kiln_env)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
         if self.args.trace and mode.startswith("kiln"):
@@ -195,6 +206,10 @@ class Bench:
                 f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env))
+                row["regions"] = regions_note(row["counters"])
+                if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
+                        and not row["regions"]:
+                    problems.append(f"{model} was not compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
                 said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
                 problems += said[-3:]
@@ -271,6 +286,16 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any]) -> li
     return problems
 
 
+def regions_note(counters: dict[str, Any]) -> str:
+    """What regional compilation did in a Kiln row ("" if no graph was cut)."""
+    if counters.get("region_plan_hits"):
+        return f"regions: {counters['region_plan_hits']} plan(s) from the store"
+    if not counters.get("regional_graphs"):
+        return ""
+    return (f"regions: {counters['regional_graphs']} graph(s) cut into "
+            f"{counters.get('regions', 0)}, {counters.get('regions_distinct', 0)} distinct")
+
+
 def trace_top(path: str, n: int = 4) -> str:
     from kiln.frontend.trace import load_spans, summarize
 
@@ -299,7 +324,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         secs = r.get("seconds")
         ratio = f"{secs / base:.2f}x" if secs and base and r["mode"].startswith("kiln") else ""
         check = "ok" if r.get("ok") else "FAIL"
-        note = r.get("problem") or r.get("note") or ""
+        note = r.get("problem") or " | ".join(x for x in (r.get("note"), r.get("regions"))
+                                              if x)
         if r.get("critical_path"):
             note = f"{note} | path: {r['critical_path']}".strip(" |")
         shown = f"{secs:8.2f}" if isinstance(secs, (int, float)) else f"{'-':>8}"
@@ -315,7 +341,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="gpt2,resnet18,encoder_train,deep24")
     p.add_argument("--modes", default=",".join(MODES), help="comma list, or none")
     p.add_argument("--workers", default="", help="farm sweep on deep24, e.g. 1,4,8,16")
-    p.add_argument("--sweep-model", default="deep24")
+    p.add_argument("--sweep-model", default="deep24",
+                   help="the large model: its Kiln rows must be compiled as regions")
+    p.add_argument("--kiln-env", action="append", default=[], metavar="KILN_X=VALUE",
+                   help="a setting for every Kiln row (repeatable), e.g. KILN_REGIONS=off "
+                        "to compare with whole-graph compiles, KILN_REGION_NODES=100")
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
     p.add_argument("--farm-gpus", type=int, default=1)

@@ -165,11 +165,20 @@ def plan_manifest(key: KeyInfo, request: CompileRequest, plan: Plan, wall: float
             "plan": plan.to_wire(), "compile": {"wall_s": wall, "mode": REGIONS_KIND}}
 
 
+class WholeGraphStored(Exception):
+    """The store holds the whole graph compiled as one (``kiln precompile``, or a client
+    with regions off): that artifact is used."""
+
+
 def stored_plan(client: KilnClient, key: str, num_inputs: int, num_constants: int
                 ) -> Plan | None:
+    """The region plan stored under the whole graph's key; None if there is none (or it
+    is unusable); ``WholeGraphStored`` if the key holds a whole compiled graph."""
     manifest = client.store.get_manifest(key)
-    if not manifest or manifest.get("kind") != REGIONS_KIND:
+    if not manifest:
         return None
+    if manifest.get("kind") != REGIONS_KIND:
+        raise WholeGraphStored(key)
     try:
         if manifest.get("layout") != PLAN_LAYOUT or manifest.get("key") != key:
             raise ValueError("another layout or key")
@@ -195,7 +204,10 @@ def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
     key = compute_key(request)
     constants = list(graph_constants(gm).values())
     device = input_device(example_inputs)
-    plan = stored_plan(client, key.key, len(example_inputs), len(constants))
+    try:
+        plan = stored_plan(client, key.key, len(example_inputs), len(constants))
+    except WholeGraphStored:
+        return None  # the caller's lookup finds it
     if plan is not None:
         fn = _load_stored(client, plan, constants, device, name)
         if fn is not None:
@@ -230,6 +242,9 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
                 split.outputs)
     fn = stitch([_step(calls[p.key], p) for p in plan.regions], plan.outputs,
                 plan.num_inputs)
+    if "output_code" in config.logs.split(","):
+        _print_output_code(name, [(split.regions[i].describe(), results[k])
+                                  for k, i in first.items()])
     wall = time.perf_counter() - start
     client.counters.add(regional_graphs=1, regions=len(split.regions),
                         regions_distinct=len(first))
@@ -238,6 +253,16 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
     log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
              len(split.regions), len(first), wall)
     return fn
+
+
+def _print_output_code(name: str, regions: list[tuple[str, CompileResult]]) -> None:
+    import sys
+
+    from .compile import output_code
+
+    for label, result in regions:
+        print(f"# ==== kiln output code: graph {name}, {label} (key {result.key.key}, "
+              f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
 
 
 def _region_plan(region: Region, key: str) -> RegionPlan:

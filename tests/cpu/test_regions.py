@@ -134,6 +134,20 @@ def test_a_warm_start_reads_the_plan_and_compiles_nothing() -> None:
     assert c.get("compiles", 0) == 0
 
 
+def test_a_whole_graph_in_the_store_is_used_as_it_is() -> None:
+    """A store filled with whole graphs (``kiln precompile``, regions off) still hits."""
+    torch.manual_seed(6)
+    model = Stack().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        run_compiled(model, x, options={**OPTIONS, "regions": "off"})
+        torch._dynamo.reset()
+        _, out = run_compiled(model, x)
+        torch.testing.assert_close(out, model(x), **TOL)
+    c = counters()
+    assert c["hits"] == 1 and c["compiles"] == 1 and not c.get("regional_graphs")
+
+
 def test_a_failing_region_names_itself_and_the_graph_and_the_graph_runs_eagerly(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
