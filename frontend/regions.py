@@ -242,6 +242,8 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
                 split.outputs)
     fn = stitch([_step(calls[p.key], p) for p in plan.regions], plan.outputs,
                 plan.num_inputs)
+    for k, i in first.items():
+        notify(f"{name}.region{i}", results[k])
     if "output_code" in config.logs.split(","):
         _print_output_code(name, [(split.regions[i].describe(), results[k])
                                   for k, i in first.items()])
@@ -253,6 +255,15 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
     log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
              len(split.regions), len(first), wall)
     return fn
+
+
+def notify(name: str, result: CompileResult) -> None:
+    """Tell ``frontend.compile``'s observers (``kiln precompile``'s tally) of a region:
+    each distinct region is an artifact of its own."""
+    from .compile import observers
+
+    for observer in list(observers):
+        observer(name, result)
 
 
 def _print_output_code(name: str, regions: list[tuple[str, CompileResult]]) -> None:
@@ -329,6 +340,7 @@ def _load_stored(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
         try:
             calls[region.key] = _load_region(client, result, None, constants, device,
                                              region.constants)
+            notify(f"{name}.{region.label.split(' (')[0].replace(' ', '')}", result)
         except Exception as e:  # a region that does not load: compile the graph again
             log.warning("kiln: a stored region of graph %s does not load (%s: %s)", name,
                         type(e).__name__, e)
