@@ -128,6 +128,63 @@ def choose_cuts(counts: list[int], allowed: list[bool], target: int) -> list[int
     return cuts
 
 
+def periodic_cuts(nodes: list[torch.fx.Node], counts: list[int], allowed: list[bool],
+                  target: int) -> list[int] | None:
+    """Cuts that follow a repeated structure (layers): the graph is first cut at every
+    boundary with the fewest live values, into segments; the longest run of segments
+    repeating with some period (a unit: a layer) is found by the segments' op sequences;
+    regions are then whole numbers of units (about ``target`` nodes), aligned to the run,
+    so that every middle region is the same graph. The nodes before the run join the
+    first region, those after it the last (each its own region when half a target or
+    more). None when nothing repeats twice."""
+    n = len(nodes)
+    inner = [p for p in range(n - 1) if allowed[p]]
+    if not inner:
+        return None
+    fewest = min(counts[p] for p in inner)
+    bounds = [-1] + [p for p in inner if counts[p] == fewest] + [n - 1]
+    sigs = [tuple(str(x.target) for x in nodes[a + 1:b + 1]) for a, b in zip(bounds, bounds[1:])]
+    found = _longest_repeat(sigs, [b - a for a, b in zip(bounds, bounds[1:])])
+    if found is None:
+        return None
+    first, period, units = found
+    unit_nodes = bounds[first + period] - bounds[first]
+    per_region = max(1, round(target / max(1, unit_nodes)))
+    starts = [first + g * per_region * period for g in range(units // per_region + 1)]
+    end = first + units * period  # the segment after the run's last unit
+    cut_segments = [i for i in starts[1:] if i < end] + [end]
+    if bounds[first] + 1 >= target // 2:
+        cut_segments.insert(0, first)
+    if n - 1 - bounds[end] < target // 2:
+        cut_segments.pop()  # too few nodes after the run: they join the last region
+    if cut_segments and cut_segments[-1] == end and units % per_region:
+        cut_segments = [i for i in cut_segments if i != starts[-1]]
+    cuts = sorted({bounds[i] for i in cut_segments if 0 < i < len(bounds) - 1})
+    return cuts or None
+
+
+def _longest_repeat(sigs: list[tuple[str, ...]], sizes: list[int]
+                    ) -> tuple[int, int, int] | None:
+    """(first segment, period, units) of the run of segments repeating with a period that
+    covers the most nodes (two units at least), or None."""
+    best: tuple[int, int, int, int] | None = None  # (covered nodes, first, period, units)
+    m = len(sigs)
+    for period in range(1, m // 2 + 1):
+        run = 0
+        for i in range(m - period - 1, -2, -1):  # backwards: run = matches from i + 1 on
+            if i >= 0 and sigs[i] == sigs[i + period]:
+                run += 1
+                continue
+            units = (run + period) // period
+            if units >= 2:
+                start = i + 1
+                covered = sum(sizes[start:start + units * period])
+                if best is None or covered > best[0]:
+                    best = (covered, start, period, units)
+            run = 0
+    return None if best is None else best[1:]
+
+
 def graph_constants_order(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
     """The index of each tensor constant (``get_attr``), in node order: the order in which
     the client hands a graph its constants."""
@@ -154,7 +211,8 @@ def split_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], target: int
     if not _outputs_splittable(gm):
         return None
     counts, allowed = live_counts(nodes)
-    cuts = choose_cuts(counts, allowed, max(1, target))
+    cuts = periodic_cuts(nodes, counts, allowed, max(1, target)) or \
+        choose_cuts(counts, allowed, max(1, target))
     if not cuts:
         return None
     return _Builder(gm, example_inputs, nodes, cuts).build()

@@ -206,7 +206,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("regions", choice("auto", "on", "off"), "auto",
             f"cut large graphs into regions compiled in parallel (auto: from "
             f"{REGION_AUTO_NODES} ATen nodes; on: any graph of two regions or more)"),
-    Setting("region_nodes", parse_count, 200, "target ATen nodes per region"),
+    Setting("region_nodes", parse_count, 100, "target ATen nodes per region"),
     Setting("region_processes", parse_processes, "auto",
             "processes for regions' graph stages when compiling here (0: this process)"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
@@ -321,7 +321,7 @@ class KilnConfig:
     deterministic: bool = False
     cudagraphs: bool = False  # a runtime choice: not in the key
     regions: str = "auto"
-    region_nodes: int = 200
+    region_nodes: int = 100
     region_processes: str = "auto"
     stats_file: str | None = None
     logs: str = ""

@@ -75,6 +75,21 @@ def test_cuts_fall_between_blocks_and_identical_blocks_make_identical_requests()
     assert split_graph(gm, args, 200) is None  # one region's worth: not cut
 
 
+def test_regions_are_whole_blocks_aligned_to_the_repeat() -> None:
+    """A target of about two blocks gives regions of exactly two blocks, so the middle
+    ones are one graph (a cut by size alone would drift through the blocks)."""
+    torch.manual_seed(8)
+    gm, args = aten_graph(Stack(layers=8), torch.randn(4, 8))
+    split = split_graph(gm, args, 2 * BLOCK_NODES + 3)
+    assert split is not None
+    assert [r.nodes for r in split.regions] == [2 + 2 * BLOCK_NODES] + [2 * BLOCK_NODES] * 2 \
+        + [2 * BLOCK_NODES + 2]
+    config = KilnConfig.resolve({})
+    keys = [compute_key(build_request(r.gm, r.example_inputs, config)).key
+            for r in split.regions]
+    assert keys[1] == keys[2] and len(set(keys)) == 3
+
+
 def test_six_identical_blocks_compile_each_distinct_region_once() -> None:
     from kiln.frontend import compile as kiln_compile
 
