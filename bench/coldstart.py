@@ -17,10 +17,11 @@ Modes:
     kiln_warm        kiln_inprocess's store and caches (same machine)
     kiln_warm_new    kiln_inprocess's store only; empty Kiln, Triton and XDG caches
 The large model (deep24, 24 layers; ``--sweep-model``) is compiled as regions
-(``KILN_REGIONS=on``, unless ``--kiln-env`` says otherwise; its rows fail if it was not) and the worker sweep
-(``--workers 1,4,8,16``: a farm of that many CPUs each) compiles its distinct regions
-on the farm's workers at once. On a 16-core host the sweep takes about 4 to 6 minutes
-(per worker count: the farm's start and warm-up, 20 to 40 s, then one fresh-process run).
+(``KILN_REGIONS=on``, unless ``--kiln-env`` says otherwise; its rows fail if it was
+not) and the worker sweep (``--workers 1,4,8,16``: a farm of that many CPUs each)
+compiles its distinct regions on the farm's workers at once. On a 16-core host the
+sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
+40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
 farm compile went to the farm, the default compiled here without waiting for a farm),
@@ -99,7 +100,17 @@ def child(model: str, mode: str, device: str, smoke: bool) -> dict[str, Any]:
                               "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
+        result["note"] = "; ".join(filter(None, [case.note, aot_note(result["counters"])]))
     return result
+
+
+def aot_note(counters: dict[str, Any]) -> str:
+    """What the AOT cache did: Dynamo graphs served with no AOTAutograd trace, graphs
+    traced, and why the cache did not serve those it could not."""
+    why = ", ".join(f"{k.removeprefix('aot_uncached_')} {v}" for k, v in sorted(counters.items())
+                    if k.startswith("aot_uncached_"))
+    return (f"aot: {counters.get('aot_hits', 0)} served, {counters.get('aot_traces', 0)} "
+            f"traced" + (f" (not cacheable: {why})" if why else ""))
 
 
 def _sync(device: str) -> None:
@@ -267,17 +278,29 @@ def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
 def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any]) -> list[str]:
     """Whether a Kiln run did what its mode says (from its counters and `kiln stats`)."""
     c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
-                                         "compiles_farm", "farm_fallbacks", "farm_not_up")}
+                                         "compiles_farm", "farm_fallbacks", "farm_not_up",
+                                         "aot_hits", "aot_misses", "aot_rejected",
+                                         "region_plan_hits", "aot_uncached_regions")}
+    # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
+    # missed or was rejected (graphs it cannot serve are traced, counted by reason; a
+    # graph compiled as regions is one of those: its plan from the store is the hit).
+    aot_skipped = (c["aot_hits"] >= 1 or c["region_plan_hits"] >= 1 <= c[
+        "aot_uncached_regions"]) and c["aot_misses"] == 0 and c["aot_rejected"] == 0
     want = {
         "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
         "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1
         and c["compiles_farm"] == 0,
         "kiln_farm": c["compiles_farm"] >= 1 and c["compiles_local"] == 0
         and c["farm_fallbacks"] == 0,
-        "kiln_warm": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0,
-        "kiln_warm_new": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0,
+        "kiln_warm": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0 and aot_skipped,
+        "kiln_warm_new": c["hits"] == c["graphs"] >= 1 and c["compiles"] == 0
+        and aot_skipped,
     }[mode]
     problems = [] if want else [f"counters do not match mode {mode}: {c}"]
+    if mode.startswith("kiln_warm") and "error" not in stats \
+            and stats.get("aot_hits") != c["aot_hits"]:
+        problems.append(f"kiln stats --json says aot_hits {stats.get('aot_hits')}, the "
+                        f"client {c['aot_hits']}")
     if "error" in stats:
         problems.append(f"kiln stats --json failed: {stats['error'][-500:]}")
     elif (stats.get("graphs"), stats.get("compiles")) != (c["graphs"], c["compiles"]):

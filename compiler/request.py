@@ -21,6 +21,7 @@ Every value that is not a msgpack scalar is a tagged list (``["dtype", "float32"
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import operator
 import re
@@ -79,7 +80,12 @@ COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_au
 
 # Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
-OP_NAMESPACES = frozenset({"aten", "prims"})
+# ``torch_nn`` holds ops torch itself defines with ``torch.library`` (the chunked
+# ``F.linear_cross_entropy``): pure computations, per-op fallbacks in the graph.
+OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn"})
+# torch modules that register a namespace's ops when imported (torch imports them lazily,
+# so a worker that never called the function has not registered them yet).
+_NAMESPACE_MODULES = {"torch_nn": ("torch.nn.modules.linear_cross_entropy",)}
 _OP_PART_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*|_[A-Za-z0-9][A-Za-z0-9_]*")
 
 # Bounds on tensor metadata from a request: a constant's storage is allocated for real.
@@ -356,7 +362,8 @@ def example_inputs_from_metas(
 # Constants: tensors by value.
 
 
-def _encode_constant(t: torch.Tensor, where: str) -> list[Any]:
+def encode_constant(t: torch.Tensor, where: str) -> list[Any]:
+    """A tensor constant by value: its metadata and its values in row-major order."""
     if isinstance(t, FakeTensor) or t.device.type == "meta":
         raise SerializationError(f"{where}: constant is a fake/meta tensor and has no value")
     if t.layout != torch.strided or t.is_quantized:
@@ -381,7 +388,8 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+def decode_constant(wire: Sequence[Any], device: str | None) -> torch.Tensor:
+    """The tensor of :func:`encode_constant`'s wire form, checked against its bounds."""
     # A constant is a real tensor even where the caller runs under a fake mode (the
     # in-process farm decodes inside Dynamo's tracing).
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -556,6 +564,7 @@ def _resolve_target(wire: Any) -> Any:
         raise SerializationError(
             f"op {qualname!r:.200} is not allowed in a request: ops come from the "
             f"{sorted(OP_NAMESPACES)} namespaces, named by identifiers (no dunders)")
+    _register_namespace(parts[0])
     try:
         target: Any = getattr(getattr(torch.ops, parts[0]), parts[1])
         if kind == "op":
@@ -566,6 +575,14 @@ def _resolve_target(wire: Any) -> Any:
     if not isinstance(target, wanted):
         raise SerializationError(f"{qualname!r} is not an operator overload")
     return target
+
+
+def _register_namespace(namespace: str) -> None:
+    for module in _NAMESPACE_MODULES.get(namespace, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an older torch: its ops are unknown, which the caller says
+            pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -591,7 +608,7 @@ def _encode_node(
             value = getattr(value, atom, None)
         if not isinstance(value, torch.Tensor):
             raise SerializationError(f"get_attr of a {type(value).__name__}, not a tensor")
-        return ["get_attr", _encode_constant(value, node.name), [], [], meta]
+        return ["get_attr", encode_constant(value, node.name), [], [], meta]
     if node.op in ("call_function", "output"):
         target = _encode_target(node.target) if node.op == "call_function" else None
         args = [_encode_arg(a, index) for a in node.args]
@@ -646,7 +663,7 @@ class _GraphBuilder:
         if op == "get_attr":
             name = f"_tensor_constant{self.num_constants}"
             self.num_constants += 1
-            setattr(self.root, name, _decode_constant(target, self.constants_device))
+            setattr(self.root, name, decode_constant(target, self.constants_device))
             return self.graph.get_attr(name)
         args = tuple(_decode_arg(a, self.nodes) for a in args_wire)
         kwargs = {k: _decode_arg(v, self.nodes) for k, v in kwargs_wire}

@@ -74,6 +74,7 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)
     recorded_compile_s: float = 0.0  # on a hit: what compiling it cost when it was made
     published_bytes: int | None = None  # on a miss: bytes the store took; None: not stored
+    recorded_inputs: list[Any] | None = None  # on a hit: the input metas its manifest names
 
 
 class ClientCounters:
@@ -186,11 +187,6 @@ class KilnClient:
             self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total,
                               hits_autotuned=int(result.compiled.autotuned))
 
-    def lookup(self, key: str) -> CompileResult | None:
-        """The stored graph of ``key``, or None (no compile on a miss); the caller loads
-        it and reports with :meth:`loaded` (regions of a stored regional plan)."""
-        return self._lookup(KeyInfo(key))
-
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
         with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
@@ -209,8 +205,21 @@ class KilnClient:
             self._set_aside(key.key, f"{type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
+        inputs = artifact.manifest.get("inputs")
         return CompileResult(compiled, key, "hit", timings,
-                             recorded_compile_s=compile_seconds(artifact.manifest))
+                             recorded_compile_s=compile_seconds(artifact.manifest),
+                             recorded_inputs=inputs if isinstance(inputs, list) else None)
+
+    def lookup(self, key: str) -> CompileResult | None:
+        """A stored graph by its key alone, with no request (the AOT cache's warm path:
+        ``frontend.aot_cache``; the regions of a stored plan: ``frontend.regions``);
+        verified as any read is. The caller reports the load
+        with :meth:`loaded`."""
+        start = time.perf_counter()
+        result = self._lookup(KeyInfo(key=key))
+        if result is not None:
+            result.timings["total_s"] = time.perf_counter() - start
+        return result
 
     def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str) -> CompileResult:
         start = time.perf_counter()

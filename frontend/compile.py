@@ -149,9 +149,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
     _debug_dump(config, name, request, result, began_us)
-    if "output_code" in config.logs.split(","):
-        print(f"# ==== kiln output code: graph {name} (key {result.key.key}, "
-              f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
+    print_output_code(config, name, result)
     log.debug("kiln graph %s key %s: %s in %.1f ms (%s)", name, result.key.key[:16],
               result.source, 1000 * (done - start),
               ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in result.timings.items()))
@@ -169,6 +167,27 @@ def compile_as_regions(client: KilnClient, gm: torch.fx.GraphModule,
     if not wanted(gm, example_inputs, config):
         return None
     return compile_regional(client, gm, example_inputs, config, name, request)
+def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],
+                device: torch.device, config: KilnConfig, name: str) -> Callable[..., Any]:
+    """Load a graph the store gave for a key alone (the AOT cache's warm path: no request,
+    so no repair here: a graph that does not load raises :class:`LoadFailure` and the
+    caller takes the traced path, which repairs it)."""
+    try:
+        with trace.span("load graph", cat="client", graph=name, source="aot cache hit",
+                        kernels=len(result.compiled.kernels)):
+            fn = load(result.compiled, constants, device)
+    except Exception as e:
+        raise LoadFailure(f"{type(e).__name__}: {e}") from e
+    print_output_code(config, name, result)
+    _notify(name, result)
+    return fn
+
+
+def print_output_code(config: KilnConfig, name: str, result: CompileResult) -> None:
+    """``KILN_LOGS=output_code``: the graph's wrapper and kernels, on stderr."""
+    if "output_code" in config.logs.split(","):
+        print(f"# ==== kiln output code: graph {name} (key {result.key.key}, "
+              f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
 
 
 # Observers of every graph compiled in this process (``kiln precompile``'s progress).

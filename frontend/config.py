@@ -209,6 +209,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("region_nodes", parse_count, 100, "target ATen nodes per region"),
     Setting("region_processes", parse_processes, "auto",
             "processes for regions' graph stages when compiling here (0: this process)"),
+    Setting("aot_cache", parse_flag, True,
+            "a warm start skips AOTAutograd through a cache keyed on Dynamo's graph"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -231,7 +233,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
 INTERNAL_VARIABLES = frozenset({"KILN_TEST_COMPILE_DELAY", "KILN_TEST_FAKE_AUTOTUNE",
-                                "KILN_DEMO_DIR"})
+                                "KILN_DEMO_DIR", "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED",
+                                "KILN_FUZZ_SHARDS", "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
 
 
 def known_variables() -> list[str]:
@@ -323,6 +326,7 @@ class KilnConfig:
     regions: str = "auto"
     region_nodes: int = 100
     region_processes: str = "auto"
+    aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False

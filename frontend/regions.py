@@ -193,6 +193,15 @@ def stored_plan(client: KilnClient, key: str, num_inputs: int, num_constants: in
 # Compiling.
 
 
+_regional: set[str] = set()
+
+
+def is_regional(name: str) -> bool:
+    """Whether graph ``name`` of this process was compiled as regions (the AOT cache
+    does not serve those yet: it records them as ``regions``)."""
+    return name in _regional
+
+
 def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
                      example_inputs: Sequence[Any], config: KilnConfig, name: str,
                      request: CompileRequest) -> Callable[..., Any] | None:
@@ -212,11 +221,13 @@ def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
         fn = _load_stored(client, plan, constants, device, name)
         if fn is not None:
             client.counters.add(region_plan_hits=1)
+            _regional.add(name)
             return fn
     with trace.span("cut into regions", cat="client", graph=name):
         split = split_graph(gm, list(example_inputs), region_nodes(config))
     if split is None:
         return None
+    _regional.add(name)
     with trace.span("regional compile", cat="client", graph=name,
                     regions=len(split.regions)):
         return _compile_split(client, split, request, key, constants, device, name, start,

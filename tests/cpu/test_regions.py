@@ -150,6 +150,9 @@ def test_a_warm_start_reads_the_plan_and_compiles_nothing() -> None:
     c = counters()
     assert c["region_plan_hits"] == 1 and c["hits"] == c["graphs"] == 3
     assert c.get("compiles", 0) == 0
+    # The AOT cache does not serve a stitched plan: it says so, and the graph is traced.
+    assert c["aot_uncached_regions"] == 1 and not c.get("aot_hits")
+    assert not c.get("aot_rejected")
 
 
 def test_a_whole_graph_in_the_store_is_used_as_it_is() -> None:
