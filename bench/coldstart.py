@@ -16,6 +16,12 @@ Modes:
     kiln_default     KILN_FARM=local with no farm up (must compile here at once)
     kiln_warm        kiln_inprocess's store and caches (same machine)
     kiln_warm_new    kiln_inprocess's store only; empty Kiln, Triton and XDG caches
+The large model (deep24, 24 layers; ``--sweep-model``) is compiled as regions
+(``KILN_REGIONS=on``, unless ``--kiln-env`` says otherwise; its rows fail if it was
+not) and the worker sweep (``--workers 1,4,8,16``: a farm of that many CPUs each)
+compiles its distinct regions on the farm's workers at once. On a 16-core host the
+sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
+40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
 farm compile went to the farm, the default compiled here without waiting for a farm),
@@ -24,6 +30,8 @@ fails on KilnFallbackWarning, and compares the output with eager.
     python bench/coldstart.py --smoke --device cpu                 # this CPU machine
     python bench/coldstart.py --models gpt2 --modes inductor_cold,kiln_farm
     python bench/coldstart.py --models deep24 --workers 1,4,8,16 --modes none
+    python bench/coldstart.py --models deep24 --workers 1,16 --modes kiln_inprocess \
+        --kiln-env KILN_REGIONS=off          # the same without regional compilation
     python bench/coldstart.py --results r.json ...  then  --table r.json
 
 ``--results`` appends rows to a JSON file so that runs split over several calls print
@@ -198,6 +206,10 @@ class Bench:
             env.update(self.caches(folder, fresh=True), KILN_STORE=str(folder / "store"),
                        KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="900",
                        KILN_FARM_FILE=str(farm_file or m / "no-farm.json"))
+        if mode.startswith("kiln"):
+            if model == self.args.sweep_model:  # whatever its size (smoke is small)
+                env["KILN_REGIONS"] = "on"
+            env.update(kv.split("=", 1) for kv in self.args.kiln_env)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
         if self.args.trace and mode.startswith("kiln"):
@@ -227,6 +239,10 @@ class Bench:
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
                 problems += check_gemm(row, self.args.compile_mode)
+                row["regions"] = regions_note(row["counters"])
+                if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
+                        and not row["regions"]:
+                    problems.append(f"{model} was not compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
                 said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
                 problems += said[-3:]
@@ -287,12 +303,15 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     """Whether a Kiln run did what its mode says (from its counters and `kiln stats`)."""
     c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
                                          "compiles_farm", "farm_fallbacks", "farm_not_up",
-                                         "aot_hits", "aot_misses", "aot_rejected")}
+                                         "aot_hits", "aot_misses", "aot_rejected",
+                                         "region_plan_hits", "aot_uncached_regions")}
     # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
-    # missed or was rejected (graphs it cannot serve are traced, counted by reason), and
-    # an inference model has at least one served (training graphs are always traced).
+    # missed or was rejected (graphs it cannot serve are traced, counted by reason; a
+    # graph compiled as regions is one of those: its plan from the store is the hit),
+    # and an inference model has at least one served (training graphs are traced).
+    regional_hit = c["region_plan_hits"] >= 1 <= c["aot_uncached_regions"]
     aot_skipped = c["aot_misses"] == 0 and c["aot_rejected"] == 0 \
-        and (c["aot_hits"] >= 1 or model in TRAINING_MODELS)
+        and (c["aot_hits"] >= 1 or regional_hit or model in TRAINING_MODELS)
     want = {
         "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
         "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1
@@ -340,6 +359,14 @@ def trace_gpus(path: str) -> str:
         return f"unreadable: {e}"
     return "; ".join(f"GPU {u['gpu']} {u['busy_ms'] / 1000:.2f}s ({u['jobs']})"
                      for u in usage["gpus"])
+def regions_note(counters: dict[str, Any]) -> str:
+    """What regional compilation did in a Kiln row ("" if no graph was cut)."""
+    if counters.get("region_plan_hits"):
+        return f"regions: {counters['region_plan_hits']} plan(s) from the store"
+    if not counters.get("regional_graphs"):
+        return ""
+    return (f"regions: {counters['regional_graphs']} graph(s) cut into "
+            f"{counters.get('regions', 0)}, {counters.get('regions_distinct', 0)} distinct")
 
 
 def trace_top(path: str, n: int = 4) -> str:
@@ -370,7 +397,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         secs = r.get("seconds")
         ratio = f"{secs / ref:.2f}x" if secs and ref and r["mode"].startswith("kiln") else ""
         check = "ok" if r.get("ok") else "FAIL"
-        note = r.get("problem") or r.get("note") or ""
+        note = r.get("problem") or " | ".join(x for x in (r.get("note"), r.get("regions"))
+                                              if x)
         if r.get("gemm", {}).get("problems"):
             g = r["gemm"]
             note = (f"{note} | GEMM problems {g['problems']}: benchmarked {g['benchmarked']}, "
@@ -393,7 +421,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="gpt2,resnet18,encoder_train,deep24")
     p.add_argument("--modes", default=",".join(MODES), help="comma list, or none")
     p.add_argument("--workers", default="", help="farm sweep on deep24, e.g. 1,4,8,16")
-    p.add_argument("--sweep-model", default="deep24")
+    p.add_argument("--sweep-model", default="deep24",
+                   help="the large model: its Kiln rows must be compiled as regions")
+    p.add_argument("--kiln-env", action="append", default=[], metavar="KILN_X=VALUE",
+                   help="a setting for every Kiln row (repeatable), e.g. KILN_REGIONS=off "
+                        "to compare with whole-graph compiles, KILN_REGION_NODES=100")
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
     p.add_argument("--farm-gpus", type=int, default=1)

@@ -200,6 +200,8 @@ class KilnClient:
         fetched = time.perf_counter()
         if artifact is None:
             return None
+        if artifact.manifest.get("kind") == "regions":
+            return None  # a regional plan (frontend.regions): this graph compiles whole
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)
@@ -217,7 +219,8 @@ class KilnClient:
 
     def lookup(self, key: str) -> CompileResult | None:
         """A stored graph by its key alone, with no request (the AOT cache's warm path:
-        ``frontend.aot_cache``); verified as any read is. The caller reports the load
+        ``frontend.aot_cache``; the regions of a stored plan: ``frontend.regions``);
+        verified as any read is. The caller reports the load
         with :meth:`loaded`."""
         start = time.perf_counter()
         result = self._lookup(KeyInfo(key=key))

@@ -118,6 +118,10 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
     client = client_for(config)
+    regional = compile_as_regions(client, gm, example_inputs, config, name, request)
+    if regional is not None:
+        flush_trace()
+        return regional
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
     build = _builder(gm, example_inputs, config, name)
@@ -183,6 +187,17 @@ def _loaded(build: Callable[[CompiledGraph, NewBucket | None], Callable[..., Any
     recorded = result.recorded_compile_s or result.timings.get("compile_s", 0.0)
     return SwappableGraph(build, result.compiled, client, result.key,
                           request, recorded)
+
+
+def compile_as_regions(client: KilnClient, gm: torch.fx.GraphModule,
+                       example_inputs: Sequence[Any], config: KilnConfig, name: str,
+                       request: CompileRequest) -> Callable[..., Any] | None:
+    """A large graph compiled as regions (``frontend.regions``); None: compile it whole."""
+    from .regions import compile_regional, wanted
+
+    if not wanted(gm, example_inputs, config):
+        return None
+    return compile_regional(client, gm, example_inputs, config, name, request)
 
 
 def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],

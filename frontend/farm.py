@@ -84,6 +84,9 @@ class InProcessFarm:
 
         self.kernels = kernels or KernelCache()
         self.choices = MemoryChoiceCache()  # max-autotune's matmul choices
+        # Child processes for graph stages (``workers.stage_pool``); set by regional
+        # compilation, which compiles several graphs at once.
+        self.stages: Any = None
 
     def attach_store(self, store: Any) -> None:
         """Keep max-autotune's choices in ``store`` too (fleet-wide)."""
@@ -97,7 +100,8 @@ class InProcessFarm:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
-                                     extra_options=debug_options, choices=self.choices)
+                                     extra_options=debug_options, choices=self.choices,
+                                     stages=self.stages)
         except Exception as e:
             raise CompileFailure.wrap(e, key) from e
 
