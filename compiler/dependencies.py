@@ -75,9 +75,10 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
     index = dep.index
     sizes = list(dep.size)
     var_list = list(dep.var_names[: len(sizes)])
+    zero = sympy.S.Zero  # xreplace of a bare symbol returns the replacement as given
     for v, s in zip(list(var_list), list(sizes)):
         if s == 1:
-            index = index.xreplace({v: 0})
+            index = index.xreplace({v: zero})
     keep = [(v, s) for v, s in zip(var_list, sizes) if s != 1]
     merged: list[tuple[Expr, Expr]] = []  # (expression of the loop, size)
     for v, s in keep:
@@ -86,7 +87,7 @@ def normalize_dep(dep: MemoryDep) -> MemoryDep:
             c_prev, c_cur = index.coeff(pv), index.coeff(v)
             if c_prev != 0 and c_prev == c_cur * s and not index.has(FloorDiv, ModularIndexing):
                 new = sympy.Symbol(f"m{len(merged)}", integer=True, nonnegative=True)
-                index = sympy.expand(index.xreplace({pv: 0, v: 0}) + c_cur * new)
+                index = sympy.expand(index.xreplace({pv: zero, v: zero}) + c_cur * new)
                 merged[-1] = (new, ps * s)
                 continue
         merged.append((v, s))

@@ -45,7 +45,8 @@ PART_DESCRIPTIONS = {
 # Versions live beside the compiler (workers check them); re-exported for callers here.
 __all__ = [
     "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo", "compute_key", "describe_differences",
-    "diff_requests", "explain_miss", "recorded_parts", "hash_source_tree", "key_parts",
+    "diff_requests", "explain_miss", "recorded_parts", "hash_source_tree", "key_from_parts",
+    "key_parts",
     "kiln_version", "schema", "versions",
 ]
 
@@ -85,7 +86,13 @@ def key_parts(request: CompileRequest) -> list[tuple[str, bytes]]:
 
 def compute_key(request: CompileRequest) -> KeyInfo:
     """Hash each part alone, then the list of named part digests; log both at DEBUG."""
-    digests = [(name, hashlib.sha256(data).digest()) for name, data in key_parts(request)]
+    return key_from_parts(key_parts(request))
+
+
+def key_from_parts(named_parts: list[tuple[str, bytes]]) -> KeyInfo:
+    """The key of named canonical parts (a request's, or the AOT cache's): each part
+    hashed alone, then the list of ``[name, digest]``; both logged at DEBUG."""
+    digests = [(name, hashlib.sha256(data).digest()) for name, data in named_parts]
     key = hashlib.sha256(_pack([[name, digest] for name, digest in digests])).hexdigest()
     parts = {name: digest.hex() for name, digest in digests}
     if log.isEnabledFor(logging.DEBUG):

@@ -152,8 +152,8 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
     for step, node in enumerate(nodes):
         for name in sorted(node.get_buffer_names() - plan.removed_buffers):
             buf = graph.name_to_buffer.get(name)
-            if buf is None or not _allocates(buf):
-                continue
+            if buf is None or not _allocates(buf) or name in aliases:
+                continue  # a fallback's view of its input holds no storage of its own
             plan.lifetimes[name] = (step, step)
             donor = _take_reusable(free_pool, buf, graph)
             if donor is not None:
@@ -168,8 +168,8 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
             if name in outputs or name in plan.removed_buffers:
                 continue
             buf = graph.name_to_buffer.get(name)
-            if buf is None or not _allocates(buf):
-                continue
+            if buf is None or not _allocates(buf) or name in aliases:
+                continue  # freeing a view frees nothing: its source enters the pool
             free_pool.append(name)
         live -= sum(plan.allocations.get(n, 0) for n in node.last_usage if n not in outputs)
     for name, (start, _) in list(plan.lifetimes.items()):
@@ -194,6 +194,8 @@ def plan_inplace(plan: MemoryPlan, scheduler: Scheduler) -> None:
     """
     outputs = set(V.graph.get_output_names())
     taken = set(plan.reuse.values())
+    # Storage a fallback's view shares: a kernel reading the view reads it at other indices.
+    viewed = set().union(*fallback_aliases(V.graph.buffers).values())
     for node in scheduler.nodes:
         if node.is_extern() or node.is_nop():
             continue
@@ -201,7 +203,7 @@ def plan_inplace(plan: MemoryPlan, scheduler: Scheduler) -> None:
             buf = V.graph.name_to_buffer.get(name)
             if name not in plan.allocations or name in plan.reuse or buf is None:
                 continue
-            donor = _take_inplace(node, name, buf, plan, outputs | taken)
+            donor = _take_inplace(node, name, buf, plan, outputs | taken | viewed)
             if donor is not None:
                 plan.inplace[name] = donor
 

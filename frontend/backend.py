@@ -35,14 +35,28 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  mode: str | None = None, options: dict[str, Any] | None = None
                  ) -> Callable[..., Any]:
     """``torch.compile(model, backend="kiln", options={...})``."""
+    from .aot_cache import AotCache
+
     config = KilnConfig.resolve(options).with_mode(mode)
     if start_recording(config.debug):
         register_dynamo_spans()
+    # A warm start: the graph AOTAutograd made of this one last time, with no trace.
+    looked_up = AotCache(config).lookup(gm, example_inputs)
+    if callable(looked_up):
+        return looked_up
+    from .regions import prestart
+
+    prestart(gm, config)  # graph-stage processes start while AOTAutograd traces
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
-        return compile_aten_graph(graph, inputs, config, name)
+        fn = compile_aten_graph(graph, inputs, config, name)
+        looked_up.record(name, graph, inputs)
+        return fn
 
-    return aot_kiln(gm, example_inputs, graph_compiler)
+    with looked_up.listening():
+        compiled = aot_kiln(gm, example_inputs, graph_compiler)
+    looked_up.finish()
+    return compiled
 
 
 GraphCompiler = Callable[[torch.fx.GraphModule, Sequence[Any], str], Any]

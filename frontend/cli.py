@@ -128,7 +128,9 @@ def resolve_key(store: Store, ref: str) -> str:
 CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "farm_fallbacks",
                    "compile_errors", "load_errors", "kernels_compiled", "compile_seconds",
                    "time_saved_s", "hits_autotuned", "autotune_publishes",
-                   "kernels_from_store", "farm_not_up")
+                   "kernels_from_store", "farm_not_up", "aot_hits", "aot_misses",
+                   "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
+                   "hot_swaps", "bucket_tunes")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -180,6 +182,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"graphs          {summary['graphs']} ({summary['compiles']} compiled: "
           f"{summary['compiles_farm']} on the farm, {summary['compiles_local']} locally)")
     print(f"kernels         {summary['kernels_compiled']} compiled")
+    print(f"autotuning      {summary['autotune_publishes']} tuned artifacts published; "
+          f"{summary['hot_swaps']} switches to tuned kernels in running processes; "
+          f"{summary['bucket_tunes']} size buckets tuned")
+    print(f"AOT cache       {summary['aot_hits']} Dynamo graphs served with no AOTAutograd "
+          f"trace, {summary['aot_traces']} traced ({summary['aot_misses']} misses, "
+          f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected)")
     print(f"compile time    {summary['compile_seconds']:.1f} s; "
           f"time saved by hits {summary['time_saved_s']:.1f} s")
     print(f"problems        {summary['farm_fallbacks']} farm fallbacks, "

@@ -84,6 +84,9 @@ class InProcessFarm:
 
         self.kernels = kernels or KernelCache()
         self.choices = MemoryChoiceCache()  # max-autotune's matmul choices
+        # Child processes for graph stages (``workers.stage_pool``); set by regional
+        # compilation, which compiles several graphs at once.
+        self.stages: Any = None
 
     def attach_store(self, store: Any) -> None:
         """Keep max-autotune's choices in ``store`` too (fleet-wide)."""
@@ -97,7 +100,8 @@ class InProcessFarm:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
-                                     extra_options=debug_options, choices=self.choices)
+                                     extra_options=debug_options, choices=self.choices,
+                                     stages=self.stages)
         except Exception as e:
             raise CompileFailure.wrap(e, key) from e
 
@@ -292,9 +296,14 @@ class RayFarm:
     """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
-                 graph_workers: int | None = None, connect_timeout: float = 120.0) -> None:
+                 graph_workers: int | None = None, connect_timeout: float = 120.0,
+                 num_gpus: int | None = None) -> None:
+        """``num_cpus`` / ``num_gpus``: the resources of an embedded Ray (``num_gpus``
+        None: Ray counts this machine's; on a machine without GPUs a number makes fake
+        ones, which the tests' fake benchmark uses)."""
         self.address = address
         self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
         self.graph_workers = graph_workers
         self.connect_timeout = connect_timeout
         self.joined: str | None = None  # what this process is connected to
@@ -358,6 +367,7 @@ class RayFarm:
             # address "local": a new instance even where `ray start` runs one already.
             kwargs.update(address="local", num_cpus=self.num_cpus or os.cpu_count(),
                           include_dashboard=False,
+                          **({} if self.num_gpus is None else {"num_gpus": self.num_gpus}),
                           runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
         else:
             kwargs["address"] = address

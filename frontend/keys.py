@@ -11,6 +11,7 @@ from kiln.compiler.keys import (
     diff_requests,
     explain_miss,
     hash_source_tree,
+    key_from_parts,
     key_parts,
     kiln_version,
     recorded_parts,
@@ -21,5 +22,6 @@ from kiln.compiler.keys import (
 __all__ = [
     "INPUT_FIELDS", "PART_DESCRIPTIONS", "PART_NAMES", "SOURCE_SUFFIXES", "KeyInfo",
     "compute_key", "describe_differences", "diff_requests", "explain_miss",
-    "hash_source_tree", "key_parts", "kiln_version", "recorded_parts", "schema", "versions",
+    "hash_source_tree", "key_from_parts", "key_parts", "kiln_version", "recorded_parts",
+    "schema", "versions",
 ]

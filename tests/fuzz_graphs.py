@@ -13,6 +13,7 @@ of their arguments) while it still fails the same way.
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from collections.abc import Callable
@@ -438,11 +439,17 @@ def prune(p: Program) -> Program:
 
 def fuzz(seeds: range, check: Callable[[Program, int], Failure | None] = check_program
          ) -> list[Failure]:
-    """Check one random program per seed; every failure comes back shrunk."""
+    """Check one random program per seed; every failure comes back shrunk. With
+    ``KILN_FUZZ_LOG`` set, each seed's outcome is appended to that file as it comes (a
+    long run shows its progress, and a run cut short what it covered)."""
     failures = []
+    log = os.environ.get("KILN_FUZZ_LOG")
     for seed in seeds:
         program = random_program(seed)
         found = check(program, seed)
         if found is not None:
             failures.append(shrink(found, check))
+        if log:
+            with open(log, "a") as f:
+                f.write(f"seed {seed}: {'FAIL ' + found.kind if found else 'ok'}\n")
     return failures

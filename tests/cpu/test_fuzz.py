@@ -41,6 +41,13 @@ FOUND = {
     "vector_matrix_then_reuse": Program(
         (Input((5,)), Input((5, 3))),
         (Node("torch.matmul({0}, {1})", (0, 1)), Node("torch.abs({0})", (2,))), (2, 3)),
+    # Seed 236: the same mm + squeeze_, at size 1. The view and the mm's buffer both died
+    # at tanh and both entered the free pool, so two later outputs were given one storage.
+    "view_and_source_freed_together": Program(
+        (Input((1,)), Input((1, 1))),
+        (Node("torch.matmul({0}, {1})", (0, 1)), Node("torch.tanh({0})", (2,)),
+         Node("torch.log(torch.abs({0}) + 1.0)", (0,)), Node("({0} * {1})", (0, 0))),
+        (3, 4, 5)),
 }
 
 

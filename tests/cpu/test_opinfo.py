@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
-
-from tests.opinfo_harness import FAST_OPS, format_summary, run_op, run_ops, select_ops  # noqa: E402
+from tests.opinfo_harness import FAST_OPS, format_summary, full_name, run_op, run_ops, select_ops
 
 # The issue's target: ops compiled with no whole-graph fallback and matching eager.
 FULL_PASS_RATE = 0.995
@@ -52,3 +53,38 @@ def test_opinfo_full(request: pytest.FixtureRequest) -> None:
             json.dump(summary.to_json(), f, indent=1)
     assert summary.counts().get("wrong", 0) == 0, report
     assert summary.pass_rate() >= FULL_PASS_RATE, report
+
+
+def test_the_database_loads_without_expecttest() -> None:
+    """The GPU host has no ``expecttest``: the harness loads the database with a stand-in
+    (a fresh interpreter in which importing the real package fails)."""
+    code = ("import sys; sys.modules['expecttest'] = None\n"
+            "from tests.opinfo_harness import select_ops\n"
+            "ops = select_ops(['abs', 'flip'])\n"
+            "import expecttest\n"
+            "print(len(ops), type(expecttest).__name__, expecttest.ACCEPT)\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["2", "module", "False"], out.stdout + out.stderr
+
+
+def test_ops_past_the_deadline_are_not_reached() -> None:
+    summary = run_ops(select_ops(["abs", "neg"]), "cpu", torch.float32, "cpp", deadline=0.0)
+    assert [(r.op, r.status) for r in summary.results] == [("abs", "not_reached"),
+                                                           ("neg", "not_reached")]
+    assert summary.pass_rate() == 0.0 and "not_reached" not in format_summary(summary)[30:]
+
+
+def test_bench_shards_merge_in_database_order(tmp_path: Path) -> None:
+    """bench/opinfo.py --jobs 2: two processes, each every other op; one report."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    env = {**os.environ, "KILN_STORE": str(tmp_path / "store")}
+    subprocess.run([sys.executable, str(root / "bench" / "opinfo.py"), "--ops",
+                    "abs,neg,flip", "--samples", "1", "--jobs", "2", "--json", str(out)],
+                   cwd=root, env=env, capture_output=True, text=True, check=True, timeout=600)
+    run = json.loads(out.read_text())["runs"][0]
+    order = [full_name(op) for op in select_ops(["abs", "neg", "flip"])]
+    assert [(r["op"], r["status"]) for r in run["results"]] == [(n, "pass") for n in order]
+    assert run["counts"] == {"pass": 3}

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
-
-from tests.opinfo_harness import FAST_OPS, run_op, select_ops  # noqa: E402
+from tests.opinfo_harness import FAST_OPS, run_op, select_ops
 
 # Ops whose samples are large enough that the interpreter takes minutes: the C++ run
 # covers them.

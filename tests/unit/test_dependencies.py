@@ -89,6 +89,10 @@ def test_normalize_dep_merges_contiguous_loops_and_drops_size_one() -> None:
     assert normalize_dep(transposed).size == (64, 128)
     broadcast = MemoryDep("buf0", c0, (c0, c1), (sympy.Integer(64), sympy.Integer(128)))
     assert normalize_dep(broadcast) == broadcast
+    # The index is the size-1 loop alone (linalg.cond's graph): it becomes the constant 0.
+    unit_only = MemoryDep("buf0", c1, (c0, c1), (sympy.Integer(2), sympy.Integer(1)))
+    assert normalize_dep(unit_only).index == 0
+    assert normalize_dep(unit_only).size == (2,)
 
 
 def test_extern_kernel_reads_and_writes_are_star_deps() -> None:

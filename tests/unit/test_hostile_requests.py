@@ -53,6 +53,21 @@ def test_op_outside_the_allowlist_is_refused(target: list[str]) -> None:
         deserialize_graph(data)
 
 
+def test_ops_torch_defines_with_torch_library_resolve() -> None:
+    """torch.nn's chunked linear cross entropy is a ``torch_nn`` custom op: a graph holding
+    it compiles (the op a per-op fallback) instead of running eagerly. Dunders stay out."""
+    from kiln.compiler.request import _resolve_target
+
+    try:  # torch registers these ops when the module is first imported
+        target = _resolve_target(["op", "torch_nn._linear_cross_entropy_batch_chunked.default"])
+    except SerializationError as e:
+        assert "unknown op" in str(e)
+        pytest.skip("this torch has no chunked linear cross entropy")
+    assert target is torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
+    with pytest.raises(SerializationError, match="not allowed in a request"):
+        _resolve_target(["op", "torch_nn.__class__.__init__"])
+
+
 def test_aten_ops_with_private_names_still_resolve() -> None:
     from kiln.compiler.request import _resolve_target
 

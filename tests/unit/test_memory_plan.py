@@ -209,3 +209,17 @@ def test_replanning_with_a_stored_buffer_allocates_and_counts_it() -> None:
     assert plan.allocations == {"buf1": 64 * F32, "buf2": 64 * 128 * F32}
     assert plan.peak_bytes == 64 * F32 + 64 * 128 * F32
     assert plan.lifetimes["buf1"] == (0, 0)
+
+
+def test_a_fallback_view_is_never_a_second_donor_of_its_source() -> None:
+    """matmul(1-D, 2-D) traces to mm (buf0) + squeeze_ (buf1, a view of buf0). Both die
+    at tanh; two later outputs of one element each must not be handed buf0's storage
+    twice (once as buf0, once through the view)."""
+    def fn(x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.matmul(x0, x1).tanh(), torch.log(x0.abs() + 1.0), x0 * x0
+
+    sg = compile_fn(fn, rand(1), rand(1, 1))
+    assert "buf1" not in sg.memory.allocations  # the view holds no storage of its own
+    assert "buf1" not in sg.memory.reuse.values()
+    assert list(sg.memory.reuse.values()).count("buf0") <= 1
+    assert "buf0" not in sg.memory.inplace.values()

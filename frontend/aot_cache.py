@@ -1,0 +1,397 @@
+"""Kiln's cache in front of AOTAutograd: a warm start runs no AOT trace.
+
+    Dynamo graph -> aot_key (frontend.dynamo_key)
+        store.get(aot key)  an entry -> the Kiln key of the ATen graph AOTAutograd made
+                            -> client.lookup(graph key) -> load -> call it, no tracing
+                            none -> AOTAutograd as always; afterwards the entry is
+                                    published (where this process is a builder)
+
+The entry is a store artifact under the AOT key, signed and verified like any other
+(``artifact_store``); what it says is still checked here before anything runs
+(:func:`entry_from_artifact`, the one place its bytes become a plan):
+
+    manifest {"kind": "aot", "schema": 1, "serve": true, "graph": <Kiln key>,
+              "inputs": <count>, "constants": [names]}      # or "serve": false, "reason"
+    blob     "constants.msgpack": the ATen graph's tensor constants by value, if any
+
+Served: exactly what AOTAutograd's runtime would do with it, and nothing it would do
+differently. That is one inference graph whose ``ViewAndMutationMeta`` is trivial (no
+input mutation, no output aliasing an input or intermediate, no output requiring grad,
+no effect tokens, no subclasses, no RNG state, no grad-mode change) and whose inputs are
+Dynamo's inputs in order. Its runtime is then: grad off, autocast off if it was on, the
+compiled graph called with the inputs. Anything else (training graphs, a graph run
+eagerly) is recorded as an entry that is not served (``"serve": false`` and why), so a
+warm start knows at once to trace it. A graph that is not keyed (``NotCacheable``) is
+traced too. An entry that fails its checks, names a graph that is gone or whose inputs
+differ, or does not load is rejected: the graph is traced (and the entry replaced).
+
+Counters (``kiln stats``): ``aot_hits``, ``aot_misses``, ``aot_traces``,
+``aot_uncached`` (and ``aot_uncached_<reason>``), ``aot_publishes``, ``aot_rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from kiln.artifact_store import Artifact
+from kiln.compiler import trace
+from kiln.compiler.request import SerializationError, TensorMeta, decode_constant, encode_constant
+
+from .client import CompileResult, KilnClient, client_for
+from .compile import (
+    LoadFailure,
+    graph_constants,
+    input_device,
+    load_stored,
+    observers,
+    request_options,
+    target_for,
+)
+from .config import KilnConfig
+from .dynamo_key import NotCacheable, aot_key
+from .regions import is_regional
+from .trace import flush as flush_trace
+
+log = logging.getLogger("kiln.aot_cache")
+
+ENTRY_KIND = "aot"
+ENTRY_SCHEMA = 1
+CONSTANTS_BLOB = "constants.msgpack"
+_HEX = frozenset("0123456789abcdef")
+_MAX_CONSTANTS = 4096
+
+
+class EntryError(ValueError):
+    """An AOT cache entry that is not one this client can serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class AotEntry:
+    """A checked entry: serve ``graph`` with ``num_inputs`` inputs, or trace (``reason``)."""
+
+    serve: bool
+    graph: str = ""
+    num_inputs: int = 0
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    reason: str = ""
+
+
+def to_artifact(key: str, entry: AotEntry) -> Artifact:
+    if not entry.serve:
+        return Artifact(key, {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": False,
+                              "reason": entry.reason}, {})
+    manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
+                "graph": entry.graph, "inputs": entry.num_inputs,
+                "constants": sorted(entry.constants)}
+    blobs = {}
+    if entry.constants:
+        wire = [[name, encode_constant(t, name)] for name, t in sorted(entry.constants.items())]
+        blobs[CONSTANTS_BLOB] = msgpack.packb(wire, use_bin_type=True)
+    return Artifact(key, manifest, blobs)
+
+
+def entry_from_artifact(artifact: Artifact) -> AotEntry:
+    """The plan a verified artifact describes, after checking every field; raises
+    :class:`EntryError`. The store checked its signature and digests; this checks that
+    what it says is an AOT entry of this format, naming a well-formed key."""
+    m = artifact.manifest
+    if not isinstance(m, dict) or m.get("kind") != ENTRY_KIND or m.get("schema") != ENTRY_SCHEMA:
+        raise EntryError("not an AOT cache entry of schema 1")
+    if m.get("serve") is False:
+        reason = m.get("reason")
+        if not isinstance(reason, str) or not reason.isidentifier() or len(reason) > 64:
+            raise EntryError("an entry that is not served without a proper reason")
+        return AotEntry(False, reason=reason)
+    graph, count, names = m.get("graph"), m.get("inputs"), m.get("constants")
+    if m.get("serve") is not True or not isinstance(graph, str) or len(graph) != 64 \
+            or not set(graph) <= _HEX:
+        raise EntryError("the entry names no graph key (64 hex digits)")
+    if type(count) is not int or not 0 <= count <= 1 << 20:
+        raise EntryError(f"bad input count {count!r:.40}")
+    if not isinstance(names, list) or len(names) > _MAX_CONSTANTS \
+            or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise EntryError("bad constant names")
+    return AotEntry(True, graph, count, _constants(artifact, names))
+
+
+def _constants(artifact: Artifact, names: list[str]) -> dict[str, torch.Tensor]:
+    if not names:
+        return {}
+    try:
+        wire = msgpack.unpackb(artifact.blobs[CONSTANTS_BLOB], raw=False, use_list=True)
+        decoded = {str(name): decode_constant(value, None) for name, value in wire}
+    except (KeyError, TypeError, ValueError, IndexError, SerializationError,
+            msgpack.UnpackException) as e:
+        raise EntryError(f"bad constants blob: {type(e).__name__}: {e}") from e
+    if sorted(decoded) != sorted(names):
+        raise EntryError("the constants blob does not hold the constants the entry names")
+    return decoded
+
+
+# ---------------------------------------------------------------------------------------
+# What AOTAutograd made of a graph: servable or not.
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why AOTAutograd's runtime would do more around this inference graph than call it
+    with grad off (a reason counter), or None. Attributes read with defaults that refuse,
+    so that a torch without one caches nothing rather than something wrong."""
+    if meta is None:
+        return "no_metadata"
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    if any(getattr(i, "mutates_data", True) or getattr(i, "mutates_metadata", True)
+           or getattr(i, "mutates_storage_metadata", False)
+           or getattr(i, "mutation_inductor_storage_resize", False)
+           for i in getattr(meta, "input_info", [None])):
+        return "input_mutation"
+    if any(getattr(o, "output_type", None) is not OutputType.non_alias
+           or getattr(o, "requires_grad", True) or getattr(o, "dynamic_dims", None)
+           for o in getattr(meta, "output_info", [None])):
+        return "output_alias_or_grad"
+    if getattr(meta, "num_intermediate_bases", 1) or getattr(meta, "tokens", None) \
+            or getattr(meta, "num_backward_tokens", 0):
+        return "intermediate_bases_or_effects"
+    subclass = [m for name in ("subclass_inp_meta", "subclass_fw_graph_out_meta")
+                for m in getattr(meta, name, None) or []
+                if type(m).__name__ == "SubclassCreationMeta"]
+    if subclass:
+        return "subclass"
+    if getattr(meta, "is_rng_op_functionalized", False) \
+            or getattr(meta, "num_graphsafe_rng_states", 0) \
+            or getattr(meta, "num_outputs_rng_offset", 0):
+        return "rng_state"
+    if getattr(meta, "grad_enabled_mutation", None) is not None:
+        return "grad_mode_change"
+    return None
+
+
+@dataclass
+class _Made:
+    """One ATen graph AOTAutograd handed to Kiln for a Dynamo graph."""
+
+    name: str
+    problem: str | None
+    num_inputs: int = 0
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Pending:
+    """A Dynamo graph on the traced path: what AOTAutograd makes of it is recorded, and
+    the entry published when done (see the module docstring)."""
+
+    def __init__(self, cache: AotCache, key: str | None,
+                 example_inputs: Sequence[Any]) -> None:
+        self.cache = cache
+        self.key = key
+        self.expected = _input_wires(example_inputs) if key is not None else []
+        self.made: list[_Made] = []
+        self.results: dict[str, CompileResult] = {}
+
+    def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
+        """Called for each ATen graph, once Kiln has compiled (or given up on) it; never
+        raises (a failure here costs the entry, not the graph)."""
+        if self.key is None:
+            return
+        try:
+            self._record(name, graph, inputs)
+        except Exception as e:
+            self.key = None
+            self.cache.failed("record", e)
+
+    def _record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
+        context = torch._guards.TracingContext.try_get()
+        meta = getattr(context, "fw_metadata", None)
+        problem = meta_problem(meta)
+        outputs = graph.graph.find_nodes(op="output")[0].args[0]
+        if not name.startswith("inference_"):
+            problem = "training"
+        elif is_regional(name):
+            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
+        elif name not in self.results:
+            problem = "eager_graph"
+        elif _input_wires(inputs) != self.expected:
+            problem = "inputs_changed"  # deduplicated, or a synthetic base
+        elif meta is not None and problem is None and len(outputs) != len(meta.output_info):
+            problem = "extra_outputs"
+        made = _Made(name, problem, len(inputs))
+        if problem is None:
+            made.constants = graph_constants(graph)
+        self.made.append(made)
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """Collect the compile results of this thread's graphs while AOTAutograd runs."""
+        thread = threading.get_ident()
+
+        def observe(name: str, result: CompileResult) -> None:
+            if threading.get_ident() == thread:
+                self.results[name] = result
+
+        observers.append(observe)
+        try:
+            yield
+        finally:
+            observers.remove(observe)
+
+    def finish(self) -> None:
+        """Publish what AOTAutograd made of the graph (an entry served or not)."""
+        if self.key is None:
+            return
+        try:
+            entry = self.entry()
+            try:
+                artifact = to_artifact(self.key, entry)
+            except SerializationError:  # a constant with no value to store
+                entry = AotEntry(False, reason="constants")
+                artifact = to_artifact(self.key, entry)
+            if not entry.serve:
+                self.cache.uncached(entry.reason)
+            self.cache.publish(artifact)
+        except Exception as e:
+            self.cache.failed("publish", e)
+
+    def entry(self) -> AotEntry:
+        if len(self.made) != 1:
+            return AotEntry(False, reason="training" if self.made else "no_graph")
+        made = self.made[0]
+        if made.problem is not None:
+            return AotEntry(False, reason=made.problem)
+        return AotEntry(True, self.results[made.name].key.key, made.num_inputs,
+                        made.constants)
+
+
+# ---------------------------------------------------------------------------------------
+# The cache.
+
+
+class AotCache:
+    """The AOT cache of one configuration: look a Dynamo graph up, serve it or trace it."""
+
+    def __init__(self, config: KilnConfig) -> None:
+        self.config = config
+        self.client: KilnClient = client_for(config)
+
+    def lookup(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+               ) -> Callable[..., Any] | Pending:
+        """The compiled graph, served with no AOT trace; or a :class:`Pending` for the
+        traced path. Never raises: a problem means tracing."""
+        with trace.span("AOT cache lookup", cat="client", nodes=len(gm.graph.nodes)) as span:
+            key, served = None, None
+            try:
+                key = self._key(gm, example_inputs)
+                served = self._serve(key, example_inputs)
+            except NotCacheable as e:  # not keyed, or an entry that says: trace it
+                key = None
+                self.uncached(e.reason)
+                span["reason"] = e.reason
+                log.debug("kiln: AOT cache: the graph is traced (%s)", e)
+            except Exception as e:  # a bug here must cost the trace, not the graph
+                key, served = None, None
+                self.failed("lookup", e)
+            span["hit"] = served is not None
+        if served is not None:
+            self.client.counters.add(aot_hits=1)
+            flush_trace()
+            return served
+        self.client.counters.add(aot_traces=1)
+        try:
+            return Pending(self, key, example_inputs)
+        except Exception as e:
+            self.failed("lookup", e)
+            return Pending(self, None, example_inputs)
+
+    def _key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+        if not self.config.aot_cache:
+            raise NotCacheable("off", "KILN_AOT_CACHE=0")
+        if self.config.cudagraphs:
+            raise NotCacheable("cudagraphs", "CUDA graphs wrap the compiled graph")
+        target = target_for(input_device(example_inputs))
+        return aot_key(gm, example_inputs, request_options(self.config), target).key
+
+    def _serve(self, key: str, example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
+        artifact = self.client.store.get(key, kind="aot")
+        if artifact is None:
+            self.client.counters.add(aot_misses=1)
+            return None
+        try:
+            entry = entry_from_artifact(artifact)
+        except EntryError as e:
+            return self._reject(key, str(e))
+        if not entry.serve:
+            raise NotCacheable(entry.reason, "AOTAutograd made a graph the cache cannot serve")
+        if entry.num_inputs != len(example_inputs):
+            return self._reject(key, f"{entry.num_inputs} inputs, not {len(example_inputs)}")
+        result = self.client.lookup(entry.graph)
+        if result is None:
+            return self._reject(key, f"its graph {entry.graph[:16]} is not in the store")
+        wires = _input_wires(example_inputs)
+        if result.recorded_inputs != wires:
+            return self._reject(key, f"its graph {entry.graph[:16]} takes other inputs")
+        return self._load(key, entry, result, example_inputs)
+
+    def _load(self, key: str, entry: AotEntry, result: CompileResult,
+              example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
+        name = result.compiled.name  # as it was called when it was compiled
+        try:
+            call = load_stored(result, entry.constants, input_device(example_inputs),
+                               self.config, name)
+        except LoadFailure as e:
+            return self._reject(key, f"its graph {entry.graph[:16]} does not load ({e})")
+        self.client.loaded(result, ok=True)
+        return served_graph(call, bool(torch._C._is_any_autocast_enabled()))
+
+    def _reject(self, key: str, why: str) -> Callable[..., Any] | None:
+        self.client.counters.add(aot_rejected=1)
+        log.warning("kiln: AOT cache entry %s rejected (%s); tracing the graph", key[:16], why)
+        return None
+
+    def failed(self, step: str, error: Exception) -> None:
+        """An error of the cache itself: the graph is traced, the entry not written."""
+        self.uncached("error")
+        log.warning("kiln: AOT cache %s failed (%s: %s); the graph is traced", step,
+                    type(error).__name__, error, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def uncached(self, reason: str) -> None:
+        self.client.counters.add(aot_uncached=1, **{f"aot_uncached_{reason}": 1})
+
+    def publish(self, artifact: Artifact) -> None:
+        if not self.client.store.can_publish:  # a reader: builders publish entries
+            return
+        with trace.span("AOT cache publish", cat="client",
+                        serve=artifact.manifest.get("serve")):
+            published = self.client.store.publish(artifact)
+        self.client.counters.add(aot_publishes=int(published))
+
+
+def _input_wires(inputs: Sequence[Any]) -> list[Any]:
+    return [TensorMeta.from_tensor(x).to_wire() if isinstance(x, torch.Tensor) else None
+            for x in inputs]
+
+
+def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callable[..., Any]:
+    """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
+    extern calls must not record autograd), autocast off when it was on at trace time
+    (the graph is already cast), the inputs passed as one list."""
+    def forward(*args: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
+            if disable_amp:
+                with torch._C._DisableAutocast():
+                    return call(list(args))
+            return call(list(args))
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
+
+    return torch._dynamo.disable(forward)  # type: ignore[no-any-return]
