@@ -151,7 +151,8 @@ class KilnFarm:
                       ) -> dict[str, Any]:
         """``{"key", "compiled", "published"}`` for a request: its recomputed key, the
         ``CompiledGraph.to_dict()`` (heuristic configs) and the store URL the farm
-        published it to ("" if not). One compile however many clients ask at once.
+        published it to ("" if not: the store was down or full; asked for again, it is
+        published again). One compile however many clients ask at once.
         ``expected_key`` is what the caller computed: a mismatch is refused, never stored
         under either key. ``traced``: ``trace`` holds the spans of every process that
         worked on it. Where GPU autotuners fit the target, ``stats["autotune_pending"]``
