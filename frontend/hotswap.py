@@ -47,10 +47,12 @@ def wants_swap(compiled: CompiledGraph, request: CompileRequest, source: str) ->
 class SwappableGraph:
     """``graph(args)`` runs the current kernels; see the module docstring."""
 
-    _boxed_call = True
-
     def __init__(self, build: Build, compiled: CompiledGraph, client: KilnClient,
                  key: KeyInfo, request: CompileRequest, recorded_s: float = 0.0) -> None:
+        # On the instance, not the class: torch wraps a backward graph's callable
+        # (functools.wraps copies the instance's __dict__ only), and AOTAutograd reads
+        # the flag on the wrapper.
+        self._boxed_call = True
         self._build = build
         self.compiled = compiled
         self.client, self.key, self.request = client, key, request

@@ -279,7 +279,9 @@ class TritonKernel:
 
     def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
         dt = compute_dtype(dtype)
-        return self.emit(f"tl.full([1], {literal(value, dt)}, {triton_type(dt)})", dt)
+        # A reduction's blocks are 2-D: a rank-1 constant would not broadcast with them.
+        shape = "[1, 1]" if self.is_reduction else "[1]"
+        return self.emit(f"tl.full({shape}, {literal(value, dt)}, {triton_type(dt)})", dt)
 
     def index_expr(self, expr: Expr, dtype: torch.dtype) -> CSEVariable:
         text = self.index_str(expr)
