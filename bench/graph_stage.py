@@ -7,14 +7,17 @@ the farm's CPU-side work), against the number of layers.
     .venv/bin/python bench/graph_stage.py --layers 24 --d 1024 --seq 1024
     .venv/bin/python bench/graph_stage.py --layers 24 --regions 200 --processes 4
 
-It prints one row per size: nodes in the ATen graph, kernels generated, and milliseconds
-per pass (the compiler's own stage timings), so one can see whether the graph stage grows
-faster than the graph (a reason to split it into regions on workers).
+It prints one row per size: nodes in the ATen graph, kernels generated, a hash of the
+output code (wrapper and every kernel source: a refactor of the graph stage must leave
+it unchanged), and milliseconds per pass (the compiler's own stage timings), so one can
+see whether the graph stage grows faster than the graph (a reason to split it into
+regions on workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -54,8 +57,11 @@ def measure(layers: int, d: int, heads: int, seq: int, batch: int, vocab: int
             ) -> dict[str, float]:
     gm, args, traced = trace(layers, d, heads, seq, batch, vocab)
     compiled = compile_graph(gm, args, {}, name=f"deep{layers}", compile_kernels=False)
+    code = hashlib.sha256(compiled.wrapper_source.encode())
+    for spec in compiled.kernels:
+        code.update(spec.source.encode())
     return {"layers": layers, "nodes": len(gm.graph.nodes), "kernels": len(compiled.kernels),
-            "trace_ms": traced * 1e3,
+            "code": code.hexdigest()[:16], "trace_ms": traced * 1e3,
             **{f"{k}_ms": v * 1e3 for k, v in compiled.timings.items()}}
 
 
@@ -125,9 +131,10 @@ def main() -> int:
     rows = [measure(int(n), args.d, args.heads, args.seq, args.batch, args.vocab)
             for n in args.layers.split(",")]
     stages = [k for k in rows[0] if k.endswith("_ms")]
-    print(f"{'layers':>6} {'nodes':>6} {'kernels':>7} " + " ".join(f"{s[:-3]:>12}" for s in stages))
+    print(f"{'layers':>6} {'nodes':>6} {'kernels':>7} {'output code':>16} "
+          + " ".join(f"{s[:-3]:>12}" for s in stages))
     for r in rows:
-        print(f"{r['layers']:>6} {r['nodes']:>6} {r['kernels']:>7} "
+        print(f"{r['layers']:>6} {r['nodes']:>6} {r['kernels']:>7} {r['code']:>16} "
               + " ".join(f"{r[s]:>12.0f}" for s in stages))
     return 0
 

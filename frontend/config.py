@@ -233,8 +233,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
 INTERNAL_VARIABLES = frozenset({"KILN_TEST_COMPILE_DELAY", "KILN_TEST_FAKE_AUTOTUNE",
-                                "KILN_DEMO_DIR", "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED",
-                                "KILN_FUZZ_SHARDS", "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
+                                "KILN_TEST_FAKE_AUTOTUNE_MS", "KILN_DEMO_DIR",
+                                "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED", "KILN_FUZZ_SHARDS",
+                                "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
 
 
 def known_variables() -> list[str]:

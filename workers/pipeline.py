@@ -186,10 +186,13 @@ class KernelJob:
         object.__setattr__(self, "key", digest)
 
 
-def candidate_configs(spec: KernelSpec, autotune: bool) -> list[dict[str, Any]]:
-    """The heuristic config alone, or every distinct candidate when autotuning."""
+def candidate_configs(spec: KernelSpec, autotune: bool, bucket: bool = False
+                      ) -> list[dict[str, Any]]:
+    """The heuristic config alone, or every distinct candidate when autotuning. A kernel
+    with dynamic sizes is tuned per size bucket (``bucket``: ``workers.buckets``), at the
+    sizes a process sees, never at its compile-time hint."""
     configs = [dict(c) for c in spec.configs] or [{}]
-    if not autotune:
+    if not autotune or (spec.size_args and not bucket):
         return configs[:1]
     unique: list[dict[str, Any]] = []
     for config in configs:
