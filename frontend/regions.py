@@ -246,8 +246,8 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
         first.setdefault(k.key, i)
     results = compile_distinct(client, config, {k: (split.regions[i], requests[i])
                                                 for k, i in first.items()}, name)
-    calls = {k: _load_region(client, results[k], split.regions[i], constants, device)
-             for k, i in first.items()}
+    calls = {k: _load_region(client, results[k], split.regions[i].constants, constants,
+                             device) for k, i in first.items()}
     plan = Plan(len(request.inputs),
                 tuple(_region_plan(r, keys[r.index].key) for r in split.regions),
                 split.outputs)
@@ -323,11 +323,11 @@ def compile_distinct(client: KilnClient, config: KilnConfig,
     return results
 
 
-def _load_region(client: KilnClient, result: CompileResult, region: Region | None,
-                 constants: list[torch.Tensor], device: torch.device,
-                 indices: Sequence[int] = ()) -> Callable[[list[Any]], Any]:
-    wanted_constants = region.constants if region is not None else tuple(indices)
-    named = {f"_tensor_constant{i}": constants[c] for i, c in enumerate(wanted_constants)}
+def _load_region(client: KilnClient, result: CompileResult, indices: Sequence[int],
+                 constants: list[torch.Tensor], device: torch.device
+                 ) -> Callable[[list[Any]], Any]:
+    """A region's callable; ``indices``: the whole graph's constants it reads, in order."""
+    named = {f"_tensor_constant{i}": constants[c] for i, c in enumerate(indices)}
     try:
         fn = load(result.compiled, named, device)
     except Exception:
@@ -342,16 +342,16 @@ def _load_stored(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
     """The stitched callable from stored regions; None if one is missing or unloadable
     (the graph is then cut and compiled again: present regions are hits)."""
     calls: dict[str, Callable[[list[Any]], Any]] = {}
-    for region in plan.regions:
+    for index, region in enumerate(plan.regions):
         if region.key in calls:
             continue
         result = client.lookup(region.key)
         if result is None:
             return None
         try:
-            calls[region.key] = _load_region(client, result, None, constants, device,
-                                             region.constants)
-            notify(f"{name}.{region.label.split(' (')[0].replace(' ', '')}", result)
+            calls[region.key] = _load_region(client, result, region.constants, constants,
+                                             device)
+            notify(f"{name}.region{index}", result)
         except Exception as e:  # a region that does not load: compile the graph again
             log.warning("kiln: a stored region of graph %s does not load (%s: %s)", name,
                         type(e).__name__, e)
