@@ -48,6 +48,15 @@ FOUND = {
         (Node("torch.matmul({0}, {1})", (0, 1)), Node("torch.tanh({0})", (2,)),
          Node("torch.log(torch.abs({0}) + 1.0)", (0,)), Node("({0} * {1})", (0, 0))),
         (3, 4, 5)),
+    # Seed 983: tanh computed inside logsumexp's first loop (atan2 reads it) and stored as
+    # an output after the loops: the C++ kernel read it back from the first loop's row
+    # buffer at ``r0``, which does not exist there (g++ refused the kernel).
+    "row_value_read_after_the_loops": Program(
+        (Input((5, 1, 5, 4)),),
+        (Node("torch.tanh({0})", (0,)), Node("{0}.permute([1, 0, 2, 3])", (1,)),
+         Node("torch.atan2({0}, {1})", (0, 2)),
+         Node("torch.logsumexp({0}, 0, keepdim=False)", (3,))),
+        (0, 2, 3, 4)),
 }
 
 
