@@ -57,6 +57,7 @@ from .compile import (
 )
 from .config import KilnConfig
 from .dynamo_key import NotCacheable, aot_key
+from .regions import is_regional
 from .trace import flush as flush_trace
 
 log = logging.getLogger("kiln.aot_cache")
@@ -191,25 +192,33 @@ class Pending:
                  example_inputs: Sequence[Any]) -> None:
         self.cache = cache
         self.key = key
-        self.expected = [TensorMeta.from_tensor(x).to_wire() if isinstance(x, torch.Tensor)
-                         else None for x in example_inputs]
+        self.expected = _input_wires(example_inputs) if key is not None else []
         self.made: list[_Made] = []
         self.results: dict[str, CompileResult] = {}
 
     def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
-        """Called for each ATen graph, once Kiln has compiled (or given up on) it."""
+        """Called for each ATen graph, once Kiln has compiled (or given up on) it; never
+        raises (a failure here costs the entry, not the graph)."""
         if self.key is None:
             return
+        try:
+            self._record(name, graph, inputs)
+        except Exception as e:
+            self.key = None
+            self.cache.failed("record", e)
+
+    def _record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
         context = torch._guards.TracingContext.try_get()
         meta = getattr(context, "fw_metadata", None)
         problem = meta_problem(meta)
         outputs = graph.graph.find_nodes(op="output")[0].args[0]
         if not name.startswith("inference_"):
             problem = "training"
+        elif is_regional(name):
+            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
         elif name not in self.results:
             problem = "eager_graph"
-        elif [TensorMeta.from_tensor(x).to_wire() if isinstance(x, torch.Tensor) else None
-              for x in inputs] != self.expected:
+        elif _input_wires(inputs) != self.expected:
             problem = "inputs_changed"  # deduplicated, or a synthetic base
         elif meta is not None and problem is None and len(outputs) != len(meta.output_info):
             problem = "extra_outputs"
@@ -237,15 +246,18 @@ class Pending:
         """Publish what AOTAutograd made of the graph (an entry served or not)."""
         if self.key is None:
             return
-        entry = self.entry()
         try:
-            artifact = to_artifact(self.key, entry)
-        except SerializationError:  # a constant with no value to store
-            entry = AotEntry(False, reason="constants")
-            artifact = to_artifact(self.key, entry)
-        if not entry.serve:
-            self.cache.uncached(entry.reason)
-        self.cache.publish(artifact)
+            entry = self.entry()
+            try:
+                artifact = to_artifact(self.key, entry)
+            except SerializationError:  # a constant with no value to store
+                entry = AotEntry(False, reason="constants")
+                artifact = to_artifact(self.key, entry)
+            if not entry.serve:
+                self.cache.uncached(entry.reason)
+            self.cache.publish(artifact)
+        except Exception as e:
+            self.cache.failed("publish", e)
 
     def entry(self) -> AotEntry:
         if len(self.made) != 1:
@@ -281,14 +293,21 @@ class AotCache:
                 key = None
                 self.uncached(e.reason)
                 span["reason"] = e.reason
-                log.debug("kiln: AOT cache: graph not keyed (%s)", e)
+                log.debug("kiln: AOT cache: the graph is traced (%s)", e)
+            except Exception as e:  # a bug here must cost the trace, not the graph
+                key, served = None, None
+                self.failed("lookup", e)
             span["hit"] = served is not None
         if served is not None:
             self.client.counters.add(aot_hits=1)
             flush_trace()
             return served
         self.client.counters.add(aot_traces=1)
-        return Pending(self, key, example_inputs)
+        try:
+            return Pending(self, key, example_inputs)
+        except Exception as e:
+            self.failed("lookup", e)
+            return Pending(self, None, example_inputs)
 
     def _key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
         if not self.config.aot_cache:
@@ -314,7 +333,7 @@ class AotCache:
         result = self.client.lookup(entry.graph)
         if result is None:
             return self._reject(key, f"its graph {entry.graph[:16]} is not in the store")
-        wires = [TensorMeta.from_tensor(x).to_wire() for x in example_inputs]
+        wires = _input_wires(example_inputs)
         if result.recorded_inputs != wires:
             return self._reject(key, f"its graph {entry.graph[:16]} takes other inputs")
         return self._load(key, entry, result, example_inputs)
@@ -335,6 +354,12 @@ class AotCache:
         log.warning("kiln: AOT cache entry %s rejected (%s); tracing the graph", key[:16], why)
         return None
 
+    def failed(self, step: str, error: Exception) -> None:
+        """An error of the cache itself: the graph is traced, the entry not written."""
+        self.uncached("error")
+        log.warning("kiln: AOT cache %s failed (%s: %s); the graph is traced", step,
+                    type(error).__name__, error, exc_info=log.isEnabledFor(logging.DEBUG))
+
     def uncached(self, reason: str) -> None:
         self.client.counters.add(aot_uncached=1, **{f"aot_uncached_{reason}": 1})
 
@@ -345,6 +370,11 @@ class AotCache:
                         serve=artifact.manifest.get("serve")):
             published = self.client.store.publish(artifact)
         self.client.counters.add(aot_publishes=int(published))
+
+
+def _input_wires(inputs: Sequence[Any]) -> list[Any]:
+    return [TensorMeta.from_tensor(x).to_wire() if isinstance(x, torch.Tensor) else None
+            for x in inputs]
 
 
 def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callable[..., Any]:

@@ -260,3 +260,18 @@ def test_a_fresh_process_skips_aotautograd(tmp_path: Path) -> None:
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     summary = json.loads(stats.stdout)
     assert (summary["aot_hits"], summary["aot_traces"], summary["aot_publishes"]) == (1, 1, 1)
+
+
+def test_a_failure_of_the_cache_itself_costs_the_trace_not_the_graph(
+        store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kiln.frontend import aot_cache
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a torch this code did not expect")
+
+    monkeypatch.setattr(aot_cache, "aot_key", broken)
+    compiled_matches_eager(MLP(), torch.randn(4, 16))
+    seen = counters()
+    assert seen.get("aot_uncached_error") == 1 and seen.get("aot_traces") == 1
+    assert "AOT cache lookup failed (RuntimeError" in caplog.text
+    assert aot_entries(store) == []

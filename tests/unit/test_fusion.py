@@ -296,3 +296,37 @@ def test_schedule_does_not_depend_on_string_hashing() -> None:
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
     assert "[['buf0', 'buf1', 'buf2']]" in outputs[0]
+
+
+def test_incremental_ancestor_refresh_leaves_the_sets_of_the_full_union(
+        monkeypatch: Any) -> None:
+    """After every fusion, each node's ancestors equal what adding the fused node's whole
+    ancestor set and names to every descendant gives (the rule it replaced)."""
+    refresh = Scheduler._refresh_ancestors
+    checked = []
+
+    def compared(self: Scheduler, fused: FusedSchedulerNode, node1: BaseSchedulerNode,
+                 node2: BaseSchedulerNode) -> None:
+        names = fused.get_names()
+        want = {}
+        for n in self.nodes:
+            full = set(n.ancestors)
+            if n is not fused and not full.isdisjoint(names):
+                full = (full | fused.ancestors | names) - n.get_names()
+            want[id(n)] = full
+        refresh(self, fused, node1, node2)
+        assert all(n.ancestors == want[id(n)] for n in self.nodes)
+        checked.append(fused.get_name())
+
+    monkeypatch.setattr(Scheduler, "_refresh_ancestors", compared)
+
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            h = F.layer_norm(x, x.shape[-1:])
+            attn = (h @ h.transpose(-1, -2) / 4).softmax(-1) @ h
+            x = x + attn
+            x = x + F.gelu(F.layer_norm(x, x.shape[-1:]) @ w1) @ w2
+        return x
+
+    compile_fn(block, rand(2, 8, 16), rand(16, 32), rand(32, 16))
+    assert len(checked) > 10
