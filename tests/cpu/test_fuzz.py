@@ -1,7 +1,8 @@
 """The differential fuzzer (``tests/fuzz_graphs.py``): random graphs of pointwise ops,
 reductions, views, broadcasts, indexing and matmuls through Kiln's C++ backend against
 eager. CI runs a fixed budget of seeds; ``KILN_FUZZ_GRAPHS=2000`` runs more, from
-``KILN_FUZZ_SEED`` (default 0). A failure prints its shrunk reproduction."""
+``KILN_FUZZ_SEED`` (default 0); ``KILN_FUZZ_LOG=path`` records each seed as it is checked.
+A failure prints its shrunk reproduction."""
 
 from __future__ import annotations
 
