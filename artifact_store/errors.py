@@ -39,18 +39,56 @@ FAULT_DOWN = "down"
 FAULT_TIMEOUT = "timeout"
 FAULT_FULL = "full"
 FAULT_DENIED = "denied"
+FAULT_REJECTED = "rejected"  # a write the server answered with an error of its own
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# What S3-compatible servers answer when their disks or quotas are full (HTTP 507 is
+# "Insufficient Storage"; MinIO, Ceph and others name it in the error code).
+_FULL_STATUS = 507
+_FULL_CODES = {"XMinioStorageFull", "InsufficientStorage", "InsufficientCapacity",
+               "QuotaExceeded", "XMinioAdminBucketQuotaExceeded", "StorageFull"}
 
 
-def fault_kind(exc: BaseException) -> str:
-    """Classify an exception raised by a backing file system."""
+def server_answer(exc: BaseException) -> tuple[int, str] | None:
+    """(HTTP status, error code) when `exc`, or an exception it was raised from, carries
+    an error response of an object store's server (botocore's ClientError keeps it in
+    `.response`; s3fs re-raises it as an OSError caused by it); None otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            meta = response.get("ResponseMetadata") or {}
+            error = response.get("Error") or {}
+            status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+            code = error.get("Code") if isinstance(error, dict) else None
+            if isinstance(status, int):
+                return status, str(code or "")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def fault_kind(exc: BaseException, op: str = "read") -> str:
+    """Classify an exception raised by a backing file system during `op` ("read" or
+    "write"). A write that the server answered with an error of its own (not a
+    permission, not a full disk it names) is "rejected": the server is up and may
+    still serve reads."""
     if isinstance(exc, TimeoutError):
         return FAULT_TIMEOUT
     if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
         return FAULT_FULL
     if isinstance(exc, PermissionError):
         return FAULT_DENIED
+    answer = server_answer(exc)
+    if answer is not None:
+        status, code = answer
+        if status == _FULL_STATUS or code in _FULL_CODES:
+            return FAULT_FULL
+        if status == 403:
+            return FAULT_DENIED
+        if op == "write" and status >= 400:
+            return FAULT_REJECTED
     return FAULT_DOWN
 
 

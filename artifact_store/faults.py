@@ -25,6 +25,7 @@ from .errors import (
     FAULT_DENIED,
     FAULT_DOWN,
     FAULT_FULL,
+    FAULT_REJECTED,
     FAULT_TIMEOUT,
     describe_exception,
     fault_kind,
@@ -175,10 +176,11 @@ class TierHealth:
     def failed(self, op: str, exc: BaseException) -> str:
         """Record a fault, open the circuit, warn if this starts an outage; the fault kind.
 
-        A full or forbidding store stops writes only; a store that is down or slow stops
-        both reads and writes."""
-        kind = fault_kind(exc)
-        ops = (WRITE,) if op == WRITE and kind in (FAULT_FULL, FAULT_DENIED) else (READ, WRITE)
+        A full or forbidding store, or one that answered a write with an error, stops
+        writes only; a store that is down or slow stops both reads and writes."""
+        kind = fault_kind(exc, op)
+        writes_only = op == WRITE and kind in (FAULT_FULL, FAULT_DENIED, FAULT_REJECTED)
+        ops = (WRITE,) if writes_only else (READ, WRITE)
         with self._lock:
             until = time.monotonic() + self.cooldown_s
             new_outage = self._kind[op] is None
@@ -213,6 +215,12 @@ class TierHealth:
             return (
                 f"Kiln artifact store {self.label} is full ({cause}): artifacts are not "
                 f"saved there; compiled graphs still run. Free space or run `kiln gc`; {retry}."
+            )
+        if kind == FAULT_REJECTED:
+            return (
+                f"Kiln artifact store {self.label} rejected a write ({cause}): artifacts are "
+                f"not saved there; lookups go on and compiled graphs still run. The "
+                f"server's log says why (a full disk, a quota); {retry}."
             )
         if kind == FAULT_DENIED:
             hint = (

@@ -13,7 +13,8 @@ Shape (one per tier name, "local" and "remote"):
      "integrity_failures": n, "signature_failures": n, "evictions": n,
      "tiers": {"local": {"hits": n, "misses": n, "manifest_hits": n, "manifest_misses": n,
                          "bytes_read": n, "bytes_written": n, "writes": n,
-                         "errors": {"down": n, "timeout": n, "full": n, "denied": n},
+                         "errors": {"down": n, "timeout": n, "full": n, "denied": n,
+                                    "rejected": n},
                          "latency": {"get" | "manifest" | "publish": <histogram>}}}}
     histogram = {"count": n, "sum_ms": x, "max_ms": x, "buckets": {"<=0.1": n, ..., "inf": n}}
 

@@ -36,6 +36,15 @@ from .stats import StoreStats
 from .tiers import CACHE, Tier
 
 logger = logging.getLogger(__name__)
+QUEUE_DIR = "queue"
+
+
+def _is_key(name: str) -> bool:
+    try:
+        check_key(name)
+    except ValueError:
+        return False
+    return True
 
 
 class _Prepared:
@@ -176,6 +185,57 @@ class Store:
                 continue
             found.update(n for n in names if n.startswith(prefix))
         return sorted(found)
+
+    # Work queues: `queue/<name>/<key>`, empty markers in the store (not the local tier)
+    # naming a key that some worker should revisit (the GPU autotune queue). A marker
+    # carries no content to trust: the worker fetches and verifies the artifact itself.
+
+    def enqueue(self, queue: str, key: str) -> bool:
+        """Add `key` to `queue` in the store; False if it cannot be written. Raises only
+        ValueError, for a name or key that is not a safe path component."""
+        tier = self.primary
+        if tier is None:
+            return False
+        path = self._queue_path(tier, queue, key)
+        if self.read_only or not tier.writable:
+            return False
+        try:
+            tier.io.write(path, b"")
+        except Exception as exc:
+            self._fault(tier, WRITE, exc)
+            return False
+        return True
+
+    def queued(self, queue: str) -> list[str]:
+        """The keys in `queue`, oldest first. Never raises: an unreadable store has none."""
+        tier = self.primary
+        if tier is None:
+            return []
+        try:
+            entries = [e for e in tier.io.listing(f"{QUEUE_DIR}/{check_key(queue)}")
+                       if not e.is_temp]
+        except Exception as exc:
+            self._fault(tier, READ, exc)
+            return []
+        names = (e.name for e in sorted(entries, key=lambda e: e.mtime))
+        return [name for name in names if _is_key(name)]
+
+    def dequeue(self, queue: str, key: str) -> None:
+        """Remove `key` from `queue` (nothing if it is not there); ValueError as enqueue."""
+        tier = self.primary
+        if tier is None:
+            return
+        path = self._queue_path(tier, queue, key)
+        if self.read_only:
+            return
+        try:
+            tier.io.remove(path)
+        except Exception as exc:
+            self._fault(tier, WRITE, exc)
+
+    @staticmethod
+    def _queue_path(tier: Tier, queue: str, key: str) -> str:
+        return f"{tier.io.root}/{QUEUE_DIR}/{check_key(queue)}/{check_key(key)}"
 
     def unusable_reason(self) -> str | None:
         """Why this store cannot be used at all (disabled, its URL would not open, a store

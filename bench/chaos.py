@@ -4,12 +4,18 @@ processes are the builder (they hold the private Ed25519 key and publish to the 
 an S3 API server (moto, loopback) as the store, and client processes that hold only the
 public key with KILN_REQUIRE_SIGNED=1.
 
-Scenarios, one after another on the same cluster and store:
+Scenarios, one after another on the same cluster and store (after a store fault, the next
+starts once the farm's store cool-down, 30 s, has passed: its publishes are tried again):
 
     same-key        20 clients ask for one key at once
     distinct-keys   20 clients ask for 20 keys at once
     kill-worker     5 clients mid-compile; the CompileWorker processes are SIGKILLed
     store-outage    5 clients mid-compile; the S3 server stops until they are done
+    disk-full       5 clients mid-compile; the S3 server's disk fills up (its last free
+                    byte taken by another file) until they are done: the farm's publishes
+                    fail; then space returns
+    disk-freed      the same 5 graphs and 5 new ones: the farm publishes all 10 (the 5
+                    again from its memory, no compile)
     kill-coordinator 5 clients mid-compile; the KilnFarm actor is killed (restarts empty)
     kill-head       5 clients mid-compile; the Ray head's process group is SIGKILLed (the
                     clients then live 75 s more, as a user's program would: they must
@@ -23,11 +29,13 @@ distinct keys (`dup` is the excess), and how many artifacts the farm published. 
 hold only the public key: what they compile themselves (the farm gone) is used, not
 published, and compiled again by the next client that asks. At the end every artifact
 published during the run is read back through a fresh public-key client: any that fails
-is an artifact lost.
+is an artifact lost; and every manifest in the bucket is read and verified: one that is
+visible but fails (a partial artifact) counts as damaged.
 
-Not covered: a disk filling up during a publish. This machine has no small filesystem
-to fill (no loop devices or tmpfs mounts without root, and /dev/shm is Ray's object
-store, shared with other users): filling the root disk is not an option either.
+The S3 server keeps every object in a file on a disk of its own: a 64 MiB tmpfs mounted
+in a user namespace (tests/smallfs.py, no root needed), where moto's object buffers go.
+disk-full fills that disk with a filler file (a real ENOSPC in the server, which moto
+answers with HTTP 500) and reads back every artifact published so far while it is full.
 
     .venv/bin/python bench/chaos.py                     # about 10 minutes on 2 CPUs
     .venv/bin/python bench/chaos.py --clients-per-process 5 --json out.json
@@ -49,9 +57,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.smallfs import SmallFilesystem, moto_tempfile  # noqa: E402
+
 BUCKET = "kiln-chaos"
-SCENARIOS = ("same-key", "distinct-keys", "kill-worker", "store-outage", "kill-coordinator",
-             "kill-head")
+SCENARIOS = ("same-key", "distinct-keys", "kill-worker", "store-outage", "disk-full",
+             "disk-freed", "kill-coordinator", "kill-head")
+STORE_DISK = 64 << 20
+READ_BACK_TIMEOUT_S = 60.0
+COOLDOWN_S = 30.0  # the store's circuit breaker after a fault (artifact_store.faults)
 
 # One client process: builds its jobs' requests, compiles them on threads (one
 # KilnClient per job: separate clients, as separate machines would be), loads and runs
@@ -123,6 +138,7 @@ class Chaos:
         self.published: dict[str, int] = {}  # key -> graph seed, for the final read
         self.results: list[dict[str, Any]] = []
         self.struck: dict[str, int] | None = None  # the coordinator's counters at a fault
+        self.store_fault_ended = -COOLDOWN_S  # when the store last came back
 
     # -- the store ------------------------------------------------------------------
 
@@ -131,7 +147,13 @@ class Chaos:
 
         from moto.server import ThreadedMotoServer
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        # (a full disk makes moto log each failed PUT's traceback at ERROR)
+        logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+        if not hasattr(self, "disk"):
+            import moto.s3.models as moto_models
+
+            self.disk = SmallFilesystem(STORE_DISK)
+            moto_models.tempfile = moto_tempfile(self.disk.path)  # type: ignore[attr-defined]
         if not hasattr(self, "port"):
             import socket
 
@@ -169,6 +191,7 @@ class Chaos:
                           PYTHONPATH=str(ROOT))
         self.farm_info = farm.start_local_cluster(num_cpus=self.args.cpus)
         farm.use_farm_token(self.farm_info)
+        farm.use_loopback_ray(self.farm_info["address"])
         import ray
 
         ray.init(address=self.farm_info["address"], log_to_driver=False)
@@ -213,7 +236,7 @@ class Chaos:
         env = self.client_env()
         if delay:
             env["KILN_TEST_COMPILE_DELAY"] = str(delay)
-        procs = []
+        procs: list[subprocess.Popen[str]] = []
         for chunk in chunks:
             jobs = [{"id": len(procs) * per + i, "graph": g} for i, g in enumerate(chunk)]
             procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(jobs),
@@ -221,7 +244,7 @@ class Chaos:
                                           env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         for proc in procs:
-            assert proc.stdout is not None
+            assert proc.stdout is not None and proc.stderr is not None
             line = proc.stdout.readline()
             if line.strip() != "READY":
                 raise RuntimeError(f"client did not start: {line}{proc.stderr.read()[-2000:]}")
@@ -245,11 +268,18 @@ class Chaos:
         return [self.graph_seed + i for i in range(n)]
 
     def scenario(self, name: str, graphs: list[int], delay: float = 0.0,
-                 during: Any = None, linger: float = 0.0) -> dict[str, Any]:
+                 during: Any = None, linger: float = 0.0, after_jobs: Any = None
+                 ) -> dict[str, Any]:
+        # A store fault stops the farm's writes for the store's cool-down: no scenario
+        # starts inside it, or its publishes would be skipped for the last one's fault.
+        time.sleep(max(0.0, self.store_fault_ended + COOLDOWN_S + 1.0 - time.monotonic()))
         before = self.farm_stats()
         self.struck = None
+        self.notes: dict[str, Any] = {}
         start = time.perf_counter()
         jobs = self.run_clients(graphs, delay, during, linger)
+        if after_jobs is not None:
+            after_jobs()
         wall = time.perf_counter() - start
         after = self.farm_stats()
         done = [j for j in jobs if "error" not in j]
@@ -266,7 +296,8 @@ class Chaos:
                "sources": dict(Counter(j["source"] for j in done)),
                "published": sum(1 for j in done if j["published"]),
                "errors": [j["error"] for j in jobs if "error" in j][:3],
-               "wall_s": round(wall, 1)}
+               "republished": self.counted(before, after, "republished"),
+               "wall_s": round(wall, 1), **self.notes}
         print(json.dumps(row), flush=True)
         self.results.append(row)
         return row
@@ -280,6 +311,13 @@ class Chaos:
         restarted = after.get("requests", 0) < self.struck.get("requests", 0)
         return done + (after.get("graph_compiles", 0) if restarted else
                        after.get("graph_compiles", 0) - self.struck.get("graph_compiles", 0))
+
+    @staticmethod
+    def counted(before: dict[str, int], after: dict[str, int], name: str) -> int:
+        """A coordinator counter's growth over a scenario; all of it where the counter
+        went back (the coordinator restarted empty)."""
+        grown = after.get(name, 0) - before.get(name, 0)
+        return grown if grown >= 0 else after.get(name, 0)
 
     def wait_inflight(self) -> None:
         """Until the coordinator is compiling something (then a second more): the fault
@@ -298,11 +336,46 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
 
     def store_outage(self) -> None:
+        """The S3 server stops mid-compile, and stays down until the clients are done
+        (`restart_store`): every publish of the scenario meets it down."""
         self.wait_inflight()
         self.struck = None  # the coordinator lives on
         self.s3.stop()
-        time.sleep(self.args.delay + 8.0)  # past the compiles: their publishes fail
+
+    def restart_store(self) -> None:
         self.start_store()
+        self.store_fault_ended = time.monotonic()
+
+    def fill_disk(self) -> None:
+        """The S3 server's disk fills while the compiles run (they publish into it); every
+        artifact published before is read back while it is full."""
+        self.wait_inflight()
+        self.struck = None  # the coordinator lives on
+        self.disk.fill()
+        self.notes["free_bytes_when_full"] = self.disk.available()
+        self.notes["lost_while_full"] = self.artifacts_lost()["lost"]
+
+    def free_disk(self) -> None:
+        """Space returns once the clients are done; the farm's warning about it."""
+        self.disk.free()
+        self.store_fault_ended = time.monotonic()
+        self.notes["farm_warning"] = self.farm_log_line(("rejected a write", "is full"))
+
+    def disk_freed(self, graphs: list[int]) -> dict[str, Any]:
+        """Past the store's cool-down after a fault (30 s), the graphs whose publish hit
+        the full disk and as many new ones: all published."""
+        return self.scenario("disk-freed", graphs + self.new_graphs(len(graphs)),
+                             self.args.delay)
+
+    def farm_log_line(self, needles: tuple[str, ...]) -> str:
+        """The first line of the farm's Ray logs that holds one of `needles`."""
+        for path in sorted(Path(self.farm_info["temp_dir"]).rglob("*")):
+            if not path.is_file() or path.suffix not in (".err", ".out", ".log"):
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if any(needle in line for needle in needles):
+                    return line.strip()[:400]
+        return ""
 
     def kill_coordinator(self) -> None:
         import ray
@@ -318,27 +391,48 @@ class Chaos:
         ray.shutdown()
         os.killpg(int(self.farm_info["pid"]), signal.SIGKILL)
 
-    def artifacts_lost(self) -> dict[str, int]:
-        """Read back every artifact the farm published, as a fresh fleet client."""
+    def reader(self) -> Any:
+        """A fresh fleet client of the store: public key, signatures required, no local
+        tier, never writing (what it finds damaged stays for the next check). Its timeout
+        is long: it asks whether the bytes are there, not how fast a loaded moto answers
+        (one timeout would open its circuit breaker and count every later read lost)."""
         from kiln.artifact_store import open_store
 
-        store = open_store(storage_options=json.loads(self.store_env()["KILN_STORE_OPTIONS"]),
-                           url=self.store_env()["KILN_STORE"], signing_key=self.public,
-                           require_signed=True, local_cache=False, stats_file=False)
+        return open_store(storage_options=json.loads(self.store_env()["KILN_STORE_OPTIONS"]),
+                          url=self.store_env()["KILN_STORE"], signing_key=self.public,
+                          require_signed=True, local_cache=False, stats_file=False,
+                          read_only=True, timeout=READ_BACK_TIMEOUT_S)
+
+    def artifacts_lost(self) -> dict[str, int]:
+        """Read back every artifact the farm published, as a fresh fleet client."""
+        store = self.reader()
         lost = [key for key in self.published if store.get(key) is None]
         return {"published": len(self.published), "lost": len(lost)}
+
+    def audit(self) -> dict[str, int]:
+        """Every manifest in the bucket, read and verified: any that is visible but does
+        not verify (a partial or corrupt artifact) is damaged."""
+        store = self.reader()
+        keys = store.keys()
+        statuses = Counter(store.lookup(key).status for key in keys)
+        return {"manifests": len(keys), "damaged": len(keys) - statuses["found"]}
 
     def run(self) -> dict[str, Any]:
         self.start_store()
         self.start_farm()
         n, delay = self.args.clients, self.args.delay
+        full_graphs = self.new_graphs(5)
         plan = {
             "same-key": lambda: self.scenario("same-key", [self.new_graphs(1)[0]] * n, delay),
             "distinct-keys": lambda: self.scenario("distinct-keys", self.new_graphs(n)),
             "kill-worker": lambda: self.scenario("kill-worker", self.new_graphs(5), delay,
                                                  self.kill_workers),
             "store-outage": lambda: self.scenario("store-outage", self.new_graphs(5), delay,
-                                                  self.store_outage),
+                                                  self.store_outage,
+                                                  after_jobs=self.restart_store),
+            "disk-full": lambda: self.scenario("disk-full", full_graphs, delay,
+                                               self.fill_disk, after_jobs=self.free_disk),
+            "disk-freed": lambda: self.disk_freed(full_graphs),
             "kill-coordinator": lambda: self.scenario("kill-coordinator", self.new_graphs(5),
                                                       delay, self.kill_coordinator),
             # Clients stay up 75 s after their jobs: Ray aborts a driver 60 s after its
@@ -349,6 +443,7 @@ class Chaos:
         for name in self.args.scenarios.split(","):
             plan[name]()
         summary = {"scenarios": self.results, "artifacts": self.artifacts_lost(),
+                   "bucket": self.audit(),
                    "cpus": self.args.cpus, "clients_per_process": self.args.clients_per_process}
         return summary
 
@@ -363,6 +458,7 @@ class Chaos:
             pass
         farm.stop_local_cluster()
         self.s3.stop()
+        self.disk.close()
 
 
 def main() -> None:
@@ -389,8 +485,15 @@ def main() -> None:
               f"{r['keys']:>6}{r['farm_compiles']:>6}{r['local_compiles']:>6}"
               f"{r['duplicate_compiles']:>5}{r['published']:>5}{r['wall_s']:>8}")
     print(f"artifacts published {summary['artifacts']['published']}, "
-          f"lost {summary['artifacts']['lost']}   (farm: graph compiles started on the farm; "
-          "local: compiled by clients)")
+          f"lost {summary['artifacts']['lost']}; manifests in the bucket "
+          f"{summary['bucket']['manifests']}, damaged {summary['bucket']['damaged']}   "
+          "(farm: graph compiles started on the farm; local: compiled by clients)")
+    for r in rows:
+        extra = {k: r[k] for k in ("republished", "free_bytes_when_full", "lost_while_full",
+                                   "farm_warning", "errors") if r.get(k) or
+                 (k in r and k in ("free_bytes_when_full", "lost_while_full"))}
+        if extra:
+            print(f"{r['scenario']}: {json.dumps(extra)}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
 

@@ -16,6 +16,12 @@ Modes:
     kiln_default     KILN_FARM=local with no farm up (must compile here at once)
     kiln_warm        kiln_inprocess's store and caches (same machine)
     kiln_warm_new    kiln_inprocess's store only; empty Kiln, Triton and XDG caches
+The large model (deep24, 24 layers; ``--sweep-model``) is compiled as regions
+(``KILN_REGIONS=on``, unless ``--kiln-env`` says otherwise; its rows fail if it was
+not) and the worker sweep (``--workers 1,4,8,16``: a farm of that many CPUs each)
+compiles its distinct regions on the farm's workers at once. On a 16-core host the
+sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
+40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
 farm compile went to the farm, the default compiled here without waiting for a farm),
@@ -24,11 +30,23 @@ fails on KilnFallbackWarning, and compares the output with eager.
     python bench/coldstart.py --smoke --device cpu                 # this CPU machine
     python bench/coldstart.py --models gpt2 --modes inductor_cold,kiln_farm
     python bench/coldstart.py --models deep24 --workers 1,4,8,16 --modes none
+    python bench/coldstart.py --models deep24 --workers 1,16 --modes kiln_inprocess \
+        --kiln-env KILN_REGIONS=off          # the same without regional compilation
     python bench/coldstart.py --results r.json ...  then  --table r.json
 
 ``--results`` appends rows to a JSON file so that runs split over several calls print
 one table (``--table``). ``--trace DIR`` writes each Kiln run's timeline (KILN_TRACE) and
-shows its top critical-path stages.
+shows its top critical-path stages, and where GPU autotuners ran benchmarks, each GPU's
+busy time.
+
+``--compile-mode max-autotune`` compiles every row (Inductor's and Kiln's) with that
+``torch.compile`` mode; Kiln rows then also check that the matmuls were tuned (on a GPU:
+every GEMM problem benchmarked or found cached, none left untuned) and report how many.
+With ``kiln_farm`` the template configs compile on the farm's CPU workers and each
+problem is timed on the farm's GPU autotuners (``--farm-cpus``, ``--farm-gpus``):
+
+    python3 bench/coldstart.py --models gpt2 --modes inductor_cold,kiln_farm \
+        --compile-mode max-autotune --farm-cpus 16 --trace /tmp/traces
 """
 
 from __future__ import annotations
@@ -57,7 +75,8 @@ TRAINING_MODELS = frozenset({"encoder_train"})  # their graphs take the AOT path
 # The child: one measurement.
 
 
-def child(model: str, mode: str, device: str, smoke: bool) -> dict[str, Any]:
+def child(model: str, mode: str, device: str, smoke: bool,
+          compile_mode: str | None = None) -> dict[str, Any]:
     import warnings
 
     import torch
@@ -71,15 +90,20 @@ def child(model: str, mode: str, device: str, smoke: bool) -> dict[str, Any]:
     _sync(device)
     kiln = mode.startswith("kiln")
     torch._dynamo.reset()  # before Kiln's import: a reset drops its Dynamo timing hook
+    selections: list[dict[str, Any]] = []
     if kiln:
+        from kiln.frontend import compile as kiln_compile
         from kiln.frontend.backend import KilnFallbackWarning
 
         warnings.simplefilter("error", KilnFallbackWarning)
+        kiln_compile.observers.append(lambda name, result: selections.append(
+            result.compiled.stats.get("gemm_selection") or {}))
     start = time.perf_counter()
     mega_load = os.environ.get("BENCH_MEGA_LOAD")
     if mega_load:
         torch.compiler.load_cache_artifacts(Path(mega_load).read_bytes())
-    compiled = torch.compile(case.module, backend="kiln" if kiln else "inductor")
+    compiled = torch.compile(case.module, backend="kiln" if kiln else "inductor",
+                             mode=compile_mode)
     out = case.step(compiled)
     _sync(device)
     seconds = time.perf_counter() - start
@@ -93,6 +117,8 @@ def child(model: str, mode: str, device: str, smoke: bool) -> dict[str, Any]:
                               "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
+        result["gemm"] = {k: sum(int(s.get(k, 0)) for s in selections)
+                          for k in ("problems", "cached", "benchmarked", "untuned")}
         result["note"] = "; ".join(filter(None, [case.note, aot_note(result["counters"])]))
     return result
 
@@ -180,6 +206,10 @@ class Bench:
             env.update(self.caches(folder, fresh=True), KILN_STORE=str(folder / "store"),
                        KILN_FARM="local", KILN_AUTOTUNE_EXIT_WAIT="900",
                        KILN_FARM_FILE=str(farm_file or m / "no-farm.json"))
+        if mode.startswith("kiln"):
+            if model == self.args.sweep_model:  # whatever its size (smoke is small)
+                env["KILN_REGIONS"] = "on"
+            env.update(kv.split("=", 1) for kv in self.args.kiln_env)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
         if self.args.trace and mode.startswith("kiln"):
@@ -189,13 +219,15 @@ class Bench:
 
     def measure(self, model: str, mode: str, env: dict[str, str], label: str = "") -> None:
         command = [sys.executable, __file__, "--child", model, mode, "--device",
-                   self.args.device] + (["--smoke"] if self.args.smoke else [])
+                   self.args.device] + (["--smoke"] if self.args.smoke else []) + \
+            (["--compile-mode", self.args.compile_mode] if self.args.compile_mode else [])
         print(f"[coldstart] {model} {label or mode} ...", file=sys.stderr, flush=True)
         wall = time.perf_counter()
         proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=self.args.timeout)
         row: dict[str, Any] = {"model": model, "mode": label or mode,
                                "device": self.args.device, "smoke": self.args.smoke,
+                               "compile_mode": self.args.compile_mode or "",
                                "process_s": time.perf_counter() - wall}
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
         if proc.returncode != 0 or not lines:
@@ -206,6 +238,11 @@ class Bench:
                 f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
+                problems += check_gemm(row, self.args.compile_mode)
+                row["regions"] = regions_note(row["counters"])
+                if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
+                        and not row["regions"]:
+                    problems.append(f"{model} was not compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
                 said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
                 problems += said[-3:]
@@ -213,6 +250,7 @@ class Bench:
         if env.get("KILN_TRACE") and Path(env["KILN_TRACE"]).exists():
             row["trace"] = env["KILN_TRACE"]
             row["critical_path"] = trace_top(env["KILN_TRACE"])
+            row["gpu_usage"] = trace_gpus(env["KILN_TRACE"])
         self.rows.append(row)
         self.done.add((model, label or mode))
         status = "ok" if row["ok"] else f"FAILED: {row['problem']}"
@@ -234,8 +272,8 @@ class Bench:
         farm_env.update(self.caches(self.root / f"farm{tag}", fresh=True),
                         KILN_FARM_FILE=str(self.farm_file))
         command = [sys.executable, "-m", "kiln.frontend.cli", "farm", "up"]
-        if workers:
-            command += ["--num-cpus", str(workers)]
+        if workers or self.args.farm_cpus:
+            command += ["--num-cpus", str(workers or self.args.farm_cpus)]
         if self.args.device == "cuda":
             command += ["--num-gpus", str(self.args.farm_gpus)]
         up = subprocess.run(command, env=farm_env, cwd=ROOT, capture_output=True, text=True,
@@ -265,12 +303,15 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     """Whether a Kiln run did what its mode says (from its counters and `kiln stats`)."""
     c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
                                          "compiles_farm", "farm_fallbacks", "farm_not_up",
-                                         "aot_hits", "aot_misses", "aot_rejected")}
+                                         "aot_hits", "aot_misses", "aot_rejected",
+                                         "region_plan_hits", "aot_uncached_regions")}
     # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
-    # missed or was rejected (graphs it cannot serve are traced, counted by reason), and
-    # an inference model has at least one served (training graphs are always traced).
+    # missed or was rejected (graphs it cannot serve are traced, counted by reason; a
+    # graph compiled as regions is one of those: its plan from the store is the hit),
+    # and an inference model has at least one served (training graphs are traced).
+    regional_hit = c["region_plan_hits"] >= 1 <= c["aot_uncached_regions"]
     aot_skipped = c["aot_misses"] == 0 and c["aot_rejected"] == 0 \
-        and (c["aot_hits"] >= 1 or model in TRAINING_MODELS)
+        and (c["aot_hits"] >= 1 or regional_hit or model in TRAINING_MODELS)
     want = {
         "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
         "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1
@@ -294,6 +335,40 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     return problems
 
 
+def check_gemm(row: dict[str, Any], compile_mode: str | None) -> list[str]:
+    """Max-autotune on a GPU: the matmuls were tuned (benchmarked, or cached), not left
+    to the library call untuned."""
+    gemm = row.get("gemm") or {}
+    if not compile_mode or "max-autotune" not in compile_mode or row["device"] != "cuda":
+        return []
+    if not gemm.get("problems"):
+        return [f"{compile_mode}: no GEMM problem was tuned ({gemm})"]
+    if gemm.get("untuned"):
+        return [f"{compile_mode}: {gemm['untuned']} GEMM problem(s) left untuned: no GPU "
+                f"autotuner measured them ({gemm})"]
+    return []
+
+
+def trace_gpus(path: str) -> str:
+    """Each GPU autotuner's busy seconds and benchmarks, from the timeline."""
+    from kiln.frontend.trace import gpu_usage, load_spans
+
+    try:
+        usage = gpu_usage(load_spans(path))
+    except ValueError as e:
+        return f"unreadable: {e}"
+    return "; ".join(f"GPU {u['gpu']} {u['busy_ms'] / 1000:.2f}s ({u['jobs']})"
+                     for u in usage["gpus"])
+def regions_note(counters: dict[str, Any]) -> str:
+    """What regional compilation did in a Kiln row ("" if no graph was cut)."""
+    if counters.get("region_plan_hits"):
+        return f"regions: {counters['region_plan_hits']} plan(s) from the store"
+    if not counters.get("regional_graphs"):
+        return ""
+    return (f"regions: {counters['regional_graphs']} graph(s) cut into "
+            f"{counters.get('regions', 0)}, {counters.get('regions_distinct', 0)} distinct")
+
+
 def trace_top(path: str, n: int = 4) -> str:
     from kiln.frontend.trace import load_spans, summarize
 
@@ -309,25 +384,33 @@ def trace_top(path: str, n: int = 4) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cold = {r["model"]: r.get("seconds") for r in rows
-            if r["mode"] == "inductor_cold" and r.get("ok")}
-    mega = {r["model"]: r.get("seconds") for r in rows
-            if r["mode"] == "inductor_mega" and r.get("ok")}
-    warm = {r["model"]: r.get("seconds") for r in rows
-            if r["mode"] == "inductor_warm" and r.get("ok")}
-    lines = [f"{'model':<14} {'mode':<22} {'seconds':>8} {'vs ind.':>8}  check  note",
+    def base(mode: str) -> dict[tuple[str, str], Any]:
+        return {(r["model"], r.get("compile_mode", "")): r.get("seconds") for r in rows
+                if r["mode"] == mode and r.get("ok")}
+
+    cold, mega, warm = base("inductor_cold"), base("inductor_mega"), base("inductor_warm")
+    lines = [f"{'model':<14} {'mode':<30} {'seconds':>8} {'vs ind.':>8}  check  note",
              "-" * 100]
     for r in rows:
-        base = {"kiln_warm": warm, "kiln_warm_new": mega}.get(r["mode"], cold).get(r["model"])
+        ref = {"kiln_warm": warm, "kiln_warm_new": mega}.get(r["mode"], cold).get(
+            (r["model"], r.get("compile_mode", "")))
         secs = r.get("seconds")
-        ratio = f"{secs / base:.2f}x" if secs and base and r["mode"].startswith("kiln") else ""
+        ratio = f"{secs / ref:.2f}x" if secs and ref and r["mode"].startswith("kiln") else ""
         check = "ok" if r.get("ok") else "FAIL"
-        note = r.get("problem") or r.get("note") or ""
+        note = r.get("problem") or " | ".join(x for x in (r.get("note"), r.get("regions"))
+                                              if x)
+        if r.get("gemm", {}).get("problems"):
+            g = r["gemm"]
+            note = (f"{note} | GEMM problems {g['problems']}: benchmarked {g['benchmarked']}, "
+                    f"cached {g['cached']}, untuned {g['untuned']}").strip(" |")
         if r.get("critical_path"):
             note = f"{note} | path: {r['critical_path']}".strip(" |")
+        if r.get("gpu_usage"):
+            note = f"{note} | {r['gpu_usage']}".strip(" |")
         shown = f"{secs:8.2f}" if isinstance(secs, (int, float)) else f"{'-':>8}"
-        lines.append(f"{r['model']:<14} {r['mode']:<22} {shown} {ratio:>8}  {check:<5}  "
-                     f"{note[:200]}")
+        mode = r["mode"] + (f" [{r['compile_mode']}]" if r.get("compile_mode") else "")
+        lines.append(f"{r['model']:<14} {mode:<30} {shown} {ratio:>8}  {check:<5}  "
+                     f"{note[:300]}")
     lines.append("vs ind.: Kiln cold rows against inductor_cold, kiln_warm against "
                  "inductor_warm, kiln_warm_new against inductor_mega")
     return "\n".join(lines)
@@ -338,10 +421,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="gpt2,resnet18,encoder_train,deep24")
     p.add_argument("--modes", default=",".join(MODES), help="comma list, or none")
     p.add_argument("--workers", default="", help="farm sweep on deep24, e.g. 1,4,8,16")
-    p.add_argument("--sweep-model", default="deep24")
+    p.add_argument("--sweep-model", default="deep24",
+                   help="the large model: its Kiln rows must be compiled as regions")
+    p.add_argument("--kiln-env", action="append", default=[], metavar="KILN_X=VALUE",
+                   help="a setting for every Kiln row (repeatable), e.g. KILN_REGIONS=off "
+                        "to compare with whole-graph compiles, KILN_REGION_NODES=100")
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
     p.add_argument("--farm-gpus", type=int, default=1)
+    p.add_argument("--farm-cpus", type=int, default=0,
+                   help="CPUs of the kiln_farm row's farm (default: all of this machine)")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of every row, e.g. max-autotune")
     p.add_argument("--ray-bin", default="/tmp/site/bin", help="where `ray` is, if not on PATH")
     p.add_argument("--workdir", default=None)
     p.add_argument("--timeout", type=float, default=900)
@@ -360,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:
         model, mode = args.child
-        print(RESULT + json.dumps(child(model, mode, args.device, args.smoke)), flush=True)
+        print(RESULT + json.dumps(child(model, mode, args.device, args.smoke,
+                                        args.compile_mode)), flush=True)
         return 0
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))

@@ -16,11 +16,26 @@ Dynamo's own tracing is not part of any figure.
    runs only where the target's device exists (a CUDA target on a CPU machine is
    reported without it).
 
+3. ``--gpus 1,2,4``: autotuning spread over N GPUs instead (issue 17). Each run is a
+   fresh process with an embedded Ray of this machine's CPUs and N GPUs (one ``Autotuner``
+   actor each) that compiles, in max-autotune mode, G graphs of P matmuls of distinct
+   shapes (each a GEMM problem of its own, each followed by a bias and an activation the
+   template fuses): every template config is compiled on the CPU workers and every
+   problem timed on whichever GPU frees first. Per N: the first answer (the farm answers
+   after the GEMM choices), the time until the tuned artifacts are in the store, the
+   benchmarks' wall time (first start to last end, from the farm's timeline) against
+   1 GPU, and each GPU's busy time and benchmarks. A warm-up run first fills Triton's
+   cache, so the timed runs isolate the benchmarks (``--cold-kernels``: no warm-up).
+   ``--fake-gpus`` (a machine without GPUs): Ray's fake GPU resources, and the tests'
+   deterministic fake benchmark, each candidate holding its GPU ``--fake-ms``.
+
     .venv/bin/python bench/farm_bench.py --workers 1,2 --target cuda
     .venv/bin/python bench/farm_bench.py --workers 1,4,8,16 --target cuda   # a GPU host
+    python3 bench/farm_bench.py --gpus 1,2,4                        # a multi-GPU host
+    .venv/bin/python bench/farm_bench.py --gpus 1,4 --fake-gpus      # scheduling, on CPU
 
 Targets: fan-out speedup >= 0.7 x workers (up to the machine's cores); warm start
-<= 50 ms per graph of 50 kernels.
+<= 50 ms per graph of 50 kernels; autotune wall time with 4 GPUs <= 0.35x that with 1.
 """
 
 from __future__ import annotations
@@ -99,6 +114,50 @@ def target_dict(target: str) -> dict[str, Any]:
     return dict(DEFAULT_TARGETS[target])  # type: ignore[call-overload,no-any-return]
 
 
+def gemm_ladder(layers: int) -> Any:
+    """A function of (x, w0, b0, w1, b1, ...): ``layers`` matmuls, each followed by its
+    bias and an activation (gelu, tanh in turn), which a template fuses into its store."""
+    import torch
+    import torch.nn.functional as F
+
+    def ladder(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        for i in range(layers):
+            h = x @ params[2 * i] + params[2 * i + 1]
+            x = F.gelu(h) if i % 2 == 0 else torch.tanh(h)
+        return x
+
+    return ladder
+
+
+# (rows, first width, width step, dtype) of the ladders: GPU-sized, or tiny for the fake
+# GPUs of a CPU machine (what is measured there is scheduling, not kernels).
+LADDER_SIZES = {"full": (4096, 1024, 128, "float16"), "small": (16, 8, 1, "float32")}
+
+
+def build_ladders(graphs: int, problems: int, size: str) -> list[tuple[Any, list[Any]]]:
+    """(gm, CUDA input metas) per graph: every matmul of every graph a distinct problem
+    (widths grow by a step, so no two share K and N)."""
+    import dataclasses
+
+    import torch
+
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.compiler.request import TensorMeta
+
+    rows, first, step, dtype_name = LADDER_SIZES[size]
+    dtype = getattr(torch, dtype_name)
+    out: list[tuple[Any, list[Any]]] = []
+    for g in range(graphs):
+        widths = [first + step * (g * (problems + 1) + j) for j in range(problems + 1)]
+        args = [torch.randn(rows, widths[0], dtype=dtype)]
+        for k, n in zip(widths, widths[1:]):
+            args += [torch.randn(k, n, dtype=dtype), torch.randn(n, dtype=dtype)]
+        gm = trace_aten(gemm_ladder(problems), args)
+        out.append((gm, [dataclasses.replace(TensorMeta.from_tensor(a), device_type="cuda")
+                         for a in args]))
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Child processes: one cold run, or one warm run.
 
@@ -138,6 +197,44 @@ def child_cold(args: argparse.Namespace) -> dict[str, Any]:
             "kernels": sum(len(r.compiled.binaries) for r in results),
             "graph_stage_s": sum(t.get("graph_compile", 0.0) for t in timings),
             "kernel_cpu_s": sum(t.get("kernel_compile_cpu", 0.0) for t in timings)}
+
+
+def child_tune(args: argparse.Namespace) -> dict[str, Any]:
+    """Max-autotune of the ladders through an embedded farm with ``--mode`` GPUs."""
+    import ray
+
+    from kiln.frontend.client import KilnClient
+    from kiln.frontend.compile import build_request
+    from kiln.frontend.config import KilnConfig
+    from kiln.frontend.farm import RayFarm
+    from kiln.frontend.keys import compute_key
+    from kiln.frontend.trace import gpu_usage, spans_from_events
+
+    size = args.size or ("small" if args.fake_gpus else "full")
+    config = KilnConfig.resolve({}).with_mode("max-autotune")
+    requests = [build_request(gm, metas, config, target=target_dict("cuda"))
+                for gm, metas in build_ladders(args.graphs, args.problems, size)]
+    farm = RayFarm(None, num_cpus=args.cpus or None, num_gpus=int(args.mode))
+    ray.get(farm.actor().wait_warm.remote(), timeout=600)
+    client = KilnClient(config, farm=farm)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(client.compile, requests))
+    first_s = time.perf_counter() - start
+    for request in requests:  # kernels other than templates tune after the answer
+        farm.tuned(compute_key(request).key, timeout=1800)
+    stored_s = time.perf_counter() - start
+    assert all(r.source == "farm" for r in results), [r.source for r in results]
+    usage = gpu_usage(spans_from_events(ray.get(farm.actor().tuning_trace.remote())))
+    selections = [r.compiled.stats.get("gemm_selection") or {} for r in results]
+    return {"gpus": int(args.mode), "first_answer_s": first_s, "in_store_s": stored_s,
+            "selection_s": max(r.compiled.timings.get("gemm_selection", 0.0)
+                               for r in results),
+            "bench_wall_s": usage["wall_ms"] / 1e3, "usage": usage["gpus"],
+            "actors": ray.get(farm.actor().gpu_usage.remote()), "size": size,
+            "benchmarked": sum(s.get("benchmarked", 0) for s in selections),
+            "problems": sum(s.get("problems", 0) for s in selections),
+            "published": sum(bool(r.compiled.published_to) for r in results)}
 
 
 def child_warm(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,12 +286,13 @@ def snapshot_sources(live: bool) -> Path:
 
 
 def run_child(src: Path, work: Path, argv: list[str], *, store: Path,
-              fresh_caches: bool) -> dict[str, Any]:
+              fresh_caches: bool, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KILN_") and k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
     path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
     env.update(PYTHONPATH=path, KILN_STORE=str(store), KILN_STATS_FILE="off",
-               XDG_CACHE_HOME=str(work / "cache"), TRITON_CACHE_DIR=str(work / "triton"))
+               XDG_CACHE_HOME=str(work / "cache"), TRITON_CACHE_DIR=str(work / "triton"),
+               **(extra_env or {}))
     if fresh_caches:
         shutil.rmtree(work / "cache", ignore_errors=True)
         shutil.rmtree(work / "triton", ignore_errors=True)
@@ -243,6 +341,46 @@ def report(cold: list[dict[str, Any]], warm: dict[str, Any], args: argparse.Name
                   f"{statistics.median(values[1:] or values):7.1f} ms")
 
 
+def run_gpu_sweep(src: Path, work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One tune run per GPU count (after a warm-up run unless ``--cold-kernels``)."""
+    counts = [int(n) for n in args.gpus.split(",") if n]
+    extra = {"KILN_LOCAL_CACHE": "off", "KILN_AUTOTUNE_EXIT_WAIT": "0"}
+    if args.fake_gpus:
+        extra.update(KILN_TEST_FAKE_AUTOTUNE="1", KILN_TEST_FAKE_AUTOTUNE_MS=str(args.fake_ms))
+    common = ["--graphs", str(args.graphs), "--problems", str(args.problems),
+              "--cpus", str(args.cpus)] + (["--size", args.size] if args.size else []) + \
+        (["--fake-gpus"] if args.fake_gpus else [])
+    runs = [] if args.cold_kernels else [("warm-up", max(counts))]
+    runs += [(str(n), n) for n in counts]
+    rows = []
+    for i, (label, n) in enumerate(runs):
+        row = run_child(src, work, ["--child", "tune", "--mode", str(n), *common],
+                        store=work / f"store-tune-{i}", fresh_caches=i == 0, extra_env=extra)
+        print(f"tune {label}: {n} GPU(s), benchmarks {row['bench_wall_s']:.2f} s, first "
+              f"answer {row['first_answer_s']:.2f} s", file=sys.stderr)
+        if label != "warm-up":
+            rows.append(row)
+    return rows
+
+
+def report_gpus(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    one = next((r for r in rows if r["gpus"] == 1), None)
+    fake = f"fake GPUs, {args.fake_ms} ms per candidate" if args.fake_gpus else "real GPUs"
+    print(f"# {machine()}; {fake}; {args.graphs} graphs x {args.problems} GEMM problems "
+          f"({rows[0]['size']} sizes), max-autotune, {args.cpus or os.cpu_count()} CPUs; "
+          f"{'cold' if args.cold_kernels else 'warm'} Triton cache")
+    print("| GPUs | benchmarks wall | vs 1 GPU | first answer | tuned in store | "
+          "GEMM selection | benchmarked | per GPU: busy s (benchmarks) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        vs = f"{r['bench_wall_s'] / one['bench_wall_s']:.2f}x" if one and \
+            one["bench_wall_s"] else ""
+        per = ", ".join(f"{u['busy_ms'] / 1e3:.2f} ({u['jobs']})" for u in r["usage"])
+        print(f"| {r['gpus']} | {r['bench_wall_s']:.2f} s | {vs} | {r['first_answer_s']:.2f} s"
+              f" | {r['in_store_s']:.2f} s | {r['selection_s']:.2f} s | "
+              f"{r['benchmarked']}/{r['problems']} | {per} |")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2", help="CPU worker counts, e.g. 1,4,8,16")
@@ -251,7 +389,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernels", type=int, default=50)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--live", action="store_true", help="run the live tree, no snapshot")
-    parser.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)
+    parser.add_argument("--gpus", default="", help="autotune over N GPUs, e.g. 1,2,4")
+    parser.add_argument("--problems", type=int, default=16, help="GEMM problems per graph")
+    parser.add_argument("--cpus", type=int, default=0, help="Ray CPUs (default: all)")
+    parser.add_argument("--size", choices=sorted(LADDER_SIZES), default="")
+    parser.add_argument("--fake-gpus", action="store_true",
+                        help="Ray's fake GPUs and the fake benchmark (a CPU machine)")
+    parser.add_argument("--fake-ms", type=float, default=50.0)
+    parser.add_argument("--cold-kernels", action="store_true",
+                        help="no warm-up run: kernel compiles are in the figures")
+    parser.add_argument("--child", choices=["cold", "warm", "tune"], help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="inprocess", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -259,12 +406,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        result = child_cold(args) if args.child == "cold" else child_warm(args)
-        print(json.dumps(result))
+        children = {"cold": child_cold, "warm": child_warm, "tune": child_tune}
+        print(json.dumps(children[args.child](args)))
         return
     src = snapshot_sources(args.live)
     shutil.copy(Path(__file__), src / "bench_child.py")
     work = Path(tempfile.mkdtemp(prefix="kiln-farm-bench-"))
+    if args.gpus:
+        rows = run_gpu_sweep(src, work, args)
+        if args.json:
+            print(json.dumps({"machine": machine(), "gpus": rows}, indent=2))
+        else:
+            report_gpus(rows, args)
+        if not args.live:
+            shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     common = ["--target", args.target, "--graphs", str(args.graphs),
               "--kernels", str(args.kernels)]
     cold = []

@@ -26,11 +26,13 @@ _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
                  "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8, "i1": torch.bool}
 
 
-def scratch_args(spec: KernelSpec, device: torch.device) -> list[torch.Tensor]:
-    """One buffer per pointer argument, as large as the graph's buffer was."""
+def scratch_args(spec: KernelSpec, device: torch.device,
+                 arg_bytes: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+    """One buffer per pointer argument, as large as the graph's buffer was (or as
+    ``arg_bytes`` says: a launch of a kernel with dynamic sizes)."""
     args = []
     pointer_types = [t for t in spec.signature.values() if t.startswith("*")]
-    for sig, nbytes in zip(pointer_types, spec.arg_bytes):
+    for sig, nbytes in zip(pointer_types, arg_bytes or spec.arg_bytes):
         dtype = _TORCH_DTYPES[sig[1:]]
         numel = max(1, nbytes // dtype.itemsize)
         if dtype.is_floating_point:
@@ -61,8 +63,8 @@ MAX_CANDIDATES = 4
 
 
 def candidates(spec: KernelSpec) -> list[dict[str, Any]]:
-    # A kernel of a graph with dynamic shapes (size arguments) keeps the heuristic config
-    # of its size bucket (recorded in the artifact): tuning per bucket is not done yet.
+    # A kernel of a graph with dynamic shapes (size arguments) is tuned per size bucket,
+    # at the sizes a process sees (workers.buckets), not here.
     if spec.xnumel * spec.rnumel < MIN_TUNED_ELEMENTS or not spec.arg_bytes or spec.size_args:
         return [dict(spec.configs[0])]
     return [dict(c) for c in spec.configs[:MAX_CANDIDATES]]

@@ -13,6 +13,7 @@ import torch
 from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .kernel_compile import KernelBinary
+from .runtime.buckets import NewBucket
 
 log = logging.getLogger("kiln.compiled")
 
@@ -32,6 +33,10 @@ class CompiledGraph:
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     lifetimes: str = ""
+    # Graphs with dynamic shapes: per kernel, the config tuned for each size bucket
+    # (``runtime.buckets``) and its binary (none under Triton's interpreter).
+    buckets: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    bucket_binaries: dict[str, dict[str, KernelBinary]] = field(default_factory=dict)
     # Where a farm that built this graph published it ("" if nowhere); not stored.
     published_to: str = field(default="", compare=False)
 
@@ -44,6 +49,9 @@ class CompiledGraph:
             "binaries": {k: b.to_dict() for k, b in self.binaries.items()},
             "configs": self.configs, "autotuned": self.autotuned, "timings": self.timings,
             "stats": self.stats, "lifetimes": self.lifetimes,
+            "buckets": {k: {b: dict(c) for b, c in v.items()} for k, v in self.buckets.items()},
+            "bucket_binaries": {k: {b: x.to_dict() for b, x in v.items()}
+                                for k, v in self.bucket_binaries.items()},
         }
 
     @staticmethod
@@ -53,20 +61,26 @@ class CompiledGraph:
             [KernelSpec.from_dict(k) for k in d["kernels"]], list(d["constant_names"]),
             {k: KernelBinary.from_dict(b) for k, b in d["binaries"].items()},
             {k: dict(v) for k, v in d["configs"].items()}, bool(d["autotuned"]),
-            dict(d["timings"]), dict(d["stats"]), d.get("lifetimes", ""))
+            dict(d["timings"]), dict(d["stats"]), d.get("lifetimes", ""),
+            {k: {b: dict(c) for b, c in v.items()} for k, v in d.get("buckets", {}).items()},
+            {k: {b: KernelBinary.from_dict(x) for b, x in v.items()}
+             for k, v in d.get("bucket_binaries", {}).items()})
 
     def config_for(self, spec: KernelSpec) -> dict[str, Any]:
         return self.configs.get(spec.name) or dict(spec.configs[0])
 
 
 def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = None,
-         device: torch.device | None = None) -> Callable[[list[Any]], tuple[Any, ...]]:
-    """Bind kernels, constants and the device into the wrapper; return its ``call``."""
+         device: torch.device | None = None, on_new_bucket: NewBucket | None = None
+         ) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """Bind kernels, constants and the device into the wrapper; return its ``call``.
+    Kernels with dynamic sizes pick their config by size bucket at each launch;
+    ``on_new_bucket`` hears of each bucket that has no tuned config yet."""
     device = device or _default_device(compiled.device_type)
     namespace: dict[str, Any] = {"DEVICE": device}
     for spec in compiled.kernels:
         with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
-            namespace[spec.name] = _launcher(compiled, spec, device)
+            namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
@@ -84,19 +98,34 @@ def _default_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -> Any:
-    config = compiled.config_for(spec)
+def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device,
+              on_new_bucket: NewBucket | None = None) -> Any:
+    config, binary = compiled.config_for(spec), compiled.binaries.get(spec.name)
+    buckets = compiled.buckets.get(spec.name, {})
+    if spec.backend == "triton" and spec.size_args and (buckets or on_new_bucket):
+        from .runtime.buckets import BucketedLauncher
+
+        tuned = compiled.bucket_binaries.get(spec.name, {})
+        by_bucket = {name: _one_launcher(spec, device, cfg, tuned.get(name))
+                     for name, cfg in buckets.items()}
+        return BucketedLauncher(spec, _one_launcher(spec, device, config, binary), by_bucket,
+                                on_new_bucket)
+    return _one_launcher(spec, device, config, binary)
+
+
+def _one_launcher(spec: KernelSpec, device: torch.device, config: dict[str, Any],
+                  binary: KernelBinary | None) -> Any:
+    """The kernel launched with one config (its binary where it has one for this GPU)."""
     if spec.backend == "cpp":
         from .codegen.cpp.build import CppLauncher
 
-        return CppLauncher(spec, compiled.binaries.get(spec.name))
+        return CppLauncher(spec, binary)
     from .runtime.triton_launcher import TritonLauncher
 
     if device.type != "cuda":
         return TritonLauncher(spec, config, "interpret")
-    binary = compiled.binaries.get(spec.name)
     if binary is not None and binary.binary and _arch_matches(binary, device):
-        static = _static_launcher(spec, binary)
+        static = _static_launcher(spec, binary, device.index)
         if static is not None:
             return static
         try:
@@ -107,7 +136,8 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device) -
     return TritonLauncher(spec, config, "jit")
 
 
-def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
+def _static_launcher(spec: KernelSpec, binary: KernelBinary, device: int | None = None
+                     ) -> Any:
     """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch),
     or None where it cannot take this kernel."""
     from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
@@ -119,7 +149,7 @@ def _static_launcher(spec: KernelSpec, binary: KernelBinary) -> Any:
     try:
         return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
                                 fallback=lambda: TritonLauncher(spec, binary.config, "binary",
-                                                                binary))
+                                                                binary), device=device)
     except StaticLaunchUnsupported as e:
         log.debug("kiln: kernel %s uses Triton's launcher: %s", spec.name, e)
         return None

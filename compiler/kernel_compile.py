@@ -82,6 +82,16 @@ def _compile_for(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any
 
 def _compile_triton(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
                     ) -> tuple[bytes, dict[str, Any]]:
+    compiled = triton_compiled(spec, config, target)
+    binary_ext = "cubin" if "cubin" in compiled.asm else "hsaco"
+    meta = json.loads(json.dumps(compiled.metadata._asdict(), default=_jsonable))
+    meta["binary_ext"] = binary_ext
+    return bytes(compiled.asm[binary_ext]), meta
+
+
+def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                    ) -> Any:
+    """Triton's compiled kernel (its ``asm`` holds every stage: ttgir, ptx, cubin)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -96,14 +106,10 @@ def _compile_triton(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
     options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"]),
                "enable_fp_fusion": True}
     try:
-        compiled = triton.compile(src, target=triton_target(target), options=options)
+        return triton.compile(src, target=triton_target(target), options=options)
     except Exception as e:
         raise KilnCompileError(f"Triton failed to compile: {type(e).__name__}: {e}",
                                stage="kernel compile", kernel=spec.name) from e
-    binary_ext = "cubin" if "cubin" in compiled.asm else "hsaco"
-    meta = json.loads(json.dumps(compiled.metadata._asdict(), default=_jsonable))
-    meta["binary_ext"] = binary_ext
-    return bytes(compiled.asm[binary_ext]), meta
 
 
 def _jsonable(value: Any) -> Any:

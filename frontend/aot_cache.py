@@ -57,6 +57,7 @@ from .compile import (
 )
 from .config import KilnConfig
 from .dynamo_key import NotCacheable, aot_key
+from .regions import is_regional
 from .trace import flush as flush_trace
 
 log = logging.getLogger("kiln.aot_cache")
@@ -213,6 +214,8 @@ class Pending:
         outputs = graph.graph.find_nodes(op="output")[0].args[0]
         if not name.startswith("inference_"):
             problem = "training"
+        elif is_regional(name):
+            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
         elif name not in self.results:
             problem = "eager_graph"
         elif _input_wires(inputs) != self.expected:

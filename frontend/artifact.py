@@ -7,8 +7,9 @@ from kiln.workers.artifact import (
     ArtifactFormatError,
     compile_seconds,
     from_artifact,
+    superseding,
     to_artifact,
 )
 
 __all__ = ["LAYOUT_VERSION", "WRAPPER_BLOB", "ArtifactFormatError", "compile_seconds",
-           "from_artifact", "to_artifact"]
+           "from_artifact", "superseding", "to_artifact"]

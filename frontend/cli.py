@@ -129,7 +129,8 @@ CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "far
                    "compile_errors", "load_errors", "kernels_compiled", "compile_seconds",
                    "time_saved_s", "hits_autotuned", "autotune_publishes",
                    "kernels_from_store", "farm_not_up", "aot_hits", "aot_misses",
-                   "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected")
+                   "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
+                   "hot_swaps", "bucket_tunes")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -181,6 +182,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"graphs          {summary['graphs']} ({summary['compiles']} compiled: "
           f"{summary['compiles_farm']} on the farm, {summary['compiles_local']} locally)")
     print(f"kernels         {summary['kernels_compiled']} compiled")
+    print(f"autotuning      {summary['autotune_publishes']} tuned artifacts published; "
+          f"{summary['hot_swaps']} switches to tuned kernels in running processes; "
+          f"{summary['bucket_tunes']} size buckets tuned")
     print(f"AOT cache       {summary['aot_hits']} Dynamo graphs served with no AOTAutograd "
           f"trace, {summary['aot_traces']} traced ({summary['aot_misses']} misses, "
           f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected)")

@@ -26,6 +26,8 @@ import logging
 import threading
 import time
 import warnings
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +138,9 @@ class KilnClient:
         self._inflight: dict[str, Future[CompileResult]] = {}
         self.tuner = BackgroundTuner()
         self._lock = threading.Lock()
+        # Background autotuning's results, for graphs loaded in this process (hotswap).
+        self._tuned: dict[str, CompiledGraph] = {}
+        self._listeners: dict[str, list[weakref.WeakMethod[Any]]] = {}
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
                 count_hit: bool = True) -> CompileResult:
@@ -195,6 +200,8 @@ class KilnClient:
         fetched = time.perf_counter()
         if artifact is None:
             return None
+        if artifact.manifest.get("kind") == "regions":
+            return None  # a regional plan (frontend.regions): this graph compiles whole
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)
@@ -212,7 +219,8 @@ class KilnClient:
 
     def lookup(self, key: str) -> CompileResult | None:
         """A stored graph by its key alone, with no request (the AOT cache's warm path:
-        ``frontend.aot_cache``); verified as any read is. The caller reports the load
+        ``frontend.aot_cache``; the regions of a stored plan: ``frontend.regions``);
+        verified as any read is. The caller reports the load
         with :meth:`loaded`."""
         start = time.perf_counter()
         result = self._lookup(KeyInfo(key=key))
@@ -261,6 +269,7 @@ class KilnClient:
         """Autotune in the background (the farm's GPUs, or this process's); the tuned
         artifact then supersedes the heuristic one under the same key."""
         def publish(tuned: CompiledGraph) -> None:
+            self._notify_tuned(key.key, tuned)  # graphs loaded here switch to it
             if not self.store.can_publish:  # a reader: the farm publishes what it tunes
                 return
             published = self.store.publish(to_artifact(key, request, tuned,
@@ -275,6 +284,37 @@ class KilnClient:
         elif source == "local":
             self.tuner.submit(key.key, lambda: autotune_inprocess(
                 compiled, request.target, self.local.kernels), publish)
+
+    def on_tuned(self, key: str, listener: Callable[[CompiledGraph], None]) -> None:
+        """Call ``listener`` (a bound method, held weakly) with the graph of ``key`` once
+        its background autotuning finishes, or at once if it already has."""
+        with self._lock:
+            done = self._tuned.get(key)
+            if done is None:
+                self._listeners.setdefault(key, []).append(weakref.WeakMethod(listener))  # type: ignore[arg-type]
+        if done is not None:
+            listener(done)
+
+    def _notify_tuned(self, key: str, tuned: CompiledGraph) -> None:
+        with self._lock:
+            self._tuned[key] = tuned
+            listeners = [ref() for ref in self._listeners.pop(key, [])]
+        for listener in listeners:
+            if listener is not None:
+                listener(tuned)
+
+    def publish_tuned(self, key: KeyInfo, request: CompileRequest, tuned: CompiledGraph,
+                      compile_s: float = 0.0) -> bool:
+        """Publish a graph tuned in this process (a bucket tuned after it was loaded),
+        superseding the artifact under its key; only where this process is a builder."""
+        if not self.store.can_publish:
+            return False
+        info = {"wall_s": compile_s, "mode": "local", "autotuned_after": True}
+        with trace.span("publish tuned", cat="background", key=key.key[:16]):
+            published = self.store.publish(to_artifact(key, request, tuned, info))
+        self.counters.add(autotune_publishes=int(published))
+        self.counters.flush()
+        return published
 
     def _publish(self, key: KeyInfo, compiled: CompiledGraph, artifact: Artifact) -> bool:
         """Publish where this process is a builder and the farm did not already."""

@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -20,8 +21,9 @@ from kiln.compiler import debug, trace
 from kiln.compiler.compiled_graph import CompiledGraph, load
 from kiln.compiler.driver import DEFAULT_TARGETS
 from kiln.compiler.request import CompileRequest
+from kiln.compiler.runtime.buckets import NewBucket
 
-from .client import CompileResult, client_for
+from .client import CompileResult, KilnClient, client_for
 from .config import KilnConfig
 from .serialize import make_request
 from .trace import flush as flush_trace
@@ -116,13 +118,17 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         request = build_request(gm, example_inputs, config)
     built = time.perf_counter()
     client = client_for(config)
+    regional = compile_as_regions(client, gm, example_inputs, config, name, request)
+    if regional is not None:
+        flush_trace()
+        return regional
     result = client.compile(request, name, count_hit=False)
     loaded_at = time.perf_counter()
-    constants, device = graph_constants(gm), input_device(example_inputs)
+    build = _builder(gm, example_inputs, config, name)
     try:
         with trace.span("load graph", cat="client", graph=name, source=result.source,
                         kernels=len(result.compiled.kernels)):
-            fn = load(result.compiled, constants, device)
+            fn = _loaded(build, result, request, client)
     except Exception as e:
         if result.source != "hit" or not isinstance(e, ARTIFACT_DEFECTS):
             client.loaded(result, ok=False)
@@ -131,16 +137,11 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         client.counters.add(load_errors=1)
         result = client.repair(request, name, e)
         try:
-            fn = load(result.compiled, constants, device)
+            fn = _loaded(build, result, request, client)
         except Exception as again:
             client.loaded(result, ok=False)
             raise LoadFailure(f"{type(again).__name__}: {again}") from again
     client.loaded(result, ok=True)
-    if config.cudagraphs:
-        from kiln.compiler.runtime.cudagraphs import cudagraphify
-
-        fn = cudagraphify(fn, result.compiled.device_type, example_inputs, name,
-                          result.compiled.stats.get("mutated_inputs", []))
     done = time.perf_counter()
     result.timings.update(request_s=built - start, load_s=done - loaded_at,
                           backend_s=done - start)
@@ -152,6 +153,51 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     _notify(name, result)
     flush_trace()
     return fn
+
+
+def _builder(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: KilnConfig,
+             name: str) -> Callable[[CompiledGraph, NewBucket | None], Callable[..., Any]]:
+    """How this graph's compiled form becomes its callable (its constants, its device,
+    CUDA graphs if asked): for the first kernels, and again for tuned ones."""
+    constants, device = graph_constants(gm), input_device(example_inputs)
+
+    def build(compiled: CompiledGraph, on_new_bucket: NewBucket | None = None
+              ) -> Callable[..., Any]:
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            fn = load(compiled, constants, device, on_new_bucket)
+        if config.cudagraphs:
+            from kiln.compiler.runtime.cudagraphs import cudagraphify
+
+            fn = cudagraphify(fn, compiled.device_type, example_inputs, name,
+                              compiled.stats.get("mutated_inputs", []))
+        return fn
+
+    return build
+
+
+def _loaded(build: Callable[[CompiledGraph, NewBucket | None], Callable[..., Any]],
+            result: CompileResult, request: CompileRequest, client: KilnClient
+            ) -> Callable[..., Any]:
+    """The graph's callable: one that switches to tuned kernels while it runs where
+    tuning may still come (``frontend.hotswap``), else the loaded wrapper itself."""
+    from .hotswap import SwappableGraph, wants_swap
+
+    if not wants_swap(result.compiled, request, result.source):
+        return build(result.compiled, None)
+    recorded = result.recorded_compile_s or result.timings.get("compile_s", 0.0)
+    return SwappableGraph(build, result.compiled, client, result.key,
+                          request, recorded)
+
+
+def compile_as_regions(client: KilnClient, gm: torch.fx.GraphModule,
+                       example_inputs: Sequence[Any], config: KilnConfig, name: str,
+                       request: CompileRequest) -> Callable[..., Any] | None:
+    """A large graph compiled as regions (``frontend.regions``); None: compile it whole."""
+    from .regions import compile_regional, wanted
+
+    if not wanted(gm, example_inputs, config):
+        return None
+    return compile_regional(client, gm, example_inputs, config, name, request)
 
 
 def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],

@@ -35,6 +35,7 @@ MAX_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 FARM_MODES = ("local", "inprocess", "embedded", "auto")
 CPU_BACKENDS = ("cpp", "triton-interpret")
 LOG_NAMES = ("output_code",)
+REGION_AUTO_NODES = 2000  # KILN_REGIONS=auto cuts graphs of this many ATen nodes or more
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -69,6 +70,27 @@ def parse_seconds(raw: Any) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError("expected a positive, finite number of seconds")
     return value
+
+
+def parse_count(raw: Any) -> int:
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ValueError("expected a whole number, such as 200") from None
+    if value < 0:
+        raise ValueError("expected a whole number, 0 or more")
+    return value
+
+
+def parse_processes(raw: Any) -> str:
+    """``auto`` or a count of processes."""
+    text = str(raw).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        return str(parse_count(text))
+    except ValueError:
+        raise ValueError("expected auto or a number of processes (0: this process)") from None
 
 
 def parse_text(raw: Any) -> str:
@@ -180,6 +202,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             in_key=True),
     Setting("cudagraphs", parse_flag, False,
             "replay each GPU graph's launches as one CUDA graph (reduce-overhead)"),
+    # Regional compilation (``frontend.regions``): a graph's compiled form, not its code.
+    Setting("regions", choice("auto", "on", "off"), "auto",
+            f"cut large graphs into regions compiled in parallel (auto: from "
+            f"{REGION_AUTO_NODES} ATen nodes; on: any graph of two regions or more)"),
+    Setting("region_nodes", parse_count, 100, "target ATen nodes per region"),
+    Setting("region_processes", parse_processes, "auto",
+            "processes for regions' graph stages when compiling here (0: this process)"),
     Setting("aot_cache", parse_flag, True,
             "a warm start skips AOTAutograd through a cache keyed on Dynamo's graph"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
@@ -204,8 +233,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
 INTERNAL_VARIABLES = frozenset({"KILN_TEST_COMPILE_DELAY", "KILN_TEST_FAKE_AUTOTUNE",
-                                "KILN_DEMO_DIR", "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED",
-                                "KILN_FUZZ_SHARDS", "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
+                                "KILN_TEST_FAKE_AUTOTUNE_MS", "KILN_DEMO_DIR",
+                                "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED", "KILN_FUZZ_SHARDS",
+                                "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
 
 
 def known_variables() -> list[str]:
@@ -294,6 +324,9 @@ class KilnConfig:
     max_autotune: bool = False
     deterministic: bool = False
     cudagraphs: bool = False  # a runtime choice: not in the key
+    regions: str = "auto"
+    region_nodes: int = 100
+    region_processes: str = "auto"
     aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
     stats_file: str | None = None
     logs: str = ""

@@ -9,12 +9,12 @@ target is the GPU's (``compile.cuda_target``: arch, warp 32, SM count; never an 
 
 What a real GPU decides at trace time is modelled here, in one place:
 
-- ``scaled_dot_product_attention`` picks a fused kernel from the GPU and the inputs.
-  A CPU-only torch has no CUDA chooser (it traces the math form), so for targets of
-  sm_80 and newer the choice PyTorch's CUDA path makes is reproduced: flash attention
-  for fp16/bf16 without a mask, memory-efficient attention otherwise (see
-  :func:`sdpa_choice`). A case it cannot vouch for keeps the math form, and the summary
-  says the key may differ from the GPU's.
+- ``scaled_dot_product_attention`` picks a fused kernel (cuDNN, flash or
+  memory-efficient attention, else math) from the GPU, the target's torch, cuDNN and
+  CUDA versions, the inputs and the user's SDPA switches. A CPU-only torch has no CUDA
+  chooser (it traces the math form), so ``sdpa_model`` plays the target's chooser and
+  records the ops its CUDA path records. A case it cannot vouch for gets a note in the
+  summary: the key may differ from the GPU's.
 - A torch built without CUDA has no CUDA device guard, which Python indexing and
   autograd open even for fake tensors: ``cuda_guard_shim`` registers a stand-in. Its
   autograd engine also needs CUDA's runtime hooks to run a backward, so training graphs
@@ -24,7 +24,6 @@ What a real GPU decides at trace time is modelled here, in one place:
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from kiln.compiler.request import CompileRequest, SerializationError
 from .backend import aot_kiln, unsupported_reason
 from .compile import cuda_target, request_options
 from .config import KilnConfig
+from .sdpa_model import SdpaHost, gpu_sdpa
 from .serialize import make_request
 
 aten = torch.ops.aten
@@ -97,6 +97,8 @@ def load_versions(path: str | Path) -> dict[str, Any]:
         raise FakeDeviceError(f"versions file {path}: {e}") from None
     theirs = theirs.get("versions", theirs) if isinstance(theirs, dict) else theirs
     mine = local_versions()
+    if isinstance(theirs, dict):
+        theirs = {k: v for k, v in theirs.items() if k != "runtime"}
     if not isinstance(theirs, dict) or set(theirs) != set(mine):
         raise FakeDeviceError(f"versions file {path}: expected the keys {sorted(mine)} "
                               "(the output of `kiln versions --json`)")
@@ -112,6 +114,19 @@ def load_versions(path: str | Path) -> dict[str, Any]:
             "torch traces differently misses there, and its kernels are built by this "
             "host's triton", UserWarning, stacklevel=2)
     return dict(theirs)
+
+
+def load_runtime(path: str | Path) -> dict[str, Any] | None:
+    """The target host's CUDA and cuDNN versions and SDPA environment, if its versions
+    file records them (``kiln versions --json`` does: ``sdpa_model.host_runtime``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FakeDeviceError(f"versions file {path}: {e}") from None
+    runtime = data.get("runtime") if isinstance(data, dict) else None
+    if runtime is not None and not isinstance(runtime, dict):
+        raise FakeDeviceError(f"versions file {path}: 'runtime' is not an object")
+    return runtime
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,60 +152,16 @@ def fake_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, mode: FakeT
 
 
 # ---------------------------------------------------------------------------------------
-# scaled_dot_product_attention as the target GPU runs it.
+# The target GPU's trace-time choices.
 
 
-def sdpa_choice(arch: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: Any, dropout_p: float, enable_gqa: bool) -> str:
-    """``flash``, ``efficient`` or ``math``: the kernel PyTorch's CUDA path picks on a GPU
-    of ``arch`` for these inputs, in the cases Kiln models (else ``math``)."""
-    if arch < 80 or enable_gqa or dropout_p != 0.0 or q.dim() != 4:
-        return "math"
-    same = q.dtype == k.dtype == v.dtype and q.shape[1] == k.shape[1] == v.shape[1]
-    head_dim = q.shape[-1]
-    if not same or any(t.stride(-1) != 1 for t in (q, k, v)) or v.shape[-1] != head_dim:
-        return "math"
-    if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and \
-            head_dim <= 256 and head_dim % 8 == 0:
-        return "flash"
-    align = 16 // q.element_size()
-    if attn_mask is None and q.dtype in (torch.float32, torch.float16, torch.bfloat16) and \
-            head_dim % align == 0:
-        return "efficient"
-    return "math"
-
-
-def gpu_sdpa(arch: int, notes: list[str], fallback: Callable[..., torch.Tensor] | None = None
-             ) -> Callable[..., torch.Tensor]:
-    """``F.scaled_dot_product_attention`` as PyTorch's CUDA path runs it on ``arch``: the
-    fused ATen op it calls, with the arguments it passes (flash attention gets the scale
-    computed from the head dim; memory-efficient attention the scale as given). Cases
-    not modelled (a mask, dropout, GQA) run ``fallback`` (default: SDPA itself)."""
-    run_math = fallback or F.scaled_dot_product_attention
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
-             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> torch.Tensor:
-        choice = sdpa_choice(arch, q, k, v, attn_mask, dropout_p, enable_gqa)
-        if choice == "flash":
-            og_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-            return aten._scaled_dot_product_flash_attention.default(
-                q, k, v, dropout_p, is_causal, False, scale=og_scale)[0]
-        if choice == "efficient":
-            return aten._scaled_dot_product_efficient_attention.default(
-                q, k, v, None, False, dropout_p, is_causal, scale=scale)[0]
-        notes.append(f"scaled_dot_product_attention on {tuple(q.shape)} {q.dtype}: the "
-                     "fused kernel a GPU picks is not modelled here; the key may differ")
-        return run_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
-
-    return sdpa
-
-
-def gpu_device_model(target: dict[str, Any], notes: list[str]
+def gpu_device_model(target: dict[str, Any], notes: list[str],
+                     versions: dict[str, Any] | None = None,
+                     runtime: dict[str, Any] | None = None
                      ) -> Callable[[torch.fx.GraphModule], None]:
-    """The FX pass that stands in for the target GPU's trace-time choices."""
-    sdpa = gpu_sdpa(int(target.get("arch", 0)), notes)
+    """The FX pass that stands in for the target GPU's trace-time choices (the host's
+    torch from ``versions``, its CUDA and cuDNN from ``runtime``: see ``sdpa_model``)."""
+    sdpa = gpu_sdpa(SdpaHost.for_target(target, versions, runtime), notes)
 
     def apply(gm: torch.fx.GraphModule) -> None:
         changed = False
@@ -221,7 +192,8 @@ class TracedGraph:
 
 def trace_requests(model: Callable[..., Any], inputs: Sequence[Any], config: KilnConfig,
                    target: dict[str, Any], *, versions: dict[str, Any] | None = None,
-                   train: bool = False) -> list[TracedGraph]:
+                   runtime: dict[str, Any] | None = None, train: bool = False
+                   ) -> list[TracedGraph]:
     """Run ``model(*inputs)`` through ``torch.compile`` on the kiln backend's path and
     return the request of every ATen graph, keyed for ``target`` (and ``versions``).
     Nothing compiles: each graph runs as traced, on the (fake) inputs."""
@@ -258,7 +230,8 @@ def trace_requests(model: Callable[..., Any], inputs: Sequence[Any], config: Kil
 
         return make_boxed_func(run_fake)
 
-    device_model = gpu_device_model(target, notes) if target.get("kind") == "cuda" else None
+    device_model = (gpu_device_model(target, notes, versions, runtime)
+                    if target.get("kind") == "cuda" else None)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         return aot_kiln(gm, example_inputs, graph_compiler, device_model=device_model)
@@ -282,10 +255,10 @@ def _traced(gm: torch.fx.GraphModule, inputs: Sequence[Any], name: str, config: 
             ) -> TracedGraph:
     reason = unsupported_reason(inputs)
     if reason is not None:
-        return TracedGraph(name, None, reason, list(notes))
+        return TracedGraph(name, None, reason, list(dict.fromkeys(notes)))
     try:
         request = make_request(gm, inputs, options=request_options(config), target=target,
                                versions=versions)
     except SerializationError as e:
-        return TracedGraph(name, None, f"cannot be keyed: {e}", list(notes))
-    return TracedGraph(name, request, "", list(notes))
+        return TracedGraph(name, None, f"cannot be keyed: {e}", list(dict.fromkeys(notes)))
+    return TracedGraph(name, request, "", list(dict.fromkeys(notes)))

@@ -48,6 +48,12 @@ LOCAL_RECHECK_S = 10.0
 PROBE_TIMEOUT_S = 3.0
 RAY_CLIENT_PORT = 10001
 RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+# Ray replaces a loopback node IP by the machine's network address unless it believes it
+# runs without a cluster (its macOS/Windows default); with this at 0, a node started with
+# ``--node-ip-address=127.0.0.1`` binds every port (GCS, raylet, workers) to loopback.
+# Every process of the cluster and every driver joining it needs it (Ray 2.60).
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK = "127.0.0.1"
 
 
 class FarmUnavailable(RuntimeError):
@@ -78,6 +84,9 @@ class InProcessFarm:
 
         self.kernels = kernels or KernelCache()
         self.choices = MemoryChoiceCache()  # max-autotune's matmul choices
+        # Child processes for graph stages (``workers.stage_pool``); set by regional
+        # compilation, which compiles several graphs at once.
+        self.stages: Any = None
 
     def attach_store(self, store: Any) -> None:
         """Keep max-autotune's choices in ``store`` too (fleet-wide)."""
@@ -91,7 +100,8 @@ class InProcessFarm:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
-                                     extra_options=debug_options, choices=self.choices)
+                                     extra_options=debug_options, choices=self.choices,
+                                     stages=self.stages)
         except Exception as e:
             raise CompileFailure.wrap(e, key) from e
 
@@ -152,6 +162,26 @@ def use_farm_token(info: dict[str, Any]) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(token_file))
         _refresh_ray_auth()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``) names this machine's loopback interface."""
+    target = _host_port(address)
+    return target is not None and (target[0] in ("localhost", "::1")
+                                   or target[0].startswith("127."))
+
+
+def use_loopback_ray(address: str) -> None:
+    """Before joining the cluster at ``address``: if it listens on loopback only (``kiln
+    farm up`` without ``--host``), keep Ray from rewriting 127.0.0.1 to the machine's
+    network address, where nothing answers (see RAY_LOOPBACK_ENV). A Ray imported
+    already read the variable: its constant is set too."""
+    if not is_loopback(address):
+        return
+    os.environ[RAY_LOOPBACK_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
 
 
 def _refresh_ray_auth() -> None:
@@ -266,9 +296,14 @@ class RayFarm:
     """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
-                 graph_workers: int | None = None, connect_timeout: float = 120.0) -> None:
+                 graph_workers: int | None = None, connect_timeout: float = 120.0,
+                 num_gpus: int | None = None) -> None:
+        """``num_cpus`` / ``num_gpus``: the resources of an embedded Ray (``num_gpus``
+        None: Ray counts this machine's; on a machine without GPUs a number makes fake
+        ones, which the tests' fake benchmark uses)."""
         self.address = address
         self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
         self.graph_workers = graph_workers
         self.connect_timeout = connect_timeout
         self.joined: str | None = None  # what this process is connected to
@@ -332,6 +367,7 @@ class RayFarm:
             # address "local": a new instance even where `ray start` runs one already.
             kwargs.update(address="local", num_cpus=self.num_cpus or os.cpu_count(),
                           include_dashboard=False,
+                          **({} if self.num_gpus is None else {"num_gpus": self.num_gpus}),
                           runtime_env={"env_vars": {"TRITON_INTERPRET": "0"}})
         else:
             kwargs["address"] = address
@@ -347,6 +383,7 @@ class RayFarm:
     @staticmethod
     def _join(ray: Any, address: str, kwargs: dict[str, Any]) -> None:
         """``ray.init`` to a cluster, with Ray's own output kept out of the terminal."""
+        use_loopback_ray(address)
         with ray_output_captured() as log_path:
             try:
                 use_auth_token()
@@ -567,10 +604,10 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     """`ray start --head` in the background, with Ray's token authentication on (the
     token in a private file, ``farm_token_file()``); its address and token file go to
     the farm file, which ``local`` clients read. ``host``: the address other machines
-    join it by (Ray's node IP); without it the farm is for this machine. Ray listens on
-    every interface whatever the node IP (it refuses a loopback one): the token, and a
-    firewall for the ports, are what keep other machines out. A cluster already up is
-    returned as it is."""
+    join it by (Ray's node IP), and Ray then listens on every interface: the token, and
+    a firewall for the ports, keep strangers out. Without it every Ray port of the farm
+    listens on 127.0.0.1 only (RAY_LOOPBACK_ENV). A cluster already up is returned as
+    it is."""
     info = read_farm_file()
     if info is not None and probe(str(info["address"])) is None:
         return {**info, "already_running": True}
@@ -585,20 +622,21 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
                f"--temp-dir={temp_dir}",
                f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
-               "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
-    if host:
-        command.append(f"--node-ip-address={host}")
+               "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
+               f"--node-ip-address={host or LOOPBACK}"]
     if num_gpus is not None:
         command.append(f"--num-gpus={num_gpus}")
     farm_token(create=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
+    if not host:
+        env[RAY_LOOPBACK_ENV] = "0"
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     try:
-        address = _wait_for_head(proc, log_path, timeout)
+        address = _wait_for_head(proc, log_path, timeout, f"{LOOPBACK}:{port}")
     except (RuntimeError, TimeoutError):
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
@@ -610,13 +648,16 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     return info
 
 
-def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> str:
+def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
+                   loopback: str) -> str:
+    """The head's address once Ray says it started: the one it tells other nodes to
+    join by, or ``loopback`` where it names none (a node on 127.0.0.1)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")
-        found = re.search(r"ray start --address='([^']+)'", text)
-        if "Ray runtime started" in text and found:
-            return found.group(1)
+        if "Ray runtime started" in text:
+            found = re.search(r"ray start --address='([^']+)'", text)
+            return found.group(1) if found else loopback
         if proc.poll() is not None:
             raise RuntimeError(f"ray start failed: {_last_error_line(text)} (see {log_path})")
         time.sleep(0.2)
@@ -692,12 +733,24 @@ def _kill_group(pid: int, grace_s: float) -> None:
 
 
 def auth_instructions(info: dict[str, Any]) -> str:
-    """What `kiln farm up` prints: how clients send the farm's Ray token."""
+    """What `kiln farm up` prints: how clients send the farm's Ray token, and which
+    interfaces the farm's Ray ports listen on."""
     token_file = info.get("token_file") or farm_token_file()
-    return (f"Ray token authentication is on; the token is in {token_file} (mode 0600).\n"
-            f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}\n"
-            f"  clients elsewhere: export RAY_AUTH_MODE=token "
-            f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}\n"
-            "  Ray listens on every interface: keep its ports behind a firewall too. Ray "
-            "access runs code on the farm,\n  which holds the signing key: give the token "
-            "to trusted builders and clients only (infra/README.md).")
+    lines = [f"Ray token authentication is on; the token is in {token_file} (mode 0600).",
+             f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}"]
+    if is_loopback(str(info.get("address", ""))):
+        lines += ["  Every Ray port listens on 127.0.0.1 only: other machines cannot reach "
+                  "the farm (start it",
+                  "  with --host ADDRESS to serve them); other users of this machine can, "
+                  "and the token refuses them."]
+    else:
+        lines += [f"  clients elsewhere: export RAY_AUTH_MODE=token "
+                  f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}",
+                  "  Ray listens on every interface (--host): the GCS port, the raylet's and "
+                  "each worker's gRPC",
+                  "  ports are open to the network, guarded by the token: keep them behind "
+                  "a firewall too."]
+    lines += ["  Ray access runs code on the farm, which holds the signing key: give the "
+              "token to trusted",
+              "  builders and clients only (infra/README.md)."]
+    return "\n".join(lines)

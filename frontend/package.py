@@ -44,7 +44,7 @@ from kiln.artifact_store import Artifact, parse_keyring
 from kiln.artifact_store.errors import IntegrityError, UnsupportedFormat
 from kiln.artifact_store.manifest import BlobRef, decode_manifest, encode_manifest
 from kiln.artifact_store.signing import Verdict
-from kiln.compiler.request import TensorMeta
+from kiln.compiler.tensor_meta import TensorMeta
 
 MAGIC = b"KILNPKG\x01"
 PACKAGE_FORMAT = 1
@@ -70,11 +70,12 @@ def export_aten(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     table = kiln_decompositions()
     notes: list[str] = []
     if target.get("kind") == "cuda" and not torch.cuda.is_available():
-        from .fake_device import gpu_sdpa
+        from .sdpa_model import SdpaHost, gpu_sdpa
 
-        # No GPU to pick the fused attention kernel: the target's choice, modelled.
+        # No GPU to pick the fused attention kernel: the target's choice (this torch on
+        # that GPU), modelled.
         table[torch.ops.aten.scaled_dot_product_attention.default] = gpu_sdpa(
-            int(target["arch"]), notes, fallback=_sdpa_math)
+            SdpaHost.for_target(target), notes, fallback=_sdpa_math)
     with torch.no_grad():
         ep = torch.export.export(model, tuple(example_inputs)).run_decompositions(table)
     for note in dict.fromkeys(notes):
@@ -388,7 +389,7 @@ def _weights(path: Any, meta: dict[str, Any], blobs: Mapping[str, memoryview], g
 
 def _unpack_tensors(index: list[list[Any]], blobs: Mapping[str, memoryview], prefix: str,
                     device: torch.device) -> dict[str, torch.Tensor]:
-    from kiln.compiler.request import dtype_from_name
+    from kiln.compiler.tensor_meta import dtype_from_name
 
     out = {}
     for name, dtype_name, shape, chunk, offset, nbytes in index:

@@ -382,6 +382,13 @@ def unpublishable_reason(store: Any) -> str | None:
 def cmd_precompile(args: argparse.Namespace) -> int:
     from . import precompile_gpu
 
+    if args.gpu_worker:  # drain the autotune queue of precompiles without a GPU
+        from .autotune_queue import cmd_gpu_worker
+
+        return cmd_gpu_worker(args)
+    if args.target is None:
+        raise UsageError("precompile needs a TARGET (module:function or script.py), "
+                         "or --gpu-worker")
     if precompile_gpu.wants_job(args):  # a GPU this host lacks, ranges, a CI check
         return precompile_gpu.cmd_job(args)
     is_script = check_arguments(args)
@@ -459,7 +466,7 @@ def add_precompile_parser(sub: Any) -> None:
         "compiled once per --shapes and --mode; or a script.py, run as __main__ (its "
         "arguments after --) with torch.compile using Kiln. Exit 1 when a graph was not "
         "published or ran eagerly.")
-    pre.add_argument("target")
+    pre.add_argument("target", nargs="?")
     pre.add_argument("--shapes", nargs="+", type=parse_shapes, metavar="SHAPES",
                      help="one input shape set each: 8x128 or 8x128,128 (one per input); "
                      "a dimension MIN-MAX (1-64x128) is dynamic: one compile for the range")

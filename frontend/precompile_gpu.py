@@ -10,7 +10,9 @@ graph's key is the one a client on that GPU computes. Each request then goes thr
 client (``client.KilnClient``: the store, then the farm when one is up, else this
 process); its kernels are cross-compiled for the target with heuristic configs, and
 the artifact records ``autotuned: False``: tuning is left to GPU workers (the summary
-counts those graphs as ``autotune_pending``). With ``--versions-from`` the keys carry the
+counts those graphs as ``autotune_pending``): the farm's GPU autotuners when a farm is
+up, else the store's autotune queue, which ``kiln precompile --gpu-worker`` drains on a
+GPU host (``autotune_queue``). With ``--versions-from`` the keys carry the
 target host's torch and triton versions (``kiln versions --json`` there) and the graphs
 compile in this process, with this host's compiler, under those keys.
 
@@ -75,12 +77,14 @@ class GraphRecord:
     source: str = ""  # farm or local, for compiled graphs
     kernels: int = 0
     autotune_pending: bool = False
+    autotune: str = ""  # tuned, farm, here, queued (for a GPU worker) or "" (nothing)
     notes: list[str] = field(default_factory=list)
 
 
 def run_job(make_model: Callable[[], Any], shape_sets: Sequence[Sequence[Sequence[int]]],
             dtype: str, target: dict[str, Any], config: Any, *, check: bool = False,
             train: bool = False, versions: dict[str, Any] | None = None,
+            runtime: dict[str, Any] | None = None,
             on_graph: Callable[[GraphRecord], None] | None = None) -> list[GraphRecord]:
     """Trace every shape set for ``target`` and check or compile each graph."""
     import torch
@@ -99,7 +103,7 @@ def run_job(make_model: Callable[[], Any], shape_sets: Sequence[Sequence[Sequenc
     for shapes in shape_sets:
         inputs = fake_inputs(shapes, getattr(torch, dtype), mode, device)
         for traced in trace_requests(model, inputs, config, target, versions=versions,
-                                     train=train):
+                                     runtime=runtime, train=train):
             record = GraphRecord([list(s) for s in shapes], traced.name, None, "not_keyed",
                                  notes=[*traced.notes, *([traced.reason] if traced.reason
                                                          else [])])
@@ -133,7 +137,23 @@ def _check_or_compile(client: Any, request: Any, record: GraphRecord, check: boo
         compiled = _compile_for_other_versions(client, key, request)
         record.status, record.source = "compiled", "local"
     record.kernels = len(compiled.binaries)
-    record.autotune_pending = request.target.get("kind") == "cuda" and not compiled.autotuned
+    record.autotune = _autotune_route(client, key.key, compiled, request.target,
+                                      record.source)
+    record.autotune_pending = record.autotune in ("farm", "here", "queued")
+
+
+def _autotune_route(client: Any, key: str, compiled: Any, target: dict[str, Any],
+                    source: str) -> str:
+    """Who tunes the graph: ``tuned`` already, the ``farm``'s GPU autotuners or a GPU
+    ``here`` (the client tunes in the background and publishes), else ``queued`` in the
+    store for ``kiln precompile --gpu-worker`` (``""``: nothing to tune)."""
+    from .autotune_queue import queue_for_gpu
+
+    if compiled.autotuned:
+        return "tuned"
+    if compiled.stats.get("autotune_pending") and source in ("farm", "local"):
+        return "farm" if source == "farm" else "here"
+    return "queued" if queue_for_gpu(client.store, key, compiled, target) else ""
 
 
 def _compile_for_other_versions(client: Any, key: Any, request: Any) -> Any:
@@ -163,6 +183,7 @@ def summarize(records: Sequence[GraphRecord], target: dict[str, Any], seconds: f
             "local": sum(r.source == "local" for r in records),
             "kernels": sum(r.kernels for r in records),
             "autotune_pending": sum(r.autotune_pending for r in records),
+            "autotune_queued": sum(r.autotune == "queued" for r in records),
             "seconds": round(seconds, 3), "records": [asdict(r) for r in records]}
 
 
@@ -178,6 +199,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape-range", action="append", type=expand_shape_range,
                         metavar="RANGE", help="shape sets from ranges: 1..64x128 (powers "
                         "of two), 8..32:8x128 (step 8)")
+    parser.add_argument("--gpu-worker", action="store_true", help="on a GPU host: tune "
+                        "the graphs queued in the store by precompiles without a GPU, and "
+                        "publish them (no TARGET)")
+    parser.add_argument("--limit", type=int, metavar="N", help="--gpu-worker: at most N "
+                        "queued graphs")
     parser.add_argument("--check", action="store_true", help="compile nothing: list the "
                         "graphs missing from the store; exit 1 if any is (a CI gate)")
 
@@ -194,7 +220,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     from .cli_errors import CliError, UsageError
     from .compile import target_for
     from .config import KilnConfig
-    from .fake_device import FakeDeviceError, load_versions, parse_gpu
+    from .fake_device import FakeDeviceError, load_runtime, load_versions, parse_gpu
     from .precompile import MODES, load_entry
 
     shape_sets = list(args.shapes or []) + [s for r in args.shape_range or [] for s in r]
@@ -207,6 +233,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     try:
         target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(device))
         versions = load_versions(args.versions_from) if args.versions_from else None
+        runtime = load_runtime(args.versions_from) if args.versions_from else None
     except FakeDeviceError as e:
         raise UsageError(str(e)) from None
     start, records = time.perf_counter(), []
@@ -215,7 +242,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         for kind in MODES[args.mode or "inference"]:
             records += run_job(load_entry(args.target), shape_sets, args.dtype or "float32",
                                target, config, check=args.check, train=kind == "train",
-                               versions=versions,
+                               versions=versions, runtime=runtime,
                                on_graph=None if args.json else _print_record)
     except FakeDeviceError as e:
         raise CliError(str(e)) from None
@@ -246,7 +273,8 @@ def _print_summary(summary: dict[str, Any], check: bool) -> None:
           f"in the store, {summary['compiled']} compiled ({summary['farm']} on the farm, "
           f"{summary['local']} here), {summary['not_keyed']} cannot be keyed; "
           f"{summary['kernels']} kernels, {summary['autotune_pending']} graphs left for "
-          f"GPU autotuning; {summary['seconds']:.1f} s")
+          f"GPU autotuning ({summary['autotune_queued']} queued for "
+          f"`kiln precompile --gpu-worker`); {summary['seconds']:.1f} s")
 
 
 def add_versions_parser(sub: Any) -> None:
@@ -257,12 +285,15 @@ def add_versions_parser(sub: Any) -> None:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
+    """The versions keys carry, plus (``runtime``, not in keys) this host's CUDA and
+    cuDNN versions, which decide the attention kernel a precompile must model."""
     from .keys import versions
+    from .sdpa_model import host_runtime
 
-    mine = versions()
+    mine, runtime = versions(), host_runtime()
     if args.json:
-        print(json.dumps(mine, sort_keys=True))
+        print(json.dumps({**mine, "runtime": runtime}, sort_keys=True))
     else:
-        for name, value in mine.items():
+        for name, value in {**mine, **runtime}.items():
             print(f"{name:<10} {value}")
     return EXIT_OK

@@ -98,6 +98,7 @@ class Span:
     tid: int
     process: str
     cat: str = ""
+    gpu: str = ""  # the GPU autotuner a benchmark ran on ("" for every other span)
 
     @property
     def dur(self) -> float:
@@ -113,19 +114,45 @@ def load_spans(path: str | Path) -> list[Span]:
     raw = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(raw, list):
         raise ValueError(f"trace {path} has no traceEvents list")
+    return spans_from_events(raw, str(path))
+
+
+def spans_from_events(raw: list[Any], where: str = "events") -> list[Span]:
+    """The complete (``ph: "X"``) events of a list, as spans."""
     spans = []
     for event in raw:
         if not isinstance(event, dict) or event.get("ph") != "X":
             continue
         try:
             start, dur = float(event["ts"]), float(event.get("dur", 0.0))
+            args = event.get("args") or {}
             spans.append(Span(str(event["name"]), start, start + dur, int(event.get("pid", 0)),
-                              int(event.get("tid", 0)),
-                              str((event.get("args") or {}).get("process", "")),
-                              str(event.get("cat", ""))))
+                              int(event.get("tid", 0)), str(args.get("process", "")),
+                              str(event.get("cat", "")), _gpu_of(event, args)))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"trace {path}: bad event {event!r}: {e}") from e
+            raise ValueError(f"trace {where}: bad event {event!r}: {e}") from e
     return spans
+
+
+def _gpu_of(event: dict[str, Any], args: dict[str, Any]) -> str:
+    gpu = args.get("gpu")
+    return "" if gpu is None or event.get("cat") != "autotune" else str(gpu)
+
+
+def gpu_usage(spans: list[Span]) -> dict[str, Any]:
+    """How the GPUs were used: per GPU the benchmarks it ran and its busy milliseconds,
+    and the wall time from the first benchmark's start to the last one's end."""
+    runs = [s for s in spans if s.gpu and s.gpu != "local"]
+    if not runs:
+        return {"gpus": [], "wall_ms": 0.0, "busy_ms": 0.0}
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for s in runs:
+        per[s.gpu][0] += s.dur / 1000.0
+        per[s.gpu][1] += 1
+    rows = [{"gpu": g, "busy_ms": v[0], "jobs": int(v[1])}
+            for g, v in sorted(per.items(), key=lambda kv: (len(kv[0]), kv[0]))]
+    wall = (max(s.end for s in runs) - min(s.start for s in runs)) / 1000.0
+    return {"gpus": rows, "wall_ms": wall, "busy_ms": sum(r["busy_ms"] for r in rows)}
 
 
 def _children(spans: list[Span]) -> dict[int, list[int]]:
@@ -216,7 +243,8 @@ def _table(rows: dict[str, list[float]]) -> list[dict[str, Any]]:
 def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
     """Wall time, the critical path merged by stage, and the top stages by own time."""
     if not spans:
-        return {"wall_ms": 0.0, "critical_path": [], "top_stages": [], "processes": 0}
+        return {"wall_ms": 0.0, "critical_path": [], "top_stages": [], "processes": 0,
+                "gpu_usage": gpu_usage([])}
     wall = (max(s.end for s in spans) - min(s.start for s in spans)) / 1000.0
     on_path: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, ms in path_stages(spans):
@@ -227,7 +255,8 @@ def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
         own[s.name][0] += t / 1000.0
         own[s.name][1] += 1
     return {"wall_ms": wall, "critical_path": _table(on_path),
-            "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans})}
+            "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans}),
+            "gpu_usage": gpu_usage(spans)}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -238,6 +267,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += ["", "top stages by own time (stage, ms, spans):"]
     for row in summary["top_stages"]:
         lines.append(f"  {row['stage']:<36} {row['ms']:>10.1f} {row['count']:>6}")
+    usage = summary.get("gpu_usage") or {}
+    if usage.get("gpus"):
+        lines += ["", f"GPU autotuners (benchmarks over {usage['wall_ms']:.1f} ms; "
+                  "GPU, busy ms, share of that time, benchmarks):"]
+        for row in usage["gpus"]:
+            share = row["busy_ms"] / usage["wall_ms"] if usage["wall_ms"] else 0.0
+            lines.append(f"  GPU {row['gpu']:<32} {row['busy_ms']:>10.1f} {share:>6.0%} "
+                         f"{row['jobs']:>6}")
     return "\n".join(lines)
 
 

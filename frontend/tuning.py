@@ -1,9 +1,10 @@
 """Autotuning after the first output: a graph's first artifact has heuristic configs; its
 candidates are then timed in the background, on the farm's GPU autotuners or on this
 process's GPU, and the tuned artifact supersedes the first one in the store under the
-same key (its manifest says ``autotuned: true`` only when configs were timed). Clients
-pick it up on their next lookup; ``kiln stats`` counts ``autotune_publishes`` and
-``hits_autotuned``.
+same key (its manifest says ``autotuned: true`` only when configs were timed). Graphs loaded
+in this process switch to it between calls (``frontend.hotswap``); other clients pick it
+up on their next lookup. ``kiln stats`` counts ``autotune_publishes``, ``hits_autotuned``
+and ``hot_swaps``.
 
 Tuning threads are daemons; at exit the process waits up to ``KILN_AUTOTUNE_EXIT_WAIT``
 seconds (default 120) for tuning still running, so that short jobs publish what they

@@ -51,7 +51,7 @@ UNINITIALIZED = frozenset({
 FAST_OPS = (
     "abs", "add", "addmm", "amax", "argmax", "atan2", "bmm", "cat", "clamp", "cumsum",
     "diagonal", "div.no_rounding_mode", "expand", "flip", "gather", "geqrf", "histogram",
-    "index_select",
+    "index_select", "logical_and", "logical_xor", "masked.var",
     "linalg.inv", "log_softmax", "logsumexp", "masked.sum", "masked.amax", "matmul",
     "max.reduction_with_dim", "mean", "mul", "nn.functional.linear", "nn.functional.gelu",
     "nn.functional.layer_norm", "permute", "pow", "reshape", "roll", "rsqrt", "sigmoid",

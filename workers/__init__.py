@@ -16,4 +16,4 @@ Importing this package does not import Ray; ``workers.actors`` and
 FARM_COUNTERS = ("requests", "recent_hits", "deduplicated", "failures", "graph_compiles",
                  "kernel_compiles", "kernel_cache_hits", "autotune_calls",
                  "autotuned_kernels", "gemm_benchmarks", "refused", "published",
-                 "not_published")
+                 "not_published", "republished")

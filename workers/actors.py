@@ -3,7 +3,7 @@ autotuners. Each is a thin shell over ``workers.pipeline`` / ``workers.autotune`
 
 Resources: a ``CompileWorker`` reserves no CPU (it runs one graph at a time and is idle
 while its kernels compile), so every CPU of the cluster is free for kernel tasks, the
-part that fans out. An ``Autotuner`` holds one GPU for its lifetime.
+part that fans out. An ``Autotuner`` holds one GPU for its lifetime, and no CPU.
 """
 
 from __future__ import annotations
@@ -92,9 +92,13 @@ def warm_kernel_process() -> int:
     return os.getpid()
 
 
-@ray.remote(num_gpus=1, max_restarts=-1, max_task_retries=1)
+@ray.remote(num_gpus=1, num_cpus=0, max_restarts=-1, max_task_retries=1)
 class Autotuner:
-    """Benchmarks a kernel's candidate binaries on the GPU Ray gives it."""
+    """Benchmarks a kernel's candidate binaries on the GPU Ray gives it.
+
+    ``num_cpus=0``: an actor reserves a CPU by default, so a farm with as many GPUs as
+    CPUs had none left for the kernel compiles its benchmarks wait on (a deadlock), and
+    eight GPUs of a 16-core host would take half the cores from compiling."""
 
     def arch(self) -> int | None:
         """The GPU's arch number (90 for sm_90); -1 matches any target under the fake
@@ -102,6 +106,13 @@ class Autotuner:
         if autotune.fake_autotune():
             return -1
         return autotune.gpu_arch()
+
+    def describe(self) -> dict[str, Any]:
+        """The arch, this process, and the GPU ids Ray bound this actor to (one each:
+        real GPUs, or the fake ones of a ``--num-gpus`` on a CPU machine)."""
+        trace.set_process_name("GPU autotuner")
+        return {"arch": self.arch(), "pid": os.getpid(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def benchmark(self, spec: dict[str, Any], binaries: list[dict[str, Any]]) -> list[float]:
         return autotune.benchmark(KernelSpec.from_dict(spec),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from kiln.compiler.codegen.kernel_spec import KernelSpec
@@ -22,14 +23,38 @@ log = logging.getLogger("kiln.autotune")
 FAKE_AUTOTUNE_ENV = "KILN_TEST_FAKE_AUTOTUNE"
 
 
+# With the fake: milliseconds each candidate keeps the (fake) GPU busy, a stand-in for
+# the time a real benchmark takes (the multi-GPU scheduling tests and bench on CPU).
+FAKE_AUTOTUNE_MS_ENV = "KILN_TEST_FAKE_AUTOTUNE_MS"
+
+
 def fake_autotune() -> bool:
     return os.environ.get(FAKE_AUTOTUNE_ENV, "") == "1"
 
 
-def fake_timings(binaries: list[KernelBinary]) -> list[float]:
-    """Deterministic stand-in: the candidate with the most warps is 'fastest'."""
-    return [1.0 / (1 + int(b.config.get("num_warps", 1))) + i * 1e-6
-            for i, b in enumerate(binaries)]
+def fake_gpu_work(candidates: int) -> None:
+    """Hold this process for ``KILN_TEST_FAKE_AUTOTUNE_MS`` per candidate (default 0)."""
+    import time
+
+    try:
+        ms = max(0.0, float(os.environ.get(FAKE_AUTOTUNE_MS_ENV, "0") or 0))
+    except ValueError:
+        ms = 0.0
+    if ms:
+        time.sleep(ms * candidates / 1000.0)
+
+
+def fake_timings(configs: list[dict[str, Any]], sizes: Sequence[int] = ()) -> list[float]:
+    """Deterministic stand-in: the candidate with the most warps is 'fastest'; at a size
+    (a bucket's launch: ``sizes[0]`` is xnumel), the largest XBLOCK that xnumel fills."""
+    def warps(c: dict[str, Any]) -> float:
+        return 1.0 / (1 + int(c.get("num_warps", 1)))
+
+    if not sizes:
+        return [warps(c) + i * 1e-6 for i, c in enumerate(configs)]
+    block = [int(c.get("XBLOCK", 1)) for c in configs]
+    return [float(b > sizes[0]) + 1.0 / b + 1e-3 * warps(c) + i * 1e-6
+            for i, (b, c) in enumerate(zip(block, configs))]
 
 
 def gpu_arch() -> int | None:
@@ -42,17 +67,21 @@ def gpu_arch() -> int | None:
     return major * 10 + minor
 
 
-def benchmark(spec: KernelSpec, binaries: list[KernelBinary]) -> list[float]:
-    """Milliseconds per candidate on this GPU (infinity where a candidate fails)."""
+def benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[int] = (),
+              arg_bytes: Sequence[int] = ()) -> list[float]:
+    """Milliseconds per candidate on this GPU (infinity where a candidate fails). A kernel
+    with dynamic sizes runs at one bucket's launch: its integer ``sizes`` arguments, on
+    scratch buffers of ``arg_bytes``."""
     if fake_autotune():
-        return fake_timings(binaries)
+        fake_gpu_work(len(binaries))
+        return fake_timings([b.config for b in binaries], sizes)
     import torch
 
     from kiln.compiler.autotune import scratch_args, time_launch
     from kiln.compiler.runtime.triton_launcher import TritonLauncher
 
     device = torch.device("cuda", torch.cuda.current_device())
-    args = scratch_args(spec, device)
+    args: list[Any] = [*scratch_args(spec, device, tuple(arg_bytes) or None), *sizes]
     timings = []
     for binary in binaries:
         try:
@@ -77,6 +106,7 @@ def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     fails) for ``problem`` on this GPU, and of a round trip of its output through memory
     (what an unfused epilogue costs the extern call)."""
     if fake_autotune():
+        fake_gpu_work(1 + len(specs))
         return fake_gemm_timings(len(specs))
     import torch
 

@@ -40,6 +40,7 @@ from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
 from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
+from .gpu_pool import GpuPool, gpu_lane_event
 from .kernel_store import KernelStore
 from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
 from .publish import FarmPublisher
@@ -83,8 +84,11 @@ class KilnFarm:
     """The coordinator (an async Ray actor): de-duplication, fan-out, autotuning."""
 
     def __init__(self, graph_workers: int | None = None, kernel_cache_entries: int = 4096,
-                 recent_entries: int = 64) -> None:
+                 recent_entries: int = 64, max_gpus: int | None = None) -> None:
+        """``max_gpus``: autotune on at most this many of the cluster's GPUs (all if
+        None)."""
         trace.set_process_name("farm coordinator")
+        self.max_gpus = max_gpus
         cpus = int(ray.cluster_resources().get("CPU", 1))
         count = graph_workers or default_graph_workers(cpus)
         self.workers = [CompileWorker.remote() for _ in range(count)]  # type: ignore[attr-defined]
@@ -99,8 +103,7 @@ class KilnFarm:
         self.kernel_cache_entries = kernel_cache_entries
         self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()
         self.tuning_events: list[trace.Event] = []
-        self.autotuners: list[Any] = []
-        self.autotuner_arch: list[int | None] = []
+        self.gpus = GpuPool()  # one Autotuner actor per GPU of the cluster
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
         self.counters: Counter[str] = Counter()
         self.choices: ChoiceCache | None = None
@@ -132,7 +135,11 @@ class KilnFarm:
         return {**dict.fromkeys(FARM_COUNTERS, 0), **dict(self.counters),
                 "inflight": len(self.inflight),
                 "kernel_cache": len(self.kernels), "recent": len(self.recent),
-                "graph_workers": len(self.workers), "autotuners": len(self.autotuners)}
+                "graph_workers": len(self.workers), "autotuners": len(self.gpus.members)}
+
+    async def gpu_usage(self) -> list[dict[str, Any]]:
+        """Per GPU autotuner: the GPU ids Ray bound it to, jobs run, seconds busy."""
+        return self.gpus.usage()
 
     async def worker_pids(self) -> list[int]:
         return list(await asyncio.gather(*(w.pid.remote() for w in self.workers)))
@@ -144,7 +151,8 @@ class KilnFarm:
                       ) -> dict[str, Any]:
         """``{"key", "compiled", "published"}`` for a request: its recomputed key, the
         ``CompiledGraph.to_dict()`` (heuristic configs) and the store URL the farm
-        published it to ("" if not). One compile however many clients ask at once.
+        published it to ("" if not: the store was down or full; asked for again, it is
+        published again). One compile however many clients ask at once.
         ``expected_key`` is what the caller computed: a mismatch is refused, never stored
         under either key. ``traced``: ``trace`` holds the spans of every process that
         worked on it. Where GPU autotuners fit the target, ``stats["autotune_pending"]``
@@ -155,7 +163,12 @@ class KilnFarm:
         if key.key in self.recent:
             self.counters["recent_hits"] += 1
             self.recent.move_to_end(key.key)
-            return self.recent[key.key]
+            result = self.recent[key.key]
+            if not result["published"]:  # the store was down or full: it may be back
+                result["published"] = await self._publish(key, request, result["compiled"],
+                                                          result["wall_s"])
+                self.counters["republished"] += bool(result["published"])
+            return result
         future = self.inflight.get(key.key)
         if future is None:
             future = asyncio.ensure_future(self._compile(key, request, request_bytes, delay,
@@ -218,15 +231,10 @@ class KilnFarm:
             raise
         wall = time.perf_counter() - start
         began = trace.now_us()
-        try:
-            published = await asyncio.to_thread(self.publisher.publish, key, request,
-                                                compiled, wall)
-        except Exception as e:  # the store's own faults are warnings; this is a bug
-            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
-            published = ""
+        published = await self._publish(key, request, compiled, wall)
         self.counters["published" if published else "not_published"] += 1
         result: dict[str, Any] = {"key": key.key, "compiled": compiled,
-                                  "published": published}
+                                  "published": published, "wall_s": wall}
         if timeline is not None:
             now = trace.now_us()
             timeline.append(trace.make_event("farm publish", began, now, cat="farm",
@@ -235,6 +243,17 @@ class KilnFarm:
                                              key=key.key[:16]))
             result["trace"] = timeline
         return result
+
+    async def _publish(self, key: KeyInfo, request: CompileRequest, compiled: dict[str, Any],
+                       wall: float) -> str:
+        """The store's URL once ``compiled`` is published there, "" if it is not (the
+        store's faults are its own warnings, once per outage)."""
+        try:
+            return await asyncio.to_thread(self.publisher.publish, key, request, compiled,
+                                           wall)
+        except Exception as e:  # a bug: the store's methods do not raise
+            log.warning("kiln farm: publishing %s failed: %s", key.key, e)
+            return ""
 
     async def _compile_graph(self, key_info: KeyInfo, request_bytes: bytes, delay: float,
                              timeline: list[trace.Event] | None) -> dict[str, Any]:
@@ -259,7 +278,8 @@ class KilnFarm:
             "autotune", True) else []
         if compiled.stats.get("gemm_pending"):
             # Max-autotune: choose each matmul's algorithm, then the graph again with them.
-            compiled = await self._select(key, request_bytes, compiled, request, tuners, i)
+            compiled = await self._select(key, request_bytes, compiled, request, tuners, i,
+                                          timeline)
         fanned = trace.now_us()
         start = time.perf_counter()
         jobs = kernel_jobs(compiled, request.target)
@@ -277,7 +297,7 @@ class KilnFarm:
         return compiled.to_dict()
 
     def _start_tuning(self, key: KeyInfo, heuristic: dict[str, Any], request: CompileRequest,
-                      tuners: list[Any]) -> None:
+                      tuners: list[int]) -> None:
         """Autotune in the background; the first answer does not wait for it."""
         self.counters["autotune_started"] += 1
         self.tuning[key.key] = asyncio.ensure_future(
@@ -286,7 +306,7 @@ class KilnFarm:
             self.tuning.popitem(last=False)
 
     async def _autotune(self, key: KeyInfo, heuristic: dict[str, Any],
-                        request: CompileRequest, tuners: list[Any]) -> dict[str, Any]:
+                        request: CompileRequest, tuners: list[int]) -> dict[str, Any]:
         compiled = CompiledGraph.from_dict(heuristic)
         compiled.stats.pop("autotune_pending", None)
         start = time.perf_counter()
@@ -304,41 +324,61 @@ class KilnFarm:
         return tuned
 
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
-                      request: CompileRequest, tuners: list[Any], worker: int
-                      ) -> CompiledGraph:
-        """Cached choices from the store; the rest compiled as kernel tasks and timed on
-        the GPU autotuners (problems spread over them); winners cached for the fleet."""
-        start = time.perf_counter()
+                      request: CompileRequest, tuners: list[int], worker: int,
+                      timeline: list[trace.Event] | None = None) -> CompiledGraph:
+        """Cached choices from the store; for the rest, every template config compiled as
+        a kernel task (CPU workers, all at once) and each problem timed on whichever GPU
+        autotuner frees first; winners cached for the fleet; the graph again with them."""
+        start, began = time.perf_counter(), trace.now_us()
         cache = self._choice_cache()
         known, todo = await asyncio.to_thread(split_known, pending_problems(compiled), cache)
         new: dict[str, dict[str, Any]] = {}
         if tuners:
             found = await asyncio.gather(*(
-                self._tune_gemm(choice, problem, request.target, tuners[n % len(tuners)])
-                for n, (choice, problem) in enumerate(todo.items())))
+                self._tune_gemm(choice, problem, request.target, tuners, timeline)
+                for choice, problem in todo.items()))
             new = dict(found)
             for choice, record in new.items():
                 await asyncio.to_thread(cache.put, choice, record)
         else:
             new = {choice: untuned_record() for choice in todo}
         options = {"gemm_choices": {**known, **new}}
-        sources = await self.workers[worker].compile_sources.remote(request_bytes, key, 0.0,
-                                                                    False, options)
+        sources = await self.workers[worker].compile_sources.remote(
+            request_bytes, key, 0.0, timeline is not None, options)
+        if timeline is not None:
+            timeline.extend(sources.pop("trace", None) or [])
+            timeline.append(trace.make_event(
+                "gemm selection", began, trace.now_us(), cat="farm", key=key[:16],
+                problems=len(known) + len(todo), benchmarked=len(todo) if tuners else 0))
         result = CompiledGraph.from_dict(sources)
         result.timings["gemm_selection"] = time.perf_counter() - start
         return with_choices(result, selection_stats(known, todo, bool(tuners)))
 
     async def _tune_gemm(self, choice: str, problem: GemmProblem, target: dict[str, Any],
-                         tuner: Any) -> tuple[str, dict[str, Any]]:
+                         tuners: list[int], timeline: list[trace.Event] | None
+                         ) -> tuple[str, dict[str, Any]]:
         jobs = template_jobs(choice, problem, target)
         kernel_jobs = [job for _, job in jobs if job is not None]
-        outcomes = await asyncio.gather(*(self._binary(job) for job in kernel_jobs),
+        outcomes = await asyncio.gather(*(self._binary(job, timeline) for job in kernel_jobs),
                                         return_exceptions=True)
         binaries = [None if isinstance(o, BaseException) else o.to_dict() for o in outcomes]
         self.counters["gemm_benchmarks"] += 1
-        timings = await tuner.benchmark_gemm.remote(
-            problem.to_dict(), [job.spec.to_dict() for job in kernel_jobs], binaries)
+        async with self.gpus.use(tuners) as gpu:
+            began = trace.now_us()
+            timings = await gpu.actor.benchmark_gemm.remote(
+                problem.to_dict(), [job.spec.to_dict() for job in kernel_jobs], binaries)
+            event = gpu_lane_event(gpu, "gemm benchmark", began, trace.now_us(),
+                                   problem=choice[7:23], candidates=1 + len(kernel_jobs))
+        self._record_tuning(event, timeline)
         return choice, decide(problem, [c for c, _ in jobs], timings)
+
+    def _record_tuning(self, event: trace.Event, timeline: list[trace.Event] | None) -> None:
+        """A benchmark's span: in the request's timeline (when traced) and in the farm's
+        recent tuning spans (``tuning_trace``)."""
+        if timeline is not None:
+            timeline.append(event)
+        self.tuning_events.append(event)
+        del self.tuning_events[:-4096]
 
     def _choice_cache(self) -> ChoiceCache:
         """The farm's matmul choices: in the store its environment names (fleet-wide),
@@ -353,7 +393,7 @@ class KilnFarm:
                 self.choices = MemoryChoiceCache()
         return self.choices
 
-    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[Any],
+    async def _kernel(self, name: str, jobs: list[KernelJob], tuners: list[int],
                       timeline: list[trace.Event] | None
                       ) -> tuple[str, KernelBinary, list[dict[str, Any]] | None]:
         outcomes = await asyncio.gather(*(self._binary(job, timeline) for job in jobs),
@@ -365,15 +405,14 @@ class KilnFarm:
             return name, outcomes[0], None  # type: ignore[return-value]
         usable = [i for i, o in enumerate(outcomes) if not isinstance(o, BaseException)]
         binaries: list[KernelBinary] = [outcomes[i] for i in usable]  # type: ignore[misc]
-        index = self.counters["autotune_calls"] % len(tuners)
         self.counters["autotune_calls"] += 1
-        began = trace.now_us()
-        timings = await tuners[index].benchmark.remote(jobs[0].spec.to_dict(),
+        async with self.gpus.use(tuners) as gpu:
+            began = trace.now_us()
+            timings = await gpu.actor.benchmark.remote(jobs[0].spec.to_dict(),
                                                        [b.to_dict() for b in binaries])
-        self.tuning_events.append(trace.make_event(
-            "autotune benchmark", began, trace.now_us(), cat="autotune", kernel=name,
-            gpu=index, candidates=len(binaries)))
-        del self.tuning_events[:-4096]
+            event = gpu_lane_event(gpu, "autotune benchmark", began, trace.now_us(),
+                                   kernel=name, candidates=len(binaries))
+        self._record_tuning(event, timeline)
         best, record = fastest([jobs[i] for i in usable], timings, binaries)
         self.counters["autotuned_kernels"] += 1
         return name, best, record
@@ -445,8 +484,9 @@ class KilnFarm:
         """The autotune benchmarks timed so far (each with its GPU), for timelines."""
         return list(self.tuning_events)
 
-    async def _autotuners_for(self, request: CompileRequest) -> list[Any]:
-        """Autotuners whose GPU is the request's arch; none for a CPU target or farm."""
+    async def _autotuners_for(self, request: CompileRequest) -> list[int]:
+        """The pool's autotuners whose GPU is the request's arch; none for a CPU target
+        or farm."""
         target = request.target
         if target.get("kind") != "cuda":
             return []
@@ -454,29 +494,33 @@ class KilnFarm:
         if now - self.autotuners_checked >= AUTOTUNER_RECHECK_S:
             self.autotuners_checked = now
             await self._add_autotuners()
-        arch = int(target.get("arch", -2))
-        return [t for t, a in zip(self.autotuners, self.autotuner_arch) if a in (arch, -1)]
+        return self.gpus.matching(int(target.get("arch", -2)))
 
     async def _add_autotuners(self) -> None:
+        """One ``Autotuner`` per GPU of the cluster (each holds its GPU for life)."""
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        new = [Autotuner.remote() for _ in range(max(0, gpus - len(self.autotuners)))]  # type: ignore[attr-defined]
+        if self.max_gpus is not None:
+            gpus = min(gpus, self.max_gpus)
+        new = [Autotuner.remote()  # type: ignore[attr-defined]
+               for _ in range(max(0, gpus - len(self.gpus.members)))]
         if not new:
             return
         try:
-            arches = await asyncio.wait_for(
-                asyncio.gather(*(t.arch.remote() for t in new)), timeout=120)
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(t.describe.remote() for t in new)), timeout=120)
         except Exception as e:  # GPUs that will not start: autotune without them
             log.warning("kiln farm: GPU autotuners did not start (%s)", e)
             return
-        self.autotuners += new
-        self.autotuner_arch += list(arches)
+        for actor, info in zip(new, infos):
+            self.gpus.add(actor, info)
 
 
 RemoteKilnFarm = ray.remote(KilnFarm)
 
 
 def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
-                   runtime_env: dict[str, Any] | None = None) -> Any:
+                   runtime_env: dict[str, Any] | None = None, max_gpus: int | None = None
+                   ) -> Any:
     """The cluster's coordinator for this Kiln: found by name, else created (detached).
 
     ``runtime_env`` (for a farm started from Python; a deployed farm takes its store and
@@ -486,4 +530,5 @@ def get_farm_actor(graph_workers: int | None = None, *, name: str = FARM_NAME,
                                "max_restarts": -1, "max_concurrency": 10000}
     if runtime_env is not None:
         options["runtime_env"] = runtime_env
-    return RemoteKilnFarm.options(**options).remote(graph_workers)  # type: ignore[attr-defined]
+    return RemoteKilnFarm.options(**options).remote(  # type: ignore[attr-defined]
+        graph_workers, max_gpus=max_gpus)

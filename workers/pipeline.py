@@ -186,10 +186,13 @@ class KernelJob:
         object.__setattr__(self, "key", digest)
 
 
-def candidate_configs(spec: KernelSpec, autotune: bool) -> list[dict[str, Any]]:
-    """The heuristic config alone, or every distinct candidate when autotuning."""
+def candidate_configs(spec: KernelSpec, autotune: bool, bucket: bool = False
+                      ) -> list[dict[str, Any]]:
+    """The heuristic config alone, or every distinct candidate when autotuning. A kernel
+    with dynamic sizes is tuned per size bucket (``bucket``: ``workers.buckets``), at the
+    sizes a process sees, never at its compile-time hint."""
     configs = [dict(c) for c in spec.configs] or [{}]
-    if not autotune:
+    if not autotune or (spec.size_args and not bucket):
         return configs[:1]
     unique: list[dict[str, Any]] = []
     for config in configs:
@@ -290,14 +293,15 @@ class KernelCache:
 
 def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | None = None,
                       delay: float = 0.0, extra_options: dict[str, Any] | None = None,
-                      choices: Any = None) -> CompiledGraph:
+                      choices: Any = None, stages: Any = None) -> CompiledGraph:
     """The whole pipeline in this process, no Ray, with heuristic configs. Max-autotune
     first chooses each matmul's algorithm (``workers.select``; ``choices`` caches them).
     Where this process could autotune (asked, a GPU of the target's arch) and some kernel
     has several candidates, ``stats["autotune_pending"]`` says so: the client then runs
-    ``autotune_inprocess`` in the background."""
+    ``autotune_inprocess`` in the background. ``stages``: a ``StagePool`` whose child
+    processes run the graph stage (this process's GIL stays free for other graphs)."""
     cache = cache or KernelCache()
-    compiled = compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
+    compiled = _graph_stage(request_bytes, key, delay, extra_options, stages)
     request = CompileRequest.from_bytes(request_bytes)
     target = request.target
     if compiled.stats.get("gemm_pending"):
@@ -313,6 +317,19 @@ def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | No
     if local_autotune(request) and tunable(compiled, target):
         compiled.stats["autotune_pending"] = True
     return compiled
+
+
+def _graph_stage(request_bytes: bytes, key: str, delay: float,
+                 extra_options: dict[str, Any] | None, stages: Any) -> CompiledGraph:
+    if stages is not None:
+        from .stage_pool import StagePoolError
+
+        try:
+            return stages.compile_sources(request_bytes, key, delay=delay,  # type: ignore[no-any-return]
+                                          extra_options=extra_options)
+        except StagePoolError as e:  # the pool is an optimization: compile here
+            log.debug("kiln: graph stage in this process: %s", e)
+    return compile_sources(request_bytes, key, delay=delay, extra_options=extra_options)
 
 
 def tunable(compiled: CompiledGraph, target: dict[str, Any]) -> bool:

@@ -21,6 +21,7 @@ import threading
 from typing import Any, Protocol
 
 from kiln.artifact_store import Artifact, Store
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.ir.template import EXTERN, GemmProblem
 from kiln.compiler.select_algorithm import Candidate, candidates, check_record, pick_winner
@@ -173,7 +174,9 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
         kernel_jobs = [job for _, job in jobs if job is not None]
         with ThreadPoolExecutor(min(8, len(kernel_jobs))) as pool:
             binaries = list(pool.map(lambda job: _try_compile(compile_job, job), kernel_jobs))
-        timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs], binaries)
+        with trace.span("gemm benchmark", cat="autotune", gpu="local", problem=choice[7:23],
+                        candidates=1 + len(kernel_jobs)):
+            timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs], binaries)
         new[choice] = decide(problem, [c for c, _ in jobs], timings)
         choices.put(choice, new[choice])
     options = {**(extra_options or {}), "gemm_choices": {**known, **new}}

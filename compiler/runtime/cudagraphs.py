@@ -11,7 +11,8 @@ of the wrapper's ``call`` and replays them with one launch:
                them where they are. The others get a buffer of the graph's own (the static
                input pool) that each call copies into. The call is recorded; outputs come
                from the graph's private memory pool (the static output pool).
-    later      copy the non-static inputs in, replay. A static input at a new address (a
+    later      copy the non-static inputs in (one ``_foreach_copy_`` launch for all of
+               them), replay. A static input at a new address (a
                parameter replaced, a batch that happened to reuse its predecessor's
                memory) becomes non-static for good and the graph records again; a
                non-static input at the same address two calls running (a backward's
@@ -31,6 +32,7 @@ capture fails (an op that synchronizes with the host, for instance).
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,9 +82,20 @@ def moved_static(recorded: Sequence[Any], now: Sequence[Any], static: Sequence[b
 
 
 def _pointers(inputs: Sequence[Any]) -> list[Any]:
-    """Where each input lives: address and strides (what a recorded graph bakes in)."""
-    return [(x.data_ptr(), tuple(x.stride())) if isinstance(x, torch.Tensor) else None
-            for x in inputs]
+    """Where each input lives (what a recorded graph bakes in). Addresses only: a graph
+    with static sizes is guarded on its inputs' strides by Dynamo and AOT autograd (and
+    its kernels assume them), and graphs with symbolic sizes are never recorded."""
+    return [x.data_ptr() for x in inputs]
+
+
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``pick(seq)``: the tuple of ``seq``'s items at ``indices`` (one C call per use)."""
+    if not indices:
+        return lambda seq: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*indices)
 
 
 @dataclass
@@ -91,6 +104,30 @@ class _Recording:
     pointers: list[Any]  # of the inputs the graph reads (static ones: the caller's)
     inputs: list[torch.Tensor]  # what the graph reads: caller's tensors or own buffers
     outputs: Any
+
+
+@dataclass
+class _Plan:
+    """What each replay of one recording does, worked out once: which inputs to check,
+    which to copy in (one ``_foreach_copy_`` launch) and which to copy back."""
+
+    recording: _Recording
+    static_at: tuple[Any, ...]  # the static inputs' addresses at recording
+    pick_static: Callable[[Sequence[Any]], tuple[Any, ...]]
+    pick_watched: Callable[[Sequence[Any]], tuple[Any, ...]]  # may be promoted
+    pick_copied: Callable[[Sequence[Any]], tuple[Any, ...]]
+    copy_to: list[torch.Tensor]  # the graph's own buffers of the copied inputs
+    copy_back: list[int]  # mutated inputs the graph wrote in its own buffer
+
+    @staticmethod
+    def of(rec: _Recording, static: Sequence[bool], demoted: set[int],
+           mutated: Sequence[int]) -> _Plan:
+        fixed = [i for i, s in enumerate(static) if s]
+        copied = [i for i, s in enumerate(static) if not s]
+        return _Plan(rec, _picker(fixed)(rec.pointers), _picker(fixed),
+                     _picker([i for i in copied if i not in demoted]), _picker(copied),
+                     [rec.inputs[i] for i in copied],
+                     [i for i in mutated if not static[i]])
 
 
 @dataclass
@@ -107,6 +144,7 @@ class CudaGraphRunner:
     demoted: set[int] = field(default_factory=set)  # moved once: never read in place again
     recording: _Recording | None = None
     plain_reason: str | None = None
+    plan: _Plan | None = None
 
     def __call__(self, args: list[Any]) -> Any:
         inputs = list(args)
@@ -124,10 +162,21 @@ class CudaGraphRunner:
             return self._replay(inputs)
         return self._record(inputs)
 
+    def _plan(self) -> _Plan:
+        plan, rec = self.plan, self.recording
+        assert rec is not None
+        if plan is None or plan.recording is not rec:
+            plan = self.plan = _Plan.of(rec, self.static, self.demoted, self.mutated)
+        return plan
+
     def _reclassify(self, last: list[Any], now: list[Any]) -> bool:
         """Demote static inputs that moved (copied in from now on, for good); promote
         inputs that stayed put for two calls since recording (the outputs of a forward
         recorded after this backward was). True when the graph must record again."""
+        plan = self._plan()
+        if plan.pick_static(now) == plan.static_at and \
+                not any(map(operator.eq, plan.pick_watched(last), plan.pick_watched(now))):
+            return False  # the common case, decided in a few C calls
         assert self.recording is not None
         moved = moved_static(self.recording.pointers, now, self.static)
         for i in moved:
@@ -160,19 +209,21 @@ class CudaGraphRunner:
         return self._replay(inputs)
 
     def _replay(self, inputs: list[Any]) -> Any:
-        rec = self.recording
-        assert rec is not None
-        self._copy_in(inputs, rec.inputs)
+        plan = self._plan()
+        rec = plan.recording
+        if plan.copy_to:
+            torch._foreach_copy_(plan.copy_to, plan.pick_copied(inputs))
         rec.graph.replay()
-        for i in self.mutated:  # the graph wrote its own buffer: write the caller's
-            if not self.static[i]:
-                inputs[i].copy_(rec.inputs[i])
+        if plan.copy_back:  # the graph wrote its own buffer: write the caller's
+            torch._foreach_copy_([inputs[i] for i in plan.copy_back],
+                                 [rec.inputs[i] for i in plan.copy_back])
         return rec.outputs
 
     def _copy_in(self, inputs: list[Any], graph_inputs: list[torch.Tensor]) -> None:
-        for x, buf, s in zip(inputs, graph_inputs, self.static):
-            if not s and x is not buf:
-                buf.copy_(x)
+        pairs = [(buf, x) for x, buf, s in zip(inputs, graph_inputs, self.static)
+                 if not s and x is not buf]
+        if pairs:
+            torch._foreach_copy_([b for b, _ in pairs], [x for _, x in pairs])
 
     def _give_up(self, inputs: list[Any], reason: str) -> Any:
         warn_plain(self.name, reason)

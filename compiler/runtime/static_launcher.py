@@ -104,11 +104,13 @@ def cubin_path(binary: bytes) -> Path:
     return path
 
 
-def _raw_stream() -> Callable[[], int]:
+def _raw_stream(device: int) -> Callable[[], int]:
+    """The current stream of ``device`` (the kernel's: it was loaded into that device's
+    context), read on every launch: a capture or a ``torch.cuda.stream`` block changes it."""
     import torch
 
-    get_stream, current_device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device
-    return lambda: int(get_stream(current_device()))
+    get_stream = torch._C._cuda_getCurrentRawStream
+    return lambda: get_stream(device)  # type: ignore[no-any-return]
 
 
 class StaticCudaKernel:
@@ -150,7 +152,24 @@ class StaticCudaKernel:
         else:
             self.function = loaded[0]
         if self.stream is None:
-            self.stream = _raw_stream()
+            self.stream = _raw_stream(device)
+        self.run = self._bound_run()  # type: ignore[method-assign]
+
+    def _bound_run(self) -> Callable[..., None]:
+        """The launch with everything but the arguments and the stream bound once: the
+        wrapper calls it for every kernel of every call (host time per launch)."""
+        launch, function, stream = self.impl._launch_kernel, self.function, self.stream
+        gx, gy, gz = self.grid
+        warps, shared, tys, scratch = self.num_warps, self.shared, self.arg_tys, self.scratch
+        assert stream is not None
+        if scratch:
+            def run_with_scratch(*args: Any) -> None:
+                launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
+            return run_with_scratch
+
+        def run(*args: Any) -> None:
+            launch(function, gx, gy, gz, warps, shared, tys, args, stream())
+        return run
 
     def run(self, *args: Any) -> None:
         if self.function is None:

@@ -60,24 +60,24 @@ class TritonLauncher:
         launch, function = compiled.run, compiled.function
         packed, constexprs = compiled.packed_metadata, tuple(self.constexprs)
         gx, gy, gz = self.grid
-        raw_stream = torch._C._cuda_getCurrentRawStream
-        current_device = torch.cuda.current_device
+        # The device the binary was loaded into (its stream, read on every launch).
+        raw_stream, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
         if getattr(compiled.metadata, "global_scratch_size", 0):
             def scratch_run(*args: Any) -> None:
                 ensure_scratch_allocator()
-                launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None,
+                launch(gx, gy, gz, raw_stream(device), function, packed, None, None,
                        None, *args, *constexprs)
 
             return scratch_run
         at, xblock = self.xnumel_at, self.xblock
 
         def run(*args: Any) -> None:
-            launch(gx, gy, gz, raw_stream(current_device()), function, packed, None, None, None,
+            launch(gx, gy, gz, raw_stream(device), function, packed, None, None, None,
                    *args, *constexprs)
 
         def run_dynamic(*args: Any) -> None:
             grid_x = max(1, -(-args[at] // xblock))  # type: ignore[index]
-            launch(grid_x, 1, 1, raw_stream(current_device()), function, packed, None, None,
+            launch(grid_x, 1, 1, raw_stream(device), function, packed, None, None,
                    None, *args, *constexprs)
 
         return run if at is None else run_dynamic

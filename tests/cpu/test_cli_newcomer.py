@@ -68,13 +68,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                         KILN_DEBUG="1", KILN_DEBUG_DIR=str(root / "debug"))
     assert filled.returncode == 0, filled.stderr[-3000:]
     assert "published 2 artifacts" in filled.stdout
-    jsons = sorted((root / "debug").rglob("key.json"))
-    # the two graphs' keys (kernels shared through the store have entries of their own)
-    world.keys = sorted(json.loads(p.read_text())["key"] for p in jsons)
+    # the two graphs' keys (kernels shared through the store have entries of their own),
+    # each with its key.json, whatever order the folders are listed in
+    by_key = {json.loads(p.read_text())["key"]: p for p in (root / "debug").rglob("key.json")}
+    world.keys = sorted(by_key)
     stored = {p.name for p in (root / "store" / "ac").rglob("*") if p.is_file()}
     assert len(world.keys) == 2 and set(world.keys) <= stored
-    # a key.json of the first key, so that explain-miss against the second differs
-    world.key_json = str(next(p for p in jsons if world.keys[1] not in p.read_text()))
+    # the first key's key.json, so that explain-miss against the second key differs
+    world.key_json = str(by_key[world.keys[0]])
     yield world
 
 

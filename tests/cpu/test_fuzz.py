@@ -1,7 +1,8 @@
 """The differential fuzzer (``tests/fuzz_graphs.py``): random graphs of pointwise ops,
 reductions, views, broadcasts, indexing and matmuls through Kiln's C++ backend against
 eager. CI runs a fixed budget of seeds; ``KILN_FUZZ_GRAPHS=2000`` runs more, from
-``KILN_FUZZ_SEED`` (default 0). A failure prints its shrunk reproduction."""
+``KILN_FUZZ_SEED`` (default 0); ``KILN_FUZZ_LOG=path`` records each seed as it is checked.
+A failure prints its shrunk reproduction."""
 
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ FOUND = {
         (Node("torch.matmul({0}, {1})", (0, 1)), Node("torch.tanh({0})", (2,)),
          Node("torch.log(torch.abs({0}) + 1.0)", (0,)), Node("({0} * {1})", (0, 0))),
         (3, 4, 5)),
+    # Seed 983: tanh computed inside logsumexp's first loop (atan2 reads it) and stored as
+    # an output after the loops: the C++ kernel read it back from the first loop's row
+    # buffer at ``r0``, which does not exist there (g++ refused the kernel).
+    "row_value_read_after_the_loops": Program(
+        (Input((5, 1, 5, 4)),),
+        (Node("torch.tanh({0})", (0,)), Node("{0}.permute([1, 0, 2, 3])", (1,)),
+         Node("torch.atan2({0}, {1})", (0, 2)),
+         Node("torch.logsumexp({0}, 0, keepdim=False)", (3,))),
+        (0, 2, 3, 4)),
 }
 
 

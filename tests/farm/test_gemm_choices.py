@@ -13,18 +13,24 @@ from farm_helpers import RayHead, python_env, run_python
 from kiln.artifact_store import open_store
 from kiln.compiler.codegen.triton.templates import gemm_configs
 from kiln.compiler.ir.template import GemmProblem
+from kiln.frontend.trace import gpu_usage, load_spans
 from kiln.workers.select import StoreChoiceCache
 
 # One model per process: NAME picks it. Both pose the same matmul (64x128 @ 128x96,
 # fp32, followed by pointwise work).
 CLIENT = """
 import json
+import os
 import torch
 import torch.nn.functional as F
 from farm_helpers import cuda_request
 from kiln.frontend.client import KilnClient
 from kiln.frontend.compile import request_options
 from kiln.frontend.config import KilnConfig
+from kiln.frontend.trace import start_recording
+
+if os.environ.get("KILN_TRACE"):
+    start_recording()  # the timeline of the compile, written at exit
 
 def model_a(x, w, b):
     return F.gelu(x @ w + b)
@@ -63,6 +69,18 @@ def _check_pair(first: dict, second: dict, store: Path) -> None:  # type: ignore
     assert cache.get(key) is not None and cache.get(key)["kind"] == "template"  # type: ignore[index]
 
 
+def _drop_graph_artifacts(store: Path) -> int:
+    """Remove every graph's manifest (those with a wrapper), keeping choices and kernels:
+    the next process compiles its graph again and must find its choice."""
+    dropped = 0
+    for entry in (store / "ac").rglob("*"):
+        if entry.is_file() and not entry.name.startswith("choice-") and \
+                b"wrapper.py" in entry.read_bytes():
+            entry.unlink()
+            dropped += 1
+    return dropped
+
+
 def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
     env = python_env(KILN_FARM="inprocess", KILN_TEST_FAKE_AUTOTUNE="1",
                      KILN_STORE=str(tmp_path / "store"), KILN_LOCAL_CACHE="off",
@@ -71,6 +89,31 @@ def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
     second = run_python(CLIENT.replace("{NAME}", "model_b"), env)
     assert first["source"] == second["source"] == "local"
     _check_pair(first, second, tmp_path / "store")
+    # A second process with the first model, its graph no longer stored: it compiles the
+    # graph again and benchmarks nothing (the choice comes from the store).
+    assert _drop_graph_artifacts(tmp_path / "store") >= 2
+    again = run_python(CLIENT.replace("{NAME}", "model_a"), env)
+    assert again["source"] == "local"
+    assert again["selection"] == {"problems": 1, "cached": 1, "benchmarked": 0, "untuned": 0}
+    assert again["choices"] == first["choices"]
+
+
+def _check_farm_timeline(path: Path, choice: dict) -> None:  # type: ignore[type-arg]
+    """The first farm compile's timeline: every template config compiled by kernel tasks
+    in more than one worker process at once, then one benchmark on the GPU autotuner."""
+    spans = load_spans(path)
+    compiles = [s for s in spans if s.name == "kernel compile" and s.process == "kernel worker"]
+    configs = len(choice["timings"]) - 1
+    assert len(compiles) >= configs
+    assert len({s.pid for s in compiles}) >= 2
+    assert any(a.pid != b.pid and a.start < b.end and b.start < a.end
+               for a in compiles for b in compiles)  # in parallel
+    (bench,) = [s for s in spans if s.name == "gemm benchmark"]
+    assert bench.gpu == "0" and bench.process.startswith("GPU autotuner")
+    assert bench.start >= min(s.end for s in compiles)
+    assert [s for s in spans if s.name == "gemm selection" and s.process == "farm coordinator"]
+    usage = gpu_usage(spans)
+    assert [(g["gpu"], g["jobs"]) for g in usage["gpus"]] == [("0", 1)]
 
 
 def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
@@ -83,7 +126,8 @@ def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
     try:
         env = python_env(KILN_FARM=head.address, KILN_STORE=str(store),
                          KILN_LOCAL_CACHE="off", XDG_CACHE_HOME=str(tmp_path / "client"))
-        first = run_python(CLIENT.replace("{NAME}", "model_a"), env, timeout=400)
+        first = run_python(CLIENT.replace("{NAME}", "model_a"), env | {
+            "KILN_TRACE": str(tmp_path / "first.json")}, timeout=400)
         # A new coordinator: the second model finds the choice in the store, not in memory.
         head.stop()
         head = RayHead(tmp_path / "gpu-head2.log", num_cpus=2, num_gpus=1,
@@ -96,3 +140,4 @@ def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
         head.stop()
     assert first["source"] == second["source"] == "farm"
     _check_pair(first, second, store)
+    _check_farm_timeline(tmp_path / "first.json", next(iter(first["choices"].values())))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -103,30 +105,69 @@ def run_task(address: str, env: dict[str, str]) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_farm_up_port_refuses_callers_without_the_token(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
-    """The attack: reach `kiln farm up`'s Ray port on the machine's network address and
-    run code there. Ray 2.60 listens on every interface whatever the node IP, so the
-    token is what refuses it."""
+def listening_sockets(pids: set[int]) -> list[tuple[str, str]]:
+    """(local address, process name) of every TCP socket listening in one of `pids`,
+    from `ss -ltnpH`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
+            if int(pid) in pids:
+                found.append((fields[3], name))
+    return found
+
+
+def cluster_pids(head_pid: int) -> set[int]:
+    """The Ray head's process and all its descendants: GCS, raylet, agents, workers."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat_line = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat_line.rsplit(")", 1)[1].split()[1])
+    found = {head_pid}
+    while True:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        if not more:
+            return found
+        found |= more
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2)")
+def test_farm_up_listens_on_loopback_only_and_refuses_callers_without_the_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attacks: reach `kiln farm up`'s Ray ports from another machine (a port on a
+    non-loopback address), or from this one without the token, and run code there.
+    Every port of the farm's processes, workers included, listens on 127.0.0.1 only;
+    a caller without the token is refused."""
     from kiln.frontend import farm as farm_module
 
     monkeypatch.setenv("KILN_FARM_FILE", str(tmp_path / "farm.json"))
     info = farm_module.start_local_cluster(num_cpus=1)
     try:
-        host = info["address"].rsplit(":", 1)[0]
-        assert not host.startswith("127."), "Ray advertises the node's network address"
+        assert info["address"].startswith("127.0.0.1:"), info["address"]
         token_file = Path(info["token_file"])
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and info["auth"] == "token"
         home = tmp_path / "stranger-home"  # no ~/.ray/auth_token either
         home.mkdir()
         stranger = {k: v for k, v in python_env(HOME=str(home)).items()
                     if not k.startswith("RAY_AUTH")}
+        stranger[farm_module.RAY_LOOPBACK_ENV] = "0"  # or Ray cannot find loopback at all
         refused = run_task(info["address"], stranger)
         assert not refused["ran"], refused
         trusted = dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token_file.read_text())
-        assert run_task(info["address"], trusted)["ran"]
+        assert run_task(info["address"], trusted)["ran"]  # a worker process started too
+        sockets = listening_sockets(cluster_pids(int(info["pid"])))
+        names = {name for _, name in sockets}
+        assert {"gcs_server", "raylet"} <= names, sockets
+        assert any(name.startswith("ray::") for name in names), sockets  # workers, agents
+        exposed = [(a, n) for a, n in sockets
+                   if a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") != "127.0.0.1"]
+        assert not exposed, f"Ray ports open beyond loopback: {exposed}"
         printed = farm_module.auth_instructions(info)
-        assert "RAY_AUTH_TOKEN" in printed and str(token_file) in printed
+        assert str(token_file) in printed and "127.0.0.1 only" in printed
     finally:
         farm_module.stop_local_cluster()

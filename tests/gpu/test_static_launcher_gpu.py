@@ -24,8 +24,8 @@ from tests.models import Block
 warnings.simplefilter("error", KilnFallbackWarning)
 kinds = []
 make = compiled_graph._launcher
-def spy(compiled, spec, device):
-    launcher = make(compiled, spec, device)
+def spy(compiled, spec, device, *rest):
+    launcher = make(compiled, spec, device, *rest)
     kinds.append(type(launcher).__name__)
     return launcher
 compiled_graph._launcher = spy

@@ -83,3 +83,22 @@ def test_layer_norm_backward_weight_and_bias_in_one_coalesced_stage(dtype: torch
         ref_err = (refs[i].double() - wide).abs().max().item()
         tol = tolerance(dtype, reduction=True)
         assert err <= 2 * ref_err + tol["atol"] + tol["rtol"] * wide.abs().max().item(), i
+
+
+def test_layer_norm_backward_every_stage_one_config_matches_eager() -> None:
+    """Each candidate tile of the column stage (the one autotuning picks on a GPU): the
+    part a program reduces comes from ``xoffset`` (every candidate XBLOCK divides the 256
+    columns), the per-row mean and rstd load as [1, RBLOCK]."""
+    args = [rand(1024, 256, dtype=torch.bfloat16), rand(1024, 256, dtype=torch.bfloat16),
+            rand(256, dtype=torch.bfloat16), rand(256, dtype=torch.bfloat16)]
+    compiled = _compile_for_cuda(_ln_backward, args)
+    [stage1] = [k for k in compiled.kernels if k.kind == "reduction" and k.xnumel > 256]
+    assert "(xoffset // 256)" in stage1.source and "(xindex // 256)" not in stage1.source
+    wide = [a.double() for a in args]
+    truth = _ln_backward(*wide)
+    for config in stage1.configs:
+        compiled.configs[stage1.name] = dict(config)
+        outs = _run(compiled, args)
+        for i in (1, 2):  # the weight and bias gradients (column sums)
+            scale = truth[i].abs().max().item()
+            assert (outs[i].double() - truth[i]).abs().max().item() <= 2e-2 * scale, config

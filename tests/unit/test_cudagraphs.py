@@ -122,3 +122,52 @@ def test_reduce_overhead_on_a_cpu_model_warns_once_and_matches_eager() -> None:
     assert kinds.count(KilnCudaGraphWarning) == 1, [str(c.message) for c in caught]
     for out in outs:
         torch.testing.assert_close(out, (x * y).relu().sum(-1))
+
+
+class _CpuGraph:
+    """Replays ``fn`` over the buffers it was recorded with (what a CUDA graph does)."""
+
+    def __init__(self, fn: Any, buffers: list[torch.Tensor], out: torch.Tensor) -> None:
+        self.fn, self.buffers, self.out, self.replays = fn, buffers, out, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(self.fn(self.buffers))
+
+
+class _CpuRunner(CudaGraphRunner):
+    """The real replay path (copy-in plan, one foreach copy, copy-back of mutated inputs)
+    over CPU tensors; recording makes the graph's own buffers as the real one does."""
+
+    def _record(self, inputs: list[Any]) -> Any:
+        from kiln.compiler.runtime import cudagraphs
+
+        self.recordings += 1
+        buffers = [x if s else torch.empty_like(x) for x, s in zip(inputs, self.static)]
+        out = torch.empty_like(inputs[0])
+        graph = _CpuGraph(lambda b: self.call(list(b))[0], buffers, out)
+        self.recording = cudagraphs._Recording(graph, cudagraphs._pointers(buffers), buffers,
+                                               (out,))
+        return self._replay(inputs)
+
+
+def _scale_and_bump(args: list[Any]) -> tuple[Any, ...]:
+    weight, x, counter = args
+    counter.add_(1)  # a mutated input
+    return (x * weight,)
+
+
+def test_replay_copies_only_moving_inputs_and_writes_mutations_back() -> None:
+    runner = _CpuRunner(_scale_and_bump, "g3", mutated=[2])
+    weight = torch.randn(5)
+    counters = [torch.zeros(5) for _ in range(6)]
+    for i in range(6):
+        x = torch.randn(5)
+        out = runner([weight, x, counters[i]])[0]
+        torch.testing.assert_close(out, x * weight)
+        assert torch.equal(counters[i], torch.ones(5)), i  # written back to the caller's
+    assert runner.static == [True, False, False] and runner.recordings == 1
+    plan = runner.plan
+    assert plan is not None and len(plan.copy_to) == 2 and plan.copy_back == [2]
+    assert plan.recording.inputs[0] is weight  # read in place, never copied
+    assert plan.recording.graph.replays == 4  # calls 3-6

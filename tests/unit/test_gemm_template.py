@@ -25,7 +25,7 @@ from kiln.compiler.select_algorithm import (
     choice_key,
     pick_winner,
 )
-from tests.gemm_helpers import compile_tuned
+from tests.gemm_helpers import aot_graphs, as_fake_cuda, compile_tuned
 
 SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 pytestmark = pytest.mark.skipif(interpreter_active(),
@@ -268,3 +268,41 @@ def test_epilogue_overwriting_a_template_input_is_not_fused() -> None:
     compiled = compile_tuned(fn, args, {}, trace_args=[torch.randn(64, 64), torch.randn(64, 64)])
     kinds = [k.kind for k in compiled.kernels]
     assert kinds == ["template", "pointwise"], [k.name for k in compiled.kernels]
+
+
+def test_mlp_training_step_every_matmul_a_template_forward_and_backward() -> None:
+    """What max-autotune makes of gpu_bench's MLP training step (Linear, GELU, Linear,
+    mean-square loss; fp32) on fake CUDA tensors: the 2 forward and 3 backward matmuls
+    (the weight gradients read a transposed operand) are each a template with its own
+    choice key, none is left to the library call, the GELU fuses into the first forward
+    template and its derivative into the backward template of the input gradient."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                              torch.nn.Linear(128, 32))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = mlp(x).square().mean()
+        loss.backward()
+        return loss
+
+    graphs = aot_graphs(step, [torch.randn(64, 32)])
+    assert [name.split("_")[0] for name, _, _ in graphs] == ["forward", "backward"]
+    keys: set[str] = set()
+    problems = []
+    for name, gm, inputs in graphs:
+        compiled = compile_tuned(lambda: None, as_fake_cuda(inputs), {}, graph=gm)
+        choices = compiled.stats["gemm_choices"]
+        keys |= choices.keys()
+        problems += [GemmProblem.from_dict(c["problem"]) for c in choices.values()]
+        assert compiled.stats["gemm_pending"] == {}
+        names = [k.name for k in compiled.kernels]
+        templates = [n for n in names if n.startswith("triton_tem_fused_mm")]
+        assert len(templates) == len(choices) == (2 if name.startswith("forward") else 3)
+        assert "aten.mm" not in compiled.wrapper_source
+        assert "aten.addmm" not in compiled.wrapper_source
+        fused = "erf" if name.startswith("forward") else "exp"  # GELU, then its derivative
+        assert any(fused in n for n in templates), names
+    assert len(keys) == 5  # every problem its own key: layouts differ forward and backward
+    transposed_a = [p for p in problems if p.a_stride[1] == 1 and p.a_stride[2] > 1]
+    assert len(transposed_a) == 2 and all(not p.epilogue for p in transposed_a)
+    assert all(p.dtype == "float32" and not p.allow_tf32 for p in problems)

@@ -154,6 +154,34 @@ def test_absolute_kernel_name_in_binary_metadata_writes_nothing(tmp_path: Path) 
         load_binary(spec, evil_ext)
 
 
+def test_launcher_temp_folder_is_removed_even_when_the_kernel_fails_to_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's temporary folders were never removed: one per kernel load."""
+    pytest.importorskip("triton")
+    import tempfile
+
+    import triton.compiler.compiler as triton_compiler
+
+    from kiln.compiler.runtime.triton_launcher import load_binary
+
+    written: list[list[str]] = []
+
+    def refused(src: Any, group: dict[str, str], fn_hash: str) -> None:
+        written.append(sorted(Path(p).name for p in group.values() if Path(p).exists()))
+        raise RuntimeError("the driver refused the cubin")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(triton_compiler, "CompiledKernel", refused)
+    spec = KernelSpec.from_dict(_spec("triton_poi_fused_add_0"))
+    binary = KernelBinary("triton_poi_fused_add_0", {"kind": "cuda", "arch": 90},
+                          {"XBLOCK": 8}, b"\x7fELF not a cubin",
+                          {"name": "triton_poi_fused_add_0", "binary_ext": "cubin"})
+    with pytest.raises(RuntimeError, match="refused the cubin"):
+        load_binary(spec, binary)
+    assert written == [["triton_poi_fused_add_0.cubin", "triton_poi_fused_add_0.json"]]
+    assert not list(tmp_path.iterdir())
+
+
 def test_artifact_with_a_path_for_a_kernel_name_is_refused() -> None:
     from kiln.artifact_store import Artifact
 

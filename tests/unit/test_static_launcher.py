@@ -63,12 +63,17 @@ def test_cubins_load_once_on_first_launch_with_the_kernels_own_metadata(
         binary: KernelBinary = softmax_graph.binaries[spec.name]
         impl = RecordingLauncher(returns)
         grid = launch_grid(spec, binary.config)
-        kernel = StaticCudaKernel(spec, binary, grid, impl=impl, stream=lambda: 7, device=0)
+        streams = iter([7, 8])
+        kernel = StaticCudaKernel(spec, binary, grid, impl=impl,
+                                  stream=streams.__next__, device=0)
         assert impl.loads == []  # nothing loads before the first launch
         tensors = [object() for t in spec.signature.values() if t.startswith("*")]
         kernel.run(*tensors)
+        assert "run" in vars(kernel)  # later launches: everything but args and stream bound
         kernel.run(*tensors)
         assert len(impl.loads) == 1
+        # the bound launch passes what the first did; the stream is read on every launch
+        assert impl.launches[1][:-1] == impl.launches[0][:-1] and impl.launches[1][-1] == 8
         cubin, name, shared, device = impl.loads[0]
         assert cubin == binary.binary and cubin[:4] == b"\x7fELF"
         assert name == spec.name == binary.metadata["name"]

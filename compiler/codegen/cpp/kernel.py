@@ -167,9 +167,12 @@ class CppKernel:
     def _reuse_from_earlier_phase(self, value_id: str, expr: str, dtype: torch.dtype
                                   ) -> str | None:
         """An expensive value an earlier phase of this row computed: keep it in a row
-        buffer there and read it back here (softmax's exp), instead of computing again."""
+        buffer there and read it back here (softmax's exp), instead of computing again.
+        Not at x-level, after the loops: there is no ``r0`` to index the row with (and a
+        value computed there depends on no ``r``, so computing it again is right)."""
         found = self.phase_values.get(value_id)
-        if found is None or found[0] is self.phase or not _EXPENSIVE.search(expr):
+        if found is None or self.phase is None or found[0] is self.phase or \
+                not _EXPENSIVE.search(expr):
             return None
         origin, var = found
         row = origin.rows.get(var.name)

@@ -15,7 +15,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...ir.sym import Expr, simplify_with_ranges
+from ...ir.sym import Expr, FloorDiv, simplify_with_ranges
 from ...sizevars import free_size_symbols
 from ...virtualized import V
 from ..common import (
@@ -39,6 +39,7 @@ from .overrides import (
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
+XOFFSET = sympy.Symbol("xoffset", integer=True, nonnegative=True)
 
 
 @dataclass
@@ -57,8 +58,13 @@ class TritonKernel:
     """Renders the bodies of a kernel's nodes through the ops protocol."""
 
     def __init__(self, kind: str, xnumel: Expr | int, rnumel: Expr | int, removed: set[str],
-                 index_dtype: str = "tl.int32") -> None:
+                 index_dtype: str = "tl.int32", max_xblock: int | None = None,
+                 outer: bool = False) -> None:
         self.kind = kind
+        self.outer = outer  # a column reduction: x contiguous, r strided
+        # The largest XBLOCK any launch config uses (None: unknown): a block of x then
+        # lies within one multiple of any divisor it divides.
+        self.max_xblock = max_xblock
         self.xnumel, self.rnumel = sympy.sympify(xnumel), sympy.sympify(rnumel)
         # A graph with dynamic shapes: numels and size symbols are kernel arguments.
         self.dynamic = V.graph.sizevars.is_dynamic()
@@ -157,8 +163,13 @@ class TritonKernel:
         self.uses_r = uses_r
 
     def index_str(self, index: Expr) -> str:
+        return self._print_index(self._simplify(index))
+
+    def _simplify(self, index: Expr) -> Expr:
         expr = sympy.expand(index.xreplace(self.index_map))
-        expr = combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+        return combine_div_mod(simplify_with_ranges(expr, self.var_ranges))
+
+    def _print_index(self, expr: Expr) -> str:
         self._note_sizes(expr)
         text = self.printer.print(expr)
         if not expr.free_symbols:
@@ -174,19 +185,48 @@ class TritonKernel:
         parts += self.mask_stack
         return " & ".join(parts)
 
+    def _block_index(self, index: Expr) -> Expr:
+        """``xindex // D`` is ``xoffset // D`` where every config's XBLOCK divides ``D``:
+        the quotient (a split reduction's part) is then one value per program."""
+        if not (self.is_reduction and self.max_xblock):
+            return index
+        step = self.max_xblock
+        return index.replace(
+            lambda e: isinstance(e, FloorDiv) and e.args[0] == XINDEX
+            and isinstance(e.args[1], sympy.Integer) and int(e.args[1]) % step == 0,
+            lambda e: FloorDiv(XOFFSET, e.args[1]))
+
+    def _load_mask(self, index: Expr) -> str:
+        """A reduction's load masked by the block dimensions its address varies along:
+        a per-row value (mean, rstd) loads as [XBLOCK, 1], not once per element. A value
+        per r alone loads as [1, RBLOCK] only in a column reduction (where that is the
+        per-row value and Triton then lays the tile out by the wide, x-contiguous loads
+        alone); in a row reduction it stays a full tile (a weight), in the tile's layout
+        (as [1, RBLOCK] Triton loads it narrow and converts it through shared memory)."""
+        used = index.free_symbols
+        if not self.is_reduction or not used & {XINDEX, RINDEX} or \
+                used - {XINDEX, RINDEX, XOFFSET} - free_size_symbols([index]):
+            return self.mask()  # pointwise, constant or indirect addresses: the full mask
+        if RINDEX in used and XINDEX not in used and not self.outer:
+            return self.mask()
+        parts = [m for m, sym in (("xmask", XINDEX), ("rmask", RINDEX)) if sym in used]
+        return " & ".join(parts + self.mask_stack)
+
     # -- the ops protocol ---------------------------------------------------------------
 
     def load(self, name: str, index: Expr) -> CSEVariable:
-        idx = self.index_str(index)
-        key = (name, idx)
+        simplified = self._simplify(index)
+        key = (name, self._print_index(simplified))
         if key in self.stored:
             return self.stored[key]
+        simplified = self._block_index(simplified)
+        idx = self._print_index(simplified)
         if name in self.removed:
             self.unforwarded.add(name)
         dtype = V.graph.get_dtype(name)
         ptr = self.args.input(name)
         other = ", other=0.0" if dtype.is_floating_point else ", other=0"
-        expr = f"tl.load({ptr} + ({idx}), {self.mask()}{other})"
+        expr = f"tl.load({ptr} + ({idx}), {self._load_mask(simplified)}{other})"
         if dtype in (torch.float16, torch.bfloat16):
             expr += ".to(tl.float32)"
         if dtype == torch.bool:
@@ -239,7 +279,9 @@ class TritonKernel:
 
     def constant(self, value: Any, dtype: torch.dtype) -> CSEVariable:
         dt = compute_dtype(dtype)
-        return self.emit(f"tl.full([1], {literal(value, dt)}, {triton_type(dt)})", dt)
+        # A reduction's blocks are 2-D: a rank-1 constant would not broadcast with them.
+        shape = "[1, 1]" if self.is_reduction else "[1]"
+        return self.emit(f"tl.full({shape}, {literal(value, dt)}, {triton_type(dt)})", dt)
 
     def index_expr(self, expr: Expr, dtype: torch.dtype) -> CSEVariable:
         text = self.index_str(expr)

@@ -86,8 +86,9 @@ UNARY_TEMPLATES = {
 BINARY_TEMPLATES = {
     "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "truediv": "{a} / {b}",
     "eq": "{a} == {b}", "ne": "{a} != {b}", "lt": "{a} < {b}", "le": "{a} <= {b}",
-    "gt": "{a} > {b}", "ge": "{a} >= {b}", "logical_and": "{a} & {b}",
-    "logical_or": "{a} | {b}", "logical_xor": "{a} ^ {b}", "bitwise_and": "{a} & {b}",
+    "gt": "{a} > {b}", "ge": "{a} >= {b}", "logical_and": "({a} != 0) & ({b} != 0)",
+    "logical_or": "({a} != 0) | ({b} != 0)", "logical_xor": "({a} != 0) ^ ({b} != 0)",
+    "bitwise_and": "{a} & {b}",
     "bitwise_or": "{a} | {b}", "bitwise_xor": "{a} ^ {b}",
     "bitwise_left_shift": "{a} << {b}", "bitwise_right_shift": "{a} >> {b}",
     "atan2": "libdevice.atan2({a}, {b})", "pow": "libdevice.pow({a}, {b})",

@@ -89,7 +89,13 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
     outer = rnumel != 1 and is_outer_reduction(node)
     kind = kernel_kind(rnumel, outer) if rbound is None else "persistent_reduction"
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
-    kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype)
+    sizevars = V.graph.sizevars
+    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
+        else None
+    xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
+    configs = tuple(configs_for(kind, xhint, rhint, outer))
+    kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype,
+                          max(int(c.get("XBLOCK", 1)) for c in configs), outer)
     order = memory_order(node, removed) if kind == "pointwise" else None
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
         for sub in node.get_nodes():
@@ -103,15 +109,11 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
     source = render(kernel)
     if rbound is not None:  # the same body as other buckets: named apart by its bound
         source = source.replace("@triton.jit", f"# rows of at most {rbound}\n@triton.jit", 1)
-    sizevars = V.graph.sizevars
-    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
-        else None
-    xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
     spec = KernelSpec(
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
         signature=_signature(kernel), xnumel=xhint, rnumel=rhint,
-        configs=tuple(configs_for(kind, xhint, rhint, outer)),
+        configs=configs,
         size_args=kernel.size_args())
     return _base_name(kind, ops), spec
 

@@ -1,0 +1,419 @@
+"""Regional compilation, the client's half: a large ATen graph compiled as regions, in
+parallel, identical regions once.
+
+    key = compute_key(whole request)
+    store manifest of key, kind "regions"  hit  -> each distinct region's artifact (hits)
+                                                   -> stitched callable; nothing compiles
+    miss -> compiler.regions.split_graph: regions cut where few values are live
+         -> a canonical request per region; identical layers, identical keys
+         -> each distinct key once, all at once: the farm's workers when a farm is up,
+            else this process with its graph stages in a few child processes
+            (``workers.stage_pool``: the graph stage holds the GIL)
+         -> compiler.runtime.stitch: regions in order, each value freed after its last use
+         -> the plan (region keys, where each value comes from) published under the
+            whole graph's key: a warm start reads one manifest, then its regions
+
+``KILN_REGIONS`` (auto, on, off) and ``KILN_REGION_NODES`` choose which graphs are cut and
+how finely. A region that fails to compile raises an error naming the region and the
+graph; the backend then runs that graph eagerly, with one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.artifact_store import Artifact
+from kiln.compiler import trace
+from kiln.compiler.compiled_graph import load
+from kiln.compiler.errors import KilnCompileError
+from kiln.compiler.keys import KeyInfo, compute_key
+from kiln.compiler.regions import Region, Source, Split, compute_nodes, split_graph
+from kiln.compiler.request import CompileRequest
+from kiln.compiler.runtime.stitch import Step, schedule, stitch
+
+from .client import CompileResult, KilnClient
+from .config import REGION_AUTO_NODES, KilnConfig
+from .serialize import make_request
+
+log = logging.getLogger("kiln.regions")
+
+REGIONS_KIND = "regions"
+PLAN_LAYOUT = 1
+MIN_REGION_NODES = 16
+MAX_SUBMITTED = 64
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class RegionCompileError(KilnCompileError):
+    """One region of a graph did not compile (the message names region and graph)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Which graphs.
+
+
+def region_nodes(config: KilnConfig) -> int:
+    return max(MIN_REGION_NODES, config.region_nodes)
+
+
+def wanted(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: KilnConfig
+           ) -> bool:
+    """Whether to compile ``gm`` as regions: static shapes, no CUDA graphs, and large
+    enough (``auto``) or any size that makes two regions (``on``)."""
+    if config.regions == "off" or config.cudagraphs:
+        return False
+    if any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs):
+        return False
+    nodes = len(compute_nodes(gm))
+    if config.regions == "on":
+        return nodes >= 2 * region_nodes(config)
+    return nodes >= REGION_AUTO_NODES
+
+
+# ---------------------------------------------------------------------------------------
+# The plan: what the store keeps under the whole graph's key.
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    key: str
+    inputs: tuple[Source, ...]
+    strides: tuple[tuple[int, ...] | None, ...]
+    constants: tuple[int, ...]
+    num_outputs: int
+    label: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key, "inputs": [s.to_wire() for s in self.inputs],
+                "strides": [None if s is None else list(s) for s in self.strides],
+                "constants": list(self.constants), "outputs": self.num_outputs,
+                "label": self.label}
+
+    @staticmethod
+    def from_wire(wire: Any) -> RegionPlan:
+        key, inputs, strides = wire["key"], wire["inputs"], wire["strides"]
+        if not (isinstance(key, str) and _KEY_RE.fullmatch(key)):
+            raise ValueError("a region key is not a sha256 hex digest")
+        if not isinstance(inputs, list) or not isinstance(strides, list) or \
+                len(inputs) != len(strides):
+            raise ValueError("region inputs and strides do not match")
+        return RegionPlan(key, tuple(Source.from_wire(s) for s in inputs),
+                          tuple(None if s is None else _ints(s) for s in strides),
+                          _ints(wire["constants"]), _int(wire["outputs"]),
+                          str(wire.get("label", ""))[:200])
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_inputs: int
+    regions: tuple[RegionPlan, ...]
+    outputs: tuple[Source, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"num_inputs": self.num_inputs,
+                "regions": [r.to_wire() for r in self.regions],
+                "outputs": [s.to_wire() for s in self.outputs]}
+
+    @staticmethod
+    def from_wire(wire: Any, num_inputs: int, num_constants: int) -> Plan:
+        """A plan from a (verified) manifest, checked against this graph: every index in
+        range, every value made before it is read (``ValueError`` otherwise)."""
+        if wire.get("num_inputs") != num_inputs:
+            raise ValueError("the plan is for another number of inputs")
+        regions = tuple(RegionPlan.from_wire(r) for r in wire["regions"])
+        plan = Plan(num_inputs, regions, tuple(Source.from_wire(s) for s in wire["outputs"]))
+        if any(c >= num_constants for r in regions for c in r.constants):
+            raise ValueError("the plan names a constant the graph does not have")
+        schedule([Step(_no_call, r.inputs, r.strides, r.num_outputs) for r in regions],
+                 plan.outputs, num_inputs)
+        return plan
+
+
+def _no_call(args: list[Any]) -> tuple[Any, ...]:
+    raise AssertionError("a plan being checked is never run")
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"expected a count, got {value!r:.40}")
+    return value
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise ValueError("expected a list of counts")
+    return tuple(_int(v) for v in values)
+
+
+def plan_manifest(key: KeyInfo, request: CompileRequest, plan: Plan, wall: float
+                  ) -> dict[str, Any]:
+    return {"kind": REGIONS_KIND, "layout": PLAN_LAYOUT, "key": key.key,
+            "key_parts": dict(key.parts), "target": request.target,
+            "versions": request.versions, "options": request.options,
+            "plan": plan.to_wire(), "compile": {"wall_s": wall, "mode": REGIONS_KIND}}
+
+
+class WholeGraphStored(Exception):
+    """The store holds the whole graph compiled as one (``kiln precompile``, or a client
+    with regions off): that artifact is used."""
+
+
+def stored_plan(client: KilnClient, key: str, num_inputs: int, num_constants: int
+                ) -> Plan | None:
+    """The region plan stored under the whole graph's key; None if there is none (or it
+    is unusable); ``WholeGraphStored`` if the key holds a whole compiled graph."""
+    manifest = client.store.get_manifest(key)
+    if not manifest:
+        return None
+    if manifest.get("kind") != REGIONS_KIND:
+        raise WholeGraphStored(key)
+    try:
+        if manifest.get("layout") != PLAN_LAYOUT or manifest.get("key") != key:
+            raise ValueError("another layout or key")
+        return Plan.from_wire(manifest["plan"], num_inputs, num_constants)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        log.warning("kiln: the region plan stored under %s cannot be used (%s); the graph "
+                    "is cut and compiled again", key[:16], e)
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# Compiling.
+
+
+_regional: set[str] = set()
+
+
+def is_regional(name: str) -> bool:
+    """Whether graph ``name`` of this process was compiled as regions (the AOT cache
+    does not serve those yet: it records them as ``regions``)."""
+    return name in _regional
+
+
+def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
+                     example_inputs: Sequence[Any], config: KilnConfig, name: str,
+                     request: CompileRequest) -> Callable[..., Any] | None:
+    """The stitched callable of ``gm`` compiled as regions, or None where the graph does
+    not cut into two regions or more (the caller compiles it whole)."""
+    from .compile import graph_constants, input_device
+
+    start = time.perf_counter()
+    key = compute_key(request)
+    constants = list(graph_constants(gm).values())
+    device = input_device(example_inputs)
+    try:
+        plan = stored_plan(client, key.key, len(example_inputs), len(constants))
+    except WholeGraphStored:
+        return None  # the caller's lookup finds it
+    if plan is not None:
+        fn = _load_stored(client, plan, constants, device, name)
+        if fn is not None:
+            client.counters.add(region_plan_hits=1)
+            _regional.add(name)
+            return fn
+    with trace.span("cut into regions", cat="client", graph=name):
+        split = split_graph(gm, list(example_inputs), region_nodes(config))
+    if split is None:
+        return None
+    _regional.add(name)
+    with trace.span("regional compile", cat="client", graph=name,
+                    regions=len(split.regions)):
+        return _compile_split(client, split, request, key, constants, device, name, start,
+                              config)
+
+
+def _compile_split(client: KilnClient, split: Split, request: CompileRequest, key: KeyInfo,
+                   constants: list[torch.Tensor], device: torch.device, name: str,
+                   start: float, config: KilnConfig) -> Callable[..., Any]:
+    requests = [make_request(r.gm, r.example_inputs, options=request.options,
+                             target=request.target, versions=request.versions)
+                for r in split.regions]
+    keys = [compute_key(r) for r in requests]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k.key, i)
+    results = compile_distinct(client, config, {k: (split.regions[i], requests[i])
+                                                for k, i in first.items()}, name)
+    calls = {k: _load_region(client, results[k], split.regions[i].constants, constants,
+                             device) for k, i in first.items()}
+    plan = Plan(len(request.inputs),
+                tuple(_region_plan(r, keys[r.index].key) for r in split.regions),
+                split.outputs)
+    fn = stitch([_step(calls[p.key], p) for p in plan.regions], plan.outputs,
+                plan.num_inputs)
+    for k, i in first.items():
+        notify(f"{name}.region{i}", results[k])
+    if "output_code" in config.logs.split(","):
+        _print_output_code(name, [(split.regions[i].describe(), results[k])
+                                  for k, i in first.items()])
+    wall = time.perf_counter() - start
+    client.counters.add(regional_graphs=1, regions=len(split.regions),
+                        regions_distinct=len(first))
+    if client.store.can_publish:
+        client.store.publish(Artifact(key.key, plan_manifest(key, request, plan, wall), {}))
+    log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
+             len(split.regions), len(first), wall)
+    return fn
+
+
+def notify(name: str, result: CompileResult) -> None:
+    """Tell ``frontend.compile``'s observers (``kiln precompile``'s tally) of a region:
+    each distinct region is an artifact of its own."""
+    from .compile import observers
+
+    for observer in list(observers):
+        observer(name, result)
+
+
+def _print_output_code(name: str, regions: list[tuple[str, CompileResult]]) -> None:
+    import sys
+
+    from .compile import output_code
+
+    for label, result in regions:
+        print(f"# ==== kiln output code: graph {name}, {label} (key {result.key.key}, "
+              f"{result.source}) ====\n{output_code(result.compiled)}", file=sys.stderr)
+
+
+def _region_plan(region: Region, key: str) -> RegionPlan:
+    strides = tuple(tuple(x.stride()) if s.kind == "value" else None
+                    for s, x in zip(region.inputs, region.example_inputs))
+    return RegionPlan(key, region.inputs, strides, region.constants, region.num_outputs,
+                      region.describe())
+
+
+def _step(call: Callable[[list[Any]], Any], plan: RegionPlan) -> Step:
+    return Step(call, plan.inputs, plan.strides, plan.num_outputs)
+
+
+def compile_distinct(client: KilnClient, config: KilnConfig,
+                     todo: dict[str, tuple[Region, CompileRequest]], name: str
+                     ) -> dict[str, CompileResult]:
+    """Each distinct region compiled (or found in the store), all submitted at once; the
+    first failure, by region order, raised as a ``RegionCompileError``."""
+    if compiles_here(client):
+        attach_stage_pool(client, config)
+    workers = max(1, min(MAX_SUBMITTED, len(todo)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="kiln-region") as pool:
+        futures = {k: pool.submit(client.compile, request, f"{name}.region{region.index}",
+                                  count_hit=False)
+                   for k, (region, request) in todo.items()}
+    results: dict[str, CompileResult] = {}
+    for k, future in sorted(futures.items(), key=lambda kv: todo[kv[0]][0].index):
+        error = future.exception()
+        if error is not None:
+            region = todo[k][0]
+            stage = str(getattr(error, "stage", "compile") or "compile")
+            raise RegionCompileError(
+                f"{region.describe()} of graph {name} (region key {k[:16]}) failed at "
+                f"stage {stage}: {error}", stage=stage, graph=name) from error
+        results[k] = future.result()
+    return results
+
+
+def _load_region(client: KilnClient, result: CompileResult, indices: Sequence[int],
+                 constants: list[torch.Tensor], device: torch.device
+                 ) -> Callable[[list[Any]], Any]:
+    """A region's callable; ``indices``: the whole graph's constants it reads, in order."""
+    named = {f"_tensor_constant{i}": constants[c] for i, c in enumerate(indices)}
+    try:
+        fn = load(result.compiled, named, device)
+    except Exception:
+        client.loaded(result, ok=False)
+        raise
+    client.loaded(result, ok=True)
+    return fn
+
+
+def _load_stored(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
+                 device: torch.device, name: str) -> Callable[..., Any] | None:
+    """The stitched callable from stored regions; None if one is missing or unloadable
+    (the graph is then cut and compiled again: present regions are hits)."""
+    calls: dict[str, Callable[[list[Any]], Any]] = {}
+    for index, region in enumerate(plan.regions):
+        if region.key in calls:
+            continue
+        result = client.lookup(region.key)
+        if result is None:
+            return None
+        try:
+            calls[region.key] = _load_region(client, result, region.constants, constants,
+                                             device)
+            notify(f"{name}.region{index}", result)
+        except Exception as e:  # a region that does not load: compile the graph again
+            log.warning("kiln: a stored region of graph %s does not load (%s: %s)", name,
+                        type(e).__name__, e)
+            return None
+    return stitch([_step(calls[r.key], r) for r in plan.regions], plan.outputs,
+                  plan.num_inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Where regions compile: the farm, or here with a few graph-stage processes.
+
+
+def compiles_here(client: KilnClient) -> bool:
+    """Whether the client's misses compile in this process (no farm, or none up)."""
+    farm = client.farm
+    if farm is client.local or client.farm_down is not None:
+        return True
+    address = getattr(farm, "address", None)
+    return callable(address) and address() is None
+
+
+def stage_processes(config: KilnConfig) -> int:
+    if config.region_processes != "auto":
+        return int(config.region_processes)
+    return min(4, (os.cpu_count() or 1) // 4)
+
+
+_pool: Any = None
+_pool_lock = threading.Lock()
+
+
+def stage_pool(config: KilnConfig) -> Any:
+    """The process's graph-stage pool (started once), or None for fewer than 2."""
+    global _pool
+    processes = stage_processes(config)
+    if processes < 2:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            from kiln.workers.stage_pool import StagePool
+
+            _pool = StagePool(processes)
+            atexit.register(_pool.close)
+        return _pool
+
+
+def attach_stage_pool(client: KilnClient, config: KilnConfig) -> None:
+    pool = stage_pool(config)
+    if pool is not None:
+        client.local.stages = pool
+
+
+def prestart(gm: torch.fx.GraphModule, config: KilnConfig) -> None:
+    """Start the graph-stage processes while Dynamo and AOTAutograd trace, when the
+    model's graph looks large enough to be cut (an ATen graph has a few nodes for each
+    of Dynamo's) and misses would compile here."""
+    if config.regions == "off" or stage_processes(config) < 2:
+        return
+    need = 2 * region_nodes(config) if config.regions == "on" else REGION_AUTO_NODES
+    if 3 * len(gm.graph.nodes) < need:
+        return
+    from .client import client_for
+
+    if compiles_here(client_for(config)):
+        stage_pool(config)

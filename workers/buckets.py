@@ -1,0 +1,85 @@
+"""Autotuning per size bucket, for kernels of graphs with dynamic shapes.
+
+A loaded graph reports each (kernel, bucket) it launches with no tuned config yet
+(``compiler.runtime.buckets``), with the launch's sizes: its integer size arguments and
+the byte extent of each tensor argument. ``tune_buckets`` compiles the kernel's candidate
+configs (the kernel cache shares binaries across buckets), times each on scratch buffers
+of those sizes on this process's GPU (``workers.autotune.benchmark``) and returns a copy
+of the graph with the fastest config (and binary) recorded for the bucket; the artifact
+keeps them (``CompiledGraph.buckets``), so a later process starts tuned.
+
+Under Triton's interpreter (CPU, tests only) kernels have no binaries: with the tests'
+fake benchmark, the chosen configs still run for real.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kiln.compiler import trace
+from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.kernel_compile import KernelBinary
+from kiln.compiler.request import CompileRequest
+
+from .pipeline import KernelCache, KernelJob, candidate_configs, fastest, needs_binary
+
+# (kernel, bucket) -> (byte extent of each tensor argument, integer size arguments)
+Seen = dict[tuple[str, str], tuple[list[int], list[int]]]
+
+
+def can_tune_buckets(request: CompileRequest) -> bool:
+    """Whether this process can tune a request's buckets: autotuning asked, and a GPU of
+    its arch (or the tests' fake benchmark, which also serves the interpreter)."""
+    from .autotune import fake_autotune
+    from .pipeline import local_autotune
+
+    if not request.options.get("autotune", True):
+        return False
+    return fake_autotune() or local_autotune(request)
+
+
+def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
+                 cache: KernelCache | None = None) -> CompiledGraph:
+    """A copy of ``graph`` with a timed config for each (kernel, bucket) of ``seen``."""
+    from .autotune import benchmark
+
+    cache = cache or KernelCache()
+    out = CompiledGraph.from_dict(graph.to_dict())
+    specs = {spec.name: spec for spec in out.kernels}
+    todo = [(name, bucket) for name, bucket in seen if name in specs]
+    jobs = {item: [KernelJob(specs[item[0]], c, target)
+                   for c in candidate_configs(specs[item[0]], True, bucket=True)]
+            for item in todo}
+    binaries = _compile(jobs, target, cache)
+    start = time.perf_counter()
+    for (name, bucket), group in jobs.items():
+        nbytes, sizes = seen[(name, bucket)]
+        candidates = [binaries.get(j.key) or KernelBinary(name, target, j.config)
+                      for j in group]
+        with trace.span("bucket autotune benchmark", cat="autotune", kernel=name,
+                        bucket=bucket, candidates=len(group)):
+            timings = benchmark(specs[name], candidates, sizes, nbytes)
+        if not any(math.isfinite(t) for t in timings):
+            continue  # no candidate ran at this size: the heuristic config stays
+        best, record = fastest(group, timings, candidates)
+        out.buckets.setdefault(name, {})[bucket] = dict(best.config)
+        if best.binary:
+            out.bucket_binaries.setdefault(name, {})[bucket] = best
+        out.stats.setdefault("bucket_autotune", {}).setdefault(name, {})[bucket] = record
+    out.timings["bucket_autotune"] = time.perf_counter() - start
+    return out
+
+
+def _compile(jobs: dict[tuple[str, str], list[KernelJob]], target: dict[str, Any],
+             cache: KernelCache) -> dict[str, KernelBinary]:
+    """Every candidate that the target needs a binary for, compiled side by side."""
+    flat = list({j.key: j for group in jobs.values() for j in group
+                 if needs_binary(j.spec, target)}.values())
+    if not flat:
+        return {}
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        return dict(zip((j.key for j in flat), pool.map(cache.get_or_compile, flat)))
