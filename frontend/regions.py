@@ -404,14 +404,22 @@ def attach_stage_pool(client: KilnClient, config: KilnConfig) -> None:
         client.local.stages = pool
 
 
+# ATen nodes per node of Dynamo's graph, measured with Kiln's decompositions: HF GPT-2
+# 929 / 715 = 1.3, the decoders of bench/coldstart_models.py 2.1. A larger guess starts
+# child processes for graphs that are then not cut (GPT-2 was one at 3).
+ATEN_PER_DYNAMO_NODE = 2
+
+
+def likely_cut(gm: torch.fx.GraphModule, config: KilnConfig) -> bool:
+    """Whether Dynamo's graph ``gm`` will likely make an ATen graph large enough to cut."""
+    need = 2 * region_nodes(config) if config.regions == "on" else REGION_AUTO_NODES
+    return config.regions != "off" and ATEN_PER_DYNAMO_NODE * len(gm.graph.nodes) >= need
+
+
 def prestart(gm: torch.fx.GraphModule, config: KilnConfig) -> None:
     """Start the graph-stage processes while Dynamo and AOTAutograd trace, when the
-    model's graph looks large enough to be cut (an ATen graph has a few nodes for each
-    of Dynamo's) and misses would compile here."""
-    if config.regions == "off" or stage_processes(config) < 2:
-        return
-    need = 2 * region_nodes(config) if config.regions == "on" else REGION_AUTO_NODES
-    if 3 * len(gm.graph.nodes) < need:
+    model's graph is likely to be cut and misses would compile here."""
+    if stage_processes(config) < 2 or not likely_cut(gm, config):
         return
     from .client import client_for
 
