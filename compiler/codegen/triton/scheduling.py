@@ -241,6 +241,11 @@ def _signature(kernel: TritonKernel) -> dict[str, str]:
     sig = {}
     for arg, buf in kernel.args.call_args():
         dtype = V.graph.get_dtype(buf)
+        if dtype not in SIGNATURE_DTYPES:  # complex values should be per-op fallbacks
+            raise NotImplementedError(
+                f"a Triton kernel would take buffer {buf} of dtype {dtype} (argument {arg}), "
+                f"a type Triton does not have; the ops making or reading it should have been "
+                f"per-op fallbacks")
         sig[arg] = "*" + SIGNATURE_DTYPES[dtype]
     for name in kernel.size_params():
         sig[name] = "i64"
