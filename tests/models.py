@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,3 +95,17 @@ def assert_training_step_matches(model: nn.Module, x: torch.Tensor, tol: dict[st
     assert set(got) == {n for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, **tol, msg=n)
+
+
+def compile_checked(fn: Callable[..., torch.Tensor], *args: torch.Tensor
+                    ) -> list[warnings.WarningMessage]:
+    """``fn(*args)`` through ``torch.compile(backend="kiln")``: no graph fell back to
+    eager, the output equals eager's (fp32 tolerances); the warnings the call gave."""
+    from kiln.frontend.backend import KilnFallbackWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="kiln")(*args)
+    assert not [w for w in caught if issubclass(w.category, KilnFallbackWarning)]
+    torch.testing.assert_close(out, fn(*args), rtol=1.3e-6, atol=1e-5)
+    return caught

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from kiln.artifact_store import open_store
 from kiln.frontend.client import reset_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.models import compile_checked  # noqa: E402
 from tests.smallfs import SmallFilesystem, small_filesystem_problem  # noqa: E402
 
 KEY = "hmac:disk-full-builder"
@@ -27,14 +27,7 @@ def model(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compile_and_check() -> None:
-    from kiln.frontend.backend import KilnFallbackWarning
-
-    args = [torch.randn(8, 32), torch.randn(8, 32)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = torch.compile(model, backend="kiln")(*args)
-    assert not [w for w in caught if issubclass(w.category, KilnFallbackWarning)]
-    torch.testing.assert_close(out, model(*args), rtol=1.3e-6, atol=1e-5)
+    compile_checked(model, torch.randn(8, 32), torch.randn(8, 32))
 
 
 def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

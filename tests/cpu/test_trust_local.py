@@ -22,6 +22,7 @@ from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime import local_cache
 from kiln.frontend import farm as farm_module
 from kiln.frontend.client import KilnRepairWarning, reset_clients
+from tests.models import compile_checked
 
 BUILDER_KEY = "hmac:local-builder"
 
@@ -57,15 +58,7 @@ def model(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def run_checked(fn: Callable[..., torch.Tensor] = model) -> list[warnings.WarningMessage]:
     """Compile with Kiln, compare with eager on fresh inputs; the warnings it gave."""
-    from kiln.frontend.backend import KilnFallbackWarning
-
-    args = [torch.randn(8, 32), torch.randn(8, 32)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = torch.compile(fn, backend="kiln")(*args)
-    assert not [w for w in caught if issubclass(w.category, KilnFallbackWarning)]
-    torch.testing.assert_close(out, fn(*args), rtol=1.3e-6, atol=1e-5)
-    return caught
+    return compile_checked(fn, torch.randn(8, 32), torch.randn(8, 32))
 
 
 CLIENT = """
@@ -84,7 +77,8 @@ print(json.dumps({"close": bool(torch.allclose(out, model(*args), rtol=1.3e-6, a
 
 def run_in_new_process() -> None:
     """``run_checked`` in a fresh interpreter (nothing loaded yet), same environment."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+    here = Path(__file__).resolve().parent  # this module, and the repository (tests.*)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True,
                           text=True, timeout=300)

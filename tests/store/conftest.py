@@ -3,7 +3,6 @@ spoken to over HTTP through s3fs), a clean KILN_* environment, a store per backe
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -11,27 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import BUCKET, free_port, s3_options
+from store_helpers import BUCKET, moto_server, s3_options
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """Endpoint URL of a moto S3 server on 127.0.0.1 with one bucket, for the session."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-
-    boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="testing",
-        aws_secret_access_key="testing", region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def moto_server(bucket: str = BUCKET) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with ``bucket`` made; yields its endpoint URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1",
+                     ).create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        server.stop()
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:

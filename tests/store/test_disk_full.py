@@ -9,7 +9,6 @@ whose objects live on that disk (it answers the failed PUT with HTTP 500)."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import free_port, s3_options, store_warnings
+from store_helpers import moto_server, s3_options, store_warnings
 
 from kiln.artifact_store import Artifact, Store, generate_ed25519_key, open_store
 from kiln.artifact_store.signing import ed25519_available
@@ -133,21 +132,11 @@ def test_shared_folder_fills_during_a_publish(disk: SmallFilesystem, keys: tuple
 @pytest.fixture
 def s3_on_disk(disk: SmallFilesystem, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A moto S3 server on loopback whose objects are files on `disk`."""
-    import boto3
     import moto.s3.models as moto_models
-    from moto.server import ThreadedMotoServer
 
     monkeypatch.setattr(moto_models, "tempfile", moto_tempfile(disk.path))
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1"
-                 ).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    with moto_server(BUCKET) as endpoint:
+        yield endpoint
 
 
 def test_s3_server_disk_fills_during_a_publish(s3_on_disk: str, disk: SmallFilesystem,
