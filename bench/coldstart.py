@@ -140,12 +140,10 @@ def _sync(device: str) -> None:
 
 
 def _kiln_counters() -> dict[str, Any]:
-    from kiln.frontend.client import _clients
+    from kiln.frontend.client import _clients, process_counters
 
-    totals: dict[str, Any] = {}
+    totals = process_counters()
     for client in list(_clients.values()):
-        for name, value in client.counters.snapshot().items():
-            totals[name] = totals.get(name, 0) + value
         client.counters.flush()
     return totals
 

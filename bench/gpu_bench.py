@@ -558,14 +558,9 @@ def run_dynamic(reps: int) -> list[dict[str, Any]]:
 
 def _kiln_counters() -> dict[str, Any]:
     """The process's client counters (what ``kiln stats`` adds up)."""
-    from kiln.frontend.client import _clients, _clients_lock
+    from kiln.frontend.client import process_counters
 
-    total: dict[str, Any] = {}
-    with _clients_lock:
-        for client in _clients.values():
-            for name, value in client.counters.snapshot().items():
-                if isinstance(value, (int, float)):
-                    total[name] = total.get(name, 0) + value
+    total = process_counters()
     return {k: total.get(k, 0) for k in ("graphs", "compiles", "hits", "hot_swaps",
                                          "bucket_tunes", "autotune_publishes")}
 

@@ -408,6 +408,18 @@ def wait_for_background(timeout: float | None = None) -> bool:
     return all([client.tuner.wait(timeout) for client in clients])
 
 
+def process_counters() -> dict[str, Any]:
+    """Every client's counters in this process, added up (numbers only)."""
+    with _clients_lock:
+        snapshots = [client.counters.snapshot() for client in _clients.values()]
+    total: dict[str, Any] = {}
+    for snapshot in snapshots:
+        for name, value in snapshot.items():
+            if isinstance(value, (int, float)):
+                total[name] = total.get(name, 0) + value
+    return total
+
+
 def reset_clients() -> None:
     """Forget every client (tests, and `kiln` commands that change the environment)."""
     with _clients_lock:

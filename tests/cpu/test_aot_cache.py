@@ -20,7 +20,7 @@ import torch
 from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import _clients, reset_clients
+from kiln.frontend.client import process_counters, reset_clients
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,11 +31,7 @@ def store(kiln_isolated: None, tmp_path: Path) -> Iterator[Path]:
 
 
 def counters() -> dict[str, Any]:
-    totals: dict[str, Any] = {}
-    for client in _clients.values():
-        for name, value in client.counters.snapshot().items():
-            totals[name] = totals.get(name, 0) + value
-    return totals
+    return process_counters()
 
 
 def new_process() -> None:

@@ -33,13 +33,9 @@ def _isolated(kiln_isolated: None) -> None:
 
 
 def counters() -> dict[str, Any]:
-    from kiln.frontend.client import _clients
+    from kiln.frontend.client import process_counters
 
-    total: dict[str, Any] = {}
-    for client in _clients.values():
-        for name, value in client.counters.snapshot().items():
-            total[name] = total.get(name, 0) + value
-    return total
+    return process_counters()
 
 
 def run_compiled(model: torch.nn.Module, *args: torch.Tensor,
