@@ -281,9 +281,9 @@ class KilnClient:
         if source == "farm" and hasattr(farm, "tuned"):
             timeout = self.config.farm_timeout
             self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
-        elif source == "local":
+        elif source == "local":  # held until the graph's first output
             self.tuner.submit(key.key, lambda: autotune_inprocess(
-                compiled, request.target, self.local.kernels), publish)
+                compiled, request.target, self.local.kernels), publish, hold=True)
 
     def on_tuned(self, key: str, listener: Callable[[CompiledGraph], None]) -> None:
         """Call ``listener`` (a bound method, held weakly) with the graph of ``key`` once
