@@ -272,6 +272,27 @@ class FusedSchedulerNode(BaseSchedulerNode):
         return f"{head}\n{inner}"
 
 
+class RowColumnSchedulerNode(FusedSchedulerNode):
+    """A row reduction over ``[M, N]`` (``row_group``) whose kernel also computes the
+    first stage of split column reductions over the same rows (``column_names``): one
+    program per part of the rows, looping over them, so both read the rows once
+    (``codegen/triton/row_column.py``)."""
+
+    def __init__(self, scheduler: Scheduler, snodes: list[BaseSchedulerNode],
+                 row_group: tuple[Expr, Expr], parts: int, column_names: set[str]) -> None:
+        super().__init__(scheduler, snodes)
+        self.row_group = row_group
+        self.parts = parts
+        self.column_names = column_names
+
+    @property
+    def group(self) -> tuple[Expr, Expr]:
+        return self.row_group
+
+    def row_nodes(self) -> list[BaseSchedulerNode]:
+        return [n for n in self.snodes if n.get_name() not in self.column_names]
+
+
 def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
     """True when ``read`` touches, at each iteration, the element ``write`` made there.
 
@@ -420,12 +441,27 @@ class Scheduler:
                 continue
             if not self.can_fuse(node1, node2) or self.will_fusion_create_cycle(node1, node2):
                 continue
-            fused = FusedSchedulerNode.fuse(node1, node2)
+            fused = self.fuse_pair(node1, node2)
             self.fusions.append((node1.get_name(), node2.get_name()))
             for name in fused.get_names():
                 fused_into[name] = fused
             self.nodes = [fused if n is node1 else n for n in self.nodes if n is not node2]
             self._refresh_ancestors(fused, node1, node2)
+
+    def fuse_pair(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                  ) -> FusedSchedulerNode:
+        """One node for both; a row-column kernel stays one (and a column stage joins
+        a row reduction as one, see the backend's ``row_column_plan``)."""
+        plan = self.backend.row_column_plan(node1, node2)
+        if plan is None:
+            kept = [n for n in (node1, node2) if isinstance(n, RowColumnSchedulerNode)]
+            if kept:
+                plan = (kept[0].row_group, kept[0].parts,
+                        set().union(*(n.column_names for n in kept)))
+        fused = FusedSchedulerNode.fuse(node1, node2)
+        if plan is None:
+            return fused
+        return RowColumnSchedulerNode(self, list(fused.snodes), *plan)
 
     def _refresh_ancestors(self, fused: FusedSchedulerNode, node1: BaseSchedulerNode,
                            node2: BaseSchedulerNode) -> None:
@@ -502,6 +538,10 @@ class Scheduler:
             if has_scatter(node1) or has_scatter(node2):
                 return False
             return self.can_fuse_epilogue(node1, node2)
+        if not self.backend.row_column_allows(node1, node2):
+            return False
+        if self.backend.row_column_plan(node1, node2) is not None:
+            return True  # a row reduction and a column stage: one pass over the rows
         # A fusion that shares no access (same buffer, same element per iteration) saves no
         # memory traffic: it is not profitable, and the two loops may walk memory in
         # different orders (a row-wise loop next to a column reduction or a transpose).

@@ -15,6 +15,18 @@ class SIMDScheduling:
     def can_fuse_horizontal(self, node1: Any, node2: Any) -> bool:
         return self._same_space(node1, node2)
 
+    def row_column_plan(self, node1: Any, node2: Any) -> Any:
+        """A row reduction and a column stage over the same rows in one kernel (GPU
+        kernels only: ``codegen/triton/row_column.py``)."""
+        from .triton.row_column import row_column_plan
+
+        return row_column_plan(node1, node2)
+
+    def row_column_allows(self, node1: Any, node2: Any) -> bool:
+        from .triton.row_column import row_column_allows
+
+        return row_column_allows(node1, node2)
+
     def _same_space(self, node1: Any, node2: Any) -> bool:
         numel1, rnumel1 = node1.group
         numel2, rnumel2 = node2.group

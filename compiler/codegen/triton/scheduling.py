@@ -10,13 +10,14 @@ from ...dependencies import MemoryDep, reduction_access_order
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
-from ...scheduler import BaseSchedulerNode, SchedulerNode
+from ...scheduler import BaseSchedulerNode, RowColumnSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
 from ..kernel_spec import KernelSpec
 from .heuristics import PERSISTENT_RNUMEL, configs_for
 from .kernel import RINDEX, XINDEX, TritonKernel
 from .overrides import SIGNATURE_DTYPES
+from .row_column import codegen_column_subnode, render_frame, row_column_configs
 
 HEADER = """import triton
 import triton.language as tl
@@ -25,7 +26,8 @@ from triton.language.extra import libdevice
 from kiln.compiler.runtime import triton_helpers as th
 """
 
-KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red"}
+KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red",
+               "row_column": "per"}
 NAME_PLACEHOLDER = "KERNEL_NAME"
 
 
@@ -86,27 +88,35 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
     launches it only for such rows).
     """
     xnumel, rnumel = (sympy.sympify(v) for v in node.group)
-    outer = rnumel != 1 and is_outer_reduction(node)
+    parts = node.parts if isinstance(node, RowColumnSchedulerNode) else 0
+    outer = rnumel != 1 and not parts and is_outer_reduction(node)
     kind = kernel_kind(rnumel, outer) if rbound is None else "persistent_reduction"
+    kind = "row_column" if parts else kind
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     sizevars = V.graph.sizevars
-    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
-        else None
+    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind != "pointwise" and \
+        kind != "reduction" else None
     xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
-    configs = tuple(configs_for(kind, xhint, rhint, outer))
+    rows = xhint // parts if parts else 0
+    configs = tuple(row_column_configs(rhint, rows) if parts
+                    else configs_for(kind, xhint, rhint, outer))
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype,
-                          max(int(c.get("XBLOCK", 1)) for c in configs), outer)
+                          max(int(c.get("XBLOCK", 1)) for c in configs), outer, parts)
     order = memory_order(node, removed) if kind == "pointwise" else None
+    columns = node.column_names if isinstance(node, RowColumnSchedulerNode) else set()
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
         for sub in node.get_nodes():
             assert isinstance(sub, SchedulerNode) and isinstance(sub.node, ComputedBuffer)
-            _codegen_subnode(kernel, sub, order)
+            if sub.get_name() in columns:
+                codegen_column_subnode(kernel, sub, rows)
+            else:
+                _codegen_subnode(kernel, sub, order)
         kernel.end_loop()
     lost = kernel.unforwarded & removed
     if lost:
         raise UnforwardedBuffers(lost)
     ops = [op for sub in node.get_nodes() for op in sub.read_writes.op_names]
-    source = render(kernel)
+    source = render(kernel, rows)
     if rbound is not None:  # the same body as other buckets: named apart by its bound
         source = source.replace("@triton.jit", f"# rows of at most {rbound}\n@triton.jit", 1)
     spec = KernelSpec(
@@ -114,7 +124,7 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
         signature=_signature(kernel), xnumel=xhint, rnumel=rhint,
         configs=configs,
-        size_args=kernel.size_args())
+        size_args=kernel.size_args(), programs=parts)
     return _base_name(kind, ops), spec
 
 
@@ -255,8 +265,9 @@ def _signature(kernel: TritonKernel) -> dict[str, str]:
     return sig
 
 
-def render(kernel: TritonKernel) -> str:
-    """The kernel's module source: imports, then the ``@triton.jit`` function."""
+def render(kernel: TritonKernel, rows: int = 0) -> str:
+    """The kernel's module source: imports, then the ``@triton.jit`` function (a
+    row-column kernel: ``rows`` per program)."""
     args = [arg for arg, _ in kernel.args.call_args()] + kernel.size_params()
     args.append("XBLOCK: tl.constexpr")
     if kernel.is_reduction:
@@ -265,6 +276,9 @@ def render(kernel: TritonKernel) -> str:
     code.writeline("@triton.jit")
     code.writeline(f"def {NAME_PLACEHOLDER}({', '.join(args)}):")
     with code.indent():
+        if kernel.parts:
+            render_frame(kernel, rows, code)
+            return HEADER + "\n\n" + code.getvalue()
         if not kernel.dynamic:  # a dynamic kernel takes xnumel and rnumel as arguments
             code.writeline(f"xnumel = {kernel.xnumel}")
         pid = "tl.program_id(0)"
