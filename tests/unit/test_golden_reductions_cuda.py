@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph
@@ -90,6 +91,8 @@ def test_one_row_column_kernel_and_one_second_stage(compiled: CompiledGraph) -> 
                                          "device=DEVICE, dtype=torch.float32)") == 2
     row = compiled.kernels[0]
     assert all(row.grid(dict(c)) == (128, 1, 1) for c in row.configs)
+    # the fixed grid survives a manifest round trip (artifacts store specs as dicts)
+    assert KernelSpec.from_dict(row.to_dict()).grid({"XBLOCK": 2}) == (128, 1, 1)
 
 
 def test_row_column_kernel_reads_each_row_once(compiled: CompiledGraph) -> None:
