@@ -492,7 +492,7 @@ class Scheduler:
             for name in n.used_buffer_names():
                 by_buffer.setdefault(name, []).append(n)
         pairs: dict[tuple[int, int], tuple[BaseSchedulerNode, BaseSchedulerNode]] = {}
-        for users in by_buffer.values():
+        for users in [*by_buffer.values(), *self._sibling_groups()]:
             users = sorted(users, key=lambda n: n.min_order)
             for i, a in enumerate(users):
                 for b in users[i + 1:i + 1 + FUSION_WINDOW]:
@@ -546,7 +546,8 @@ class Scheduler:
         # memory traffic: it is not profitable, and the two loops may walk memory in
         # different orders (a row-wise loop next to a column reduction or a transpose).
         if self.score_fusion_memory(node1, node2) == 0:
-            return False
+            return self.sibling_reductions(node1, node2) and \
+                self.backend.can_fuse_horizontal(node1, node2)
         # Vertical when one reads what the other writes; which one is the producer is a matter
         # of dependencies, not of min_order (a fused consumer may start before its producer).
         if node2.get_names() & self.dependency_names(node1):
@@ -558,6 +559,33 @@ class Scheduler:
             return self.can_fuse_vertical(node1, node2) and self.backend.can_fuse_vertical(
                 node1, node2)
         return self.backend.can_fuse_horizontal(node1, node2)
+
+    def _sibling_groups(self) -> list[list[BaseSchedulerNode]]:
+        """GPU reductions grouped by the one node whose outputs are all they read
+        (candidates for ``sibling_reductions``)."""
+        groups: dict[int, list[BaseSchedulerNode]] = {}
+        for n in self.nodes:
+            if not n.is_reduction() or n.get_device().type != "cuda":
+                continue
+            writers = {id(self.current.get(name)) for name in n.read_writes.read_names()}
+            if len(writers) == 1 and id(None) not in writers:
+                groups.setdefault(writers.pop(), []).append(n)
+        return [g for g in groups.values() if len(g) > 1]
+
+    def sibling_reductions(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                           ) -> bool:
+        """Independent GPU reductions over one space that read only what one other kernel
+        wrote (the second stages of a layer norm's weight and bias gradients, whose
+        partials one kernel made): one launch for both, the same traffic."""
+        if not (node1.is_reduction() and node2.is_reduction()) or \
+                node1.group != node2.group or node1.get_device().type != "cuda":
+            return False
+        if node1.get_names() & self.dependency_names(node2) or \
+                node2.get_names() & self.dependency_names(node1):
+            return False
+        reads = node1.read_writes.read_names() | node2.read_writes.read_names()
+        writers = {id(self.current.get(name)) for name in reads}
+        return len(writers) == 1 and id(None) not in writers
 
     def can_fuse_epilogue(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         """A template takes pointwise consumers of its output into its store: over the

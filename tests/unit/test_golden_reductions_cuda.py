@@ -82,11 +82,13 @@ def _ptxas_usage(ptx: str) -> tuple[int, int] | None:
 
 def test_one_row_column_kernel_and_one_second_stage(compiled: CompiledGraph) -> None:
     """g and x are read once: one program per SM-sized part of the rows (128 parts of
-    64 rows) computes the input gradient and the weight and bias partials; one second
-    stage (launched for each) sums the 128 partials of each column."""
+    64 rows) computes the input gradient and the weight and bias partials; one kernel
+    sums the 128 partials of each column of both (two launches in all)."""
     kinds = [(k.kind, k.xnumel, k.rnumel, k.programs) for k in compiled.kernels]
     assert kinds == [("row_column", ROWS, COLS, 128), ("reduction", COLS, 128, 0)], kinds
-    assert compiled.wrapper_source.count(".run(") == 3
+    assert compiled.wrapper_source.count(".run(") == 2
+    stage2 = compiled.kernels[1].source
+    assert stage2.count("tl.load(") == 2 and stage2.count("tl.store(") == 2
     assert compiled.wrapper_source.count("empty_strided((128, 4096), (4096, 1), "
                                          "device=DEVICE, dtype=torch.float32)") == 2
     row = compiled.kernels[0]
@@ -125,7 +127,7 @@ def test_row_column_candidates_compile_for_sm90_without_spills(compiled: Compile
                                                                ) -> None:
     row = compiled.kernels[0]
     warps = {(c["XBLOCK"], c["num_warps"]) for c in row.configs}
-    assert warps == {(1, 16), (2, 16), (1, 8)}, warps
+    assert warps == {(1, 16), (2, 16), (2, 32), (1, 8)}, warps
     for config in row.configs:
         kernel = triton_compiled(row, dict(config), SM90)
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
@@ -133,7 +135,8 @@ def test_row_column_candidates_compile_for_sm90_without_spills(compiled: Compile
         usage = _ptxas_usage(kernel.asm["ptx"])
         if usage is not None:
             regs, spilled = usage
-            assert spilled == 0 and regs <= 128, (config, usage)
+            # 64K registers per SM: a program of 32 warps gets at most 64 each
+            assert spilled == 0 and regs * config["num_warps"] * 32 <= 65536, (config, usage)
 
 
 def _weight_bias_grads(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,

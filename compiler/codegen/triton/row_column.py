@@ -191,13 +191,15 @@ def _shared_rows(row: BaseSchedulerNode, col: BaseSchedulerNode, numel: int) -> 
 
 def row_column_configs(rnumel: int, rows: int) -> list[dict[str, Any]]:
     """(XBLOCK rows per iteration, warps) with 8 or 16 elements of a row tile per thread:
-    at 8192 x 4096 bf16 (layer-norm backward) ptxas gives 56 registers for 8, about 100
-    to 127 for 16, and spills at 32 (the tiles are held in fp32 with the column
-    accumulators beside them). XBLOCK divides a part's rows: every iteration is whole."""
+    at 8192 x 4096 bf16 (layer-norm backward) ptxas gives 64 registers for 8 (32 warps
+    allow no more), 128 for 16, and spills at 32 (the tiles are held in fp32 with the
+    column accumulators beside them). XBLOCK divides a part's rows: every iteration is
+    whole. One program runs per SM: more rows or warps per program keep more loads in
+    flight, which autotuning weighs against registers."""
     rblock = next_power_of_2(rnumel)
     cap = min(rows & -rows, 64)  # the largest power of two dividing the rows of a part
     out: list[dict[str, Any]] = []
-    for per_thread, warps in ((8, 16), (16, 16), (16, 8), (8, 8)):
+    for per_thread, warps in ((8, 16), (16, 16), (8, 32), (16, 8)):
         xblock = max(1, min(cap, per_thread * warps * 32 // rblock))
         if xblock * rblock > MAX_PER_THREAD * warps * 32:
             continue
