@@ -547,7 +547,7 @@ class Scheduler:
         # different orders (a row-wise loop next to a column reduction or a transpose).
         if self.score_fusion_memory(node1, node2) == 0:
             return self.sibling_reductions(node1, node2) and \
-                self.backend.can_fuse_horizontal(node1, node2)
+                self.backend.can_fuse_siblings(node1, node2)
         # Vertical when one reads what the other writes; which one is the producer is a matter
         # of dependencies, not of min_order (a fused consumer may start before its producer).
         if node2.get_names() & self.dependency_names(node1):

@@ -15,6 +15,15 @@ class SIMDScheduling:
     def can_fuse_horizontal(self, node1: Any, node2: Any) -> bool:
         return self._same_space(node1, node2)
 
+    def can_fuse_siblings(self, node1: Any, node2: Any) -> bool:
+        """Two independent reductions in one kernel: the same space, walked in the same
+        order (a column reduction next to a row reduction would walk one of them across
+        memory)."""
+        from .triton.scheduling import is_outer_reduction
+
+        return self._same_space(node1, node2) and \
+            is_outer_reduction(node1) == is_outer_reduction(node2)
+
     def row_column_plan(self, node1: Any, node2: Any) -> Any:
         """A row reduction and a column stage over the same rows in one kernel (GPU
         kernels only: ``codegen/triton/row_column.py``)."""
