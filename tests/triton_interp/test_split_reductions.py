@@ -27,6 +27,11 @@ def _compile_for_cuda(fn: Callable[..., Any], args: list[torch.Tensor],
     return compile_graph(trace_aten(fn, fake), fake, {}, target=target, compile_kernels=False)
 
 
+# A GPU of 16 SMs: the row-column kernel of a layer norm over 1024 or 2048 rows has a
+# part per SM; on an H200 (132 SMs) those run as two kernels (fewer parts than half the SMs).
+SM16 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 16}
+
+
 def _run(compiled: CompiledGraph, args: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(load(compiled, device=torch.device("cpu"))([a.clone() for a in args]))
 
@@ -101,13 +106,13 @@ def _saved_inputs(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layer_norm_backward_is_one_row_column_kernel(dtype: torch.dtype) -> None:
     """Forward statistics, input gradient and the weight and bias partials in one pass
-    over the rows (32 programs of 32 rows: the split of the column sums), then one
-    kernel for both second stages."""
+    over the rows (16 programs of 64 rows: one part per SM), then one kernel for both
+    second stages."""
     args = [rand(1024, 256, dtype=dtype), rand(1024, 256, dtype=dtype),
             rand(256, dtype=dtype), rand(256, dtype=dtype)]
-    compiled = _compile_for_cuda(_ln_backward, args)
+    compiled = _compile_for_cuda(_ln_backward, args, SM16)
     kinds = [(k.kind, k.xnumel, k.rnumel, k.programs) for k in compiled.kernels]
-    assert kinds == [("row_column", 1024, 256, 32), ("reduction", 256, 32, 0)], kinds
+    assert kinds == [("row_column", 1024, 256, 16), ("reduction", 256, 16, 0)], kinds
     assert compiled.wrapper_source.count(".run(") == 2
     assert compiled.kernels[1].source.count("tl.store(") == 2  # weight and bias
     # mean and rstd stay in registers: the column stage reads them where the row
@@ -121,8 +126,7 @@ def test_layer_norm_backward_is_one_row_column_kernel(dtype: torch.dtype) -> Non
 def test_layer_norm_backward_every_row_column_config_matches_eager() -> None:
     """Each candidate autotuning may pick (rows per iteration, warps) on a GPU."""
     args = _saved_inputs((2048, 512), torch.bfloat16)
-    target = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 16}
-    compiled = _compile_for_cuda(_ln_backward_saved, args, target)
+    compiled = _compile_for_cuda(_ln_backward_saved, args, SM16)
     row = compiled.kernels[0]
     # 16 SMs: 16 programs of 128 rows
     assert (row.kind, row.programs, row.grid(dict(row.configs[0]))) == \
@@ -139,7 +143,7 @@ def test_layer_norm_backward_over_batch_and_sequence() -> None:
     dimensions, whose split chunks cross the batch boundary."""
     args = _saved_inputs((8, 256, 128), torch.float32)
     args[2], args[3] = args[2].reshape(8, 256, 1), args[3].reshape(8, 256, 1)
-    compiled = _compile_for_cuda(_ln_backward_saved, args)
+    compiled = _compile_for_cuda(_ln_backward_saved, args, SM16)
     assert [k.kind for k in compiled.kernels] == ["row_column", "reduction"]
     _close_to_truth(_run(compiled, args), _ln_backward_saved, args, torch.float32)
 
@@ -168,6 +172,16 @@ def test_column_sum_of_the_row_kernels_output_fuses() -> None:
     outs = _run(compiled, [x])
     for out, ref in zip(outs, fn(x)):
         _assert_close(out, ref, torch.float32)
+
+
+def test_few_parts_for_the_sms_stay_two_kernels() -> None:
+    """2048 rows of 512 on 132 SMs: 64 parts of 32 rows would leave half the GPU idle:
+    the row kernel and the column stage stay apart (and match eager)."""
+    args = _saved_inputs((2048, 512), torch.float32)
+    compiled = _compile_for_cuda(_ln_backward_saved, args)
+    assert [k.kind for k in compiled.kernels] == ["persistent_reduction", "reduction",
+                                                  "reduction"]
+    _close_to_truth(_run(compiled, args), _ln_backward_saved, args, torch.float32)
 
 
 def test_column_sum_of_other_data_stays_apart() -> None:
