@@ -561,11 +561,11 @@ class Scheduler:
         return self.backend.can_fuse_horizontal(node1, node2)
 
     def _sibling_groups(self) -> list[list[BaseSchedulerNode]]:
-        """GPU reductions grouped by the one node whose outputs are all they read
+        """Reductions grouped by the one node whose outputs are all they read
         (candidates for ``sibling_reductions``)."""
         groups: dict[int, list[BaseSchedulerNode]] = {}
         for n in self.nodes:
-            if not n.is_reduction() or n.get_device().type != "cuda":
+            if not n.is_reduction():
                 continue
             writers = {id(self.current.get(name)) for name in n.read_writes.read_names()}
             if len(writers) == 1 and id(None) not in writers:
@@ -574,11 +574,10 @@ class Scheduler:
 
     def sibling_reductions(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
                            ) -> bool:
-        """Independent GPU reductions over one space that read only what one other kernel
+        """Independent reductions over one space that read only what one other kernel
         wrote (the second stages of a layer norm's weight and bias gradients, whose
         partials one kernel made): one launch for both, the same traffic."""
-        if not (node1.is_reduction() and node2.is_reduction()) or \
-                node1.group != node2.group or node1.get_device().type != "cuda":
+        if not (node1.is_reduction() and node2.is_reduction()) or node1.group != node2.group:
             return False
         if node1.get_names() & self.dependency_names(node2) or \
                 node2.get_names() & self.dependency_names(node1):

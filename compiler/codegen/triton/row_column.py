@@ -29,6 +29,7 @@ from ...ir.sym import Expr, prod
 from ...scheduler import BaseSchedulerNode, RowColumnSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, next_power_of_2
+from ..simd import SIMDScheduling, is_outer_reduction
 from .heuristics import PERSISTENT_RNUMEL
 
 PID = sympy.Symbol("pid", integer=True, nonnegative=True)
@@ -38,6 +39,25 @@ COLUMN_REDUCTIONS = ("sum", "prod", "max", "min")
 MAX_PER_THREAD = 16
 
 Plan = tuple[tuple[Expr, Expr], int, set[str]]
+
+
+class TritonScheduling(SIMDScheduling):
+    """The fusion rules of GPU (Triton) graphs: the loop backends' rules, row-column
+    kernels, and sibling reductions."""
+
+    def row_column_plan(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                        ) -> Plan | None:
+        return row_column_plan(node1, node2)
+
+    def row_column_allows(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+        return row_column_allows(node1, node2)
+
+    def can_fuse_siblings(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
+        """Two independent reductions in one kernel: the same space, walked in the same
+        order (a column reduction next to a row reduction would walk one of them across
+        memory)."""
+        return self._same_space(node1, node2) and \
+            is_outer_reduction(node1) == is_outer_reduction(node2)
 
 
 def row_column_plan(node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> Plan | None:
@@ -107,8 +127,6 @@ def _subnodes(node: BaseSchedulerNode) -> list[SchedulerNode]:
 
 def _row_group(node: BaseSchedulerNode) -> tuple[int, int] | None:
     """(M, N) of a persistent row reduction node (static sizes, rows contiguous)."""
-    from .scheduling import is_outer_reduction
-
     if node.is_template() or node.is_extern() or node.is_nop() or not node.is_reduction():
         return None
     m, n = node.group
@@ -128,8 +146,6 @@ def _row_group(node: BaseSchedulerNode) -> tuple[int, int] | None:
 def _column_stage(node: BaseSchedulerNode) -> tuple[int, int, int] | None:
     """(parts, columns, rows per part) of a node of column-stage reductions: each over
     ranges ``(parts, *columns)`` and one reduced loop (the rows of its part), strided."""
-    from .scheduling import is_outer_reduction
-
     subs = _subnodes(node)
     if not subs or len(subs) != len(node.get_nodes()) or not is_outer_reduction(node):
         return None
@@ -294,27 +310,3 @@ def _split_row_loads(lines: list[str]
 
 def _rename(load: str, suffix: str) -> str:
     return _FRAME_NAMES.sub(lambda m: m.group(1) + suffix, load)
-
-
-def codegen_column_subnode(kernel: Any, sub: SchedulerNode, rows: int) -> None:
-    """A column stage's body in the row loop: its part is ``pid``, its columns
-    ``rindex``, its reduced row ``xindex - pid * rows``; its reduction accumulates across
-    the loop (``TritonKernel.column``)."""
-    from .kernel import RINDEX, XINDEX
-    from .scheduling import _access_exprs, _map_loops
-
-    buf = sub.node
-    assert isinstance(buf, ComputedBuffer)
-    ranges = [sympy.sympify(s) for s in buf.data.get_size()]
-    variables = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True)
-                 for i in range(len(ranges) + 1)]
-    part, columns, row = variables[0], variables[1:len(ranges)], variables[len(ranges)]
-    mapping = _map_loops(ranges[1:], columns, _access_exprs(sub), RINDEX)
-    mapping[part] = PID
-    mapping[row] = XINDEX - rows * PID
-    kernel.set_index_map(mapping, uses_r=True)
-    kernel.column = True
-    try:
-        buf.store_body()(variables[:len(ranges)], variables[len(ranges):])
-    finally:
-        kernel.column = False

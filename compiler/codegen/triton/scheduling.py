@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import sympy
 
-from ...dependencies import MemoryDep, reduction_access_order
+from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
@@ -14,10 +14,11 @@ from ...scheduler import BaseSchedulerNode, RowColumnSchedulerNode, SchedulerNod
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
 from ..kernel_spec import KernelSpec
+from ..simd import is_outer_reduction
 from .heuristics import PERSISTENT_RNUMEL, configs_for
 from .kernel import RINDEX, XINDEX, TritonKernel
 from .overrides import SIGNATURE_DTYPES
-from .row_column import codegen_column_subnode, render_frame, row_column_configs
+from .row_column import PID, render_frame, row_column_configs
 
 HEADER = """import triton
 import triton.language as tl
@@ -46,19 +47,6 @@ def kernel_kind(rnumel: Expr | int, outer: bool = False) -> str:
         return "reduction"
     fits = V.graph.sizevars.statically_known_leq(rnumel, PERSISTENT_RNUMEL)
     return "persistent_reduction" if fits else "reduction"
-
-
-def is_outer_reduction(node: BaseSchedulerNode) -> bool:
-    """True when the reduced dimension is strided in memory and x is the contiguous one,
-    judged by the reductions' reads (a column sum of a row-major matrix)."""
-    inner = outer = 0
-    for sub in node.get_nodes():
-        if not sub.is_reduction():
-            continue
-        assert isinstance(sub, SchedulerNode)
-        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
-        inner, outer = inner + i, outer + o
-    return outer > inner
 
 
 # A reduction over a symbolic row also gets persistent variants for rows up to these
@@ -199,6 +187,27 @@ def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode,
             kernel.phase_reductions.add(buf.get_name())
     else:
         body(variables)
+
+
+def codegen_column_subnode(kernel: TritonKernel, sub: SchedulerNode, rows: int) -> None:
+    """A column stage's body in the row loop: its part is ``pid``, its columns
+    ``rindex``, its reduced row ``xindex - pid * rows``; its reduction accumulates across
+    the loop (``TritonKernel.column``)."""
+    buf = sub.node
+    assert isinstance(buf, ComputedBuffer)
+    ranges = [sympy.sympify(s) for s in buf.data.get_size()]
+    variables = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True)
+                 for i in range(len(ranges) + 1)]
+    part, columns, row = variables[0], variables[1:len(ranges)], variables[len(ranges)]
+    mapping = _map_loops(ranges[1:], columns, _access_exprs(sub), RINDEX)
+    mapping[part] = PID
+    mapping[row] = XINDEX - rows * PID
+    kernel.set_index_map(mapping, uses_r=True)
+    kernel.column = True
+    try:
+        buf.store_body()(variables[:len(ranges)], variables[len(ranges):])
+    finally:
+        kernel.column = False
 
 
 def _place_in_phase(kernel: TritonKernel, sub: SchedulerNode, is_red: bool,
