@@ -35,7 +35,7 @@ from .heuristics import PERSISTENT_RNUMEL
 PID = sympy.Symbol("pid", integer=True, nonnegative=True)
 # Column reductions a row-column kernel accumulates (combine along axis 0 at the end).
 COLUMN_REDUCTIONS = ("sum", "prod", "max", "min")
-# Elements of a row tile per thread beyond which ptxas spills (see row_column_configs).
+# Elements of a 2-byte row tile per thread beyond which ptxas spills (row_column_configs).
 MAX_PER_THREAD = 16
 
 Plan = tuple[tuple[Expr, Expr], int, set[str]]
@@ -205,38 +205,54 @@ def _reads_in_step(row: BaseSchedulerNode, col: BaseSchedulerNode, m: int, n: in
 
 
 def _shared_rows(row: BaseSchedulerNode, col: BaseSchedulerNode, numel: int) -> bool:
-    def whole(node: BaseSchedulerNode) -> set[str]:
-        out = set()
-        for dep in node.read_writes.reads:
-            size = getattr(dep, "numel", None)
-            if size is not None and size() == numel:
-                out.add(dep.name)
-        return out
+    return bool(_whole_reads(row, numel) & _whole_reads(col, numel))
 
-    return bool(whole(row) & whole(col))
+
+def _whole_reads(node: BaseSchedulerNode, numel: int) -> set[str]:
+    """Buffers the node reads ``numel`` distinct elements of (the ``[M, N]`` data, not
+    a per-row value broadcast over the row)."""
+    from ...dependencies import MemoryDep
+
+    out = set()
+    for dep in node.read_writes.reads:
+        if not isinstance(dep, MemoryDep) or dep.is_indirect():
+            continue
+        used = dep.index.free_symbols
+        touched = prod([s for v, s in zip(dep.var_names, dep.size) if v in used])
+        if touched == numel:
+            out.add(dep.name)
+    return out
 
 
 # -- code generation -----------------------------------------------------------------------
 
 
-def row_column_configs(rnumel: int, rows: int) -> list[dict[str, Any]]:
-    """(XBLOCK rows per iteration, warps) with 8 or 16 elements of a row tile per thread:
-    at 8192 x 4096 bf16 (layer-norm backward) ptxas gives 64 registers for 8 (32 warps
-    allow no more), 128 for 16, and spills at 32 (the tiles are held in fp32 with the
-    column accumulators beside them). XBLOCK divides a part's rows: every iteration is
-    whole. One program runs per SM: more rows or warps per program keep more loads in
-    flight, which autotuning weighs against registers."""
+def row_column_configs(rnumel: int, rows: int, itemsize: int = 2) -> list[dict[str, Any]]:
+    """(XBLOCK rows per iteration, warps) with 8 or 16 elements of a 2-byte row tile per
+    thread (half as many of 4 bytes: the next block's raw loads are held too): at
+    8192 x 4096 bf16 (layer-norm backward) ptxas gives 64 registers for 8 (32 warps allow
+    no more), 128 for 16, and spills at 32; fp32 at 16384 x 1024 spills at 16. XBLOCK
+    divides a part's rows: every iteration is whole. One program runs per SM: more rows
+    or warps per program keep more loads in flight, which autotuning weighs against
+    registers."""
     rblock = next_power_of_2(rnumel)
     cap = min(rows & -rows, 64)  # the largest power of two dividing the rows of a part
+    scale = max(1, itemsize // 2)
     out: list[dict[str, Any]] = []
     for per_thread, warps in ((8, 16), (16, 16), (8, 32), (16, 8)):
-        xblock = max(1, min(cap, per_thread * warps * 32 // rblock))
-        if xblock * rblock > MAX_PER_THREAD * warps * 32:
+        xblock = max(1, min(cap, per_thread // scale * warps * 32 // rblock))
+        if xblock * rblock > MAX_PER_THREAD // scale * warps * 32:
             continue
         cfg = {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": warps, "num_stages": 1}
         if cfg not in out:
             out.append(cfg)
     return out or [{"XBLOCK": 1, "RBLOCK": rblock, "num_warps": 16, "num_stages": 1}]
+
+
+def row_itemsize(node: BaseSchedulerNode, numel: int) -> int:
+    """Bytes of the widest element the node reads over the whole ``[M, N]`` space."""
+    names = _whole_reads(node, numel)
+    return max((V.graph.get_dtype(name).itemsize for name in names), default=2)
 
 
 def render_frame(kernel: Any, rows: int, code: IndentedBuffer) -> None:

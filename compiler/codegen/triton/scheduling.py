@@ -18,7 +18,7 @@ from ..simd import is_outer_reduction
 from .heuristics import PERSISTENT_RNUMEL, configs_for
 from .kernel import RINDEX, XINDEX, TritonKernel
 from .overrides import SIGNATURE_DTYPES
-from .row_column import PID, render_frame, row_column_configs
+from .row_column import PID, render_frame, row_column_configs, row_itemsize
 
 HEADER = """import triton
 import triton.language as tl
@@ -86,7 +86,8 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
         kind != "reduction" else None
     xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
     rows = xhint // parts if parts else 0
-    configs = tuple(row_column_configs(rhint, rows) if parts
+    configs = tuple(row_column_configs(rhint, rows, row_itemsize(node, xhint * rhint))
+                    if parts
                     else configs_for(kind, xhint, rhint, outer))
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype,
                           max(int(c.get("XBLOCK", 1)) for c in configs), outer, parts)
