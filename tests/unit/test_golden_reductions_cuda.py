@@ -211,3 +211,19 @@ def test_encoder_layer_norm_candidates_convert_no_layouts() -> None:
     for config in spec.configs:
         kernel = triton_compiled(spec, dict(config), SM90)
         assert "ttg.convert_layout" not in kernel.asm["ttgir"], config
+
+
+def test_fp32_row_column_candidates_hold_fewer_elements_per_thread() -> None:
+    """fp32 rows (16384 x 1024): the raw next-block loads are twice as wide as bf16's,
+    so candidates hold half the elements per thread (16 spilled)."""
+    with FakeTensorMode():
+        args = [torch.empty(16384, 1024, device="cuda"), torch.empty(16384, 1024, device="cuda"),
+                torch.empty(16384, 1, device="cuda"), torch.empty(16384, 1, device="cuda"),
+                torch.empty(1024, device="cuda"), torch.empty(1024, device="cuda")]
+    compiled = compile_graph(trace_aten(_ln_backward, args), args, {}, compile_kernels=False)
+    row = compiled.kernels[0]
+    assert (row.kind, row.programs) == ("row_column", 128)
+    for config in row.configs:
+        assert config["XBLOCK"] * 1024 <= 8 * config["num_warps"] * 32, config
+        usage = _ptxas_usage(triton_compiled(row, dict(config), SM90).asm["ptx"])
+        assert usage is None or usage[1] == 0, (config, usage)
