@@ -251,8 +251,8 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
 def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
                   inputs: list[IRNode]) -> Any:
     """The op's outputs as fake tensors on the inputs' device, laid out as the op will
-    return them at run time; for an op with no fake kernel there (``geqrf``,
-    ``histogram`` on CUDA), the FX node's recorded ``val``.
+    return them at run time; for an op with no meta kernel (``geqrf``, ``histogram``: no
+    real kernel runs while compiling), the FX node's recorded ``val``.
 
     Meta kernels choose strides per device (cuFFT and MKL lay FFT outputs out
     differently, eigenvectors are row-major on CUDA): a bare meta tensor passes for CUDA
@@ -262,7 +262,7 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
     node = V.graph.current_node if V.has_graph() else None
     val = node.meta.get("val") if node is not None and node.target is op else None
     try:
-        with unset_fake_temporarily(), FakeTensorMode():
+        with unset_fake_temporarily(), FakeTensorMode(allow_fallback_kernels=False):
             fakes = [_fake_like(x) for x in inputs]
             return op(*fill_template(args_t, fakes.__getitem__),
                       **fill_template(kwargs_t, fakes.__getitem__))
