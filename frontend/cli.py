@@ -130,7 +130,7 @@ CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "far
                    "time_saved_s", "hits_autotuned", "autotune_publishes",
                    "kernels_from_store", "farm_not_up", "aot_hits", "aot_misses",
                    "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
-                   "hot_swaps", "bucket_tunes")
+                   "hot_swaps", "bucket_tunes", "inference_direct")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -187,7 +187,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{summary['bucket_tunes']} size buckets tuned")
     print(f"AOT cache       {summary['aot_hits']} Dynamo graphs served with no AOTAutograd "
           f"trace, {summary['aot_traces']} traced ({summary['aot_misses']} misses, "
-          f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected)")
+          f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected); "
+          f"{summary['inference_direct']} traced inference graphs called with no AOT "
+          "runtime wrapper")
     print(f"compile time    {summary['compile_seconds']:.1f} s; "
           f"time saved by hits {summary['time_saved_s']:.1f} s")
     print(f"problems        {summary['farm_fallbacks']} farm fallbacks, "
