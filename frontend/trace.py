@@ -290,10 +290,10 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"{summary.get('background_ms', 0.0):.1f} ms",
              "", "critical path of the first output (stage, ms on the path, steps):"]
     for row in summary["critical_path"]:
-        lines.append(f"  {row['stage']:<36} {row['ms']:>10.1f} {row['count']:>6}")
+        lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
     lines += ["", "top stages by own time (stage, ms, spans):"]
     for row in summary["top_stages"]:
-        lines.append(f"  {row['stage']:<36} {row['ms']:>10.1f} {row['count']:>6}")
+        lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
     usage = summary.get("gpu_usage") or {}
     if usage.get("gpus"):
         lines += ["", f"GPU autotuners (benchmarks over {usage['wall_ms']:.1f} ms; "
