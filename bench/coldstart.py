@@ -105,6 +105,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
         warnings.simplefilter("error", KilnFallbackWarning)
         kiln_compile.observers.append(lambda name, result: selections.append(
             result.compiled.stats.get("gemm_selection") or {}))
+    profile = _profiler()
     start, start_us = time.perf_counter(), time.time_ns() / 1000.0
     mega_load = os.environ.get("BENCH_MEGA_LOAD")
     if mega_load:
@@ -114,6 +115,9 @@ def child(model: str, mode: str, device: str, smoke: bool,
     out = case.step(compiled)
     _sync(device)
     seconds = time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(os.environ["BENCH_PROFILE"])
     if kiln:
         _mark_first_output(start_us)
     mega_save = os.environ.get("BENCH_MEGA_SAVE")
@@ -139,6 +143,18 @@ def aot_note(counters: dict[str, Any]) -> str:
                     if k.startswith("aot_uncached_"))
     return (f"aot: {counters.get('aot_hits', 0)} served, {counters.get('aot_traces', 0)} "
             f"traced" + (f" (not cacheable: {why})" if why else ""))
+
+
+def _profiler() -> Any:
+    """``BENCH_PROFILE=path`` (``--profile DIR``): cProfile the timed part to that path
+    (it slows the row: a profiled row's seconds are not a measurement)."""
+    if not os.environ.get("BENCH_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 def _mark_first_output(start_us: float) -> None:
@@ -264,6 +280,10 @@ class Bench:
             env.update(kv.split("=", 1) for kv in self.args.kiln_env)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
+        if self.args.profile:
+            Path(self.args.profile).mkdir(parents=True, exist_ok=True)
+            env["BENCH_PROFILE"] = str(Path(self.args.profile).resolve() /
+                                       f"{model}-{mode}{tag}.prof")
         if self.args.trace and mode.startswith("kiln"):
             Path(self.args.trace).mkdir(parents=True, exist_ok=True)
             env["KILN_TRACE"] = str(Path(self.args.trace).resolve() / f"{model}-{mode}{tag}.json")
@@ -511,6 +531,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a row needs at least, for --budget")
     p.add_argument("--trace", default=None, help="folder for each Kiln run's timeline")
     p.add_argument("--results", default=None, help="append rows to this JSON file")
+    p.add_argument("--profile", default=None,
+                   help="folder for a cProfile of each row's timed part (pstats files; "
+                        "profiled seconds are not measurements)")
     p.add_argument("--table", default=None, help="print the table of a results file")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
