@@ -13,7 +13,6 @@ from typing import Any
 
 import sympy
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from ..sizevars import SymbolicTensor
 from ..virtualized import V
@@ -259,6 +258,8 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
     on any host, and for the CPU under an outer fake mode (Dynamo's, while the backend
     compiles), so the planned layout would differ from the traced one, and the copy to
     the traced layout would be a kernel over values no kernel can type (complex)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
     node = V.graph.current_node if V.has_graph() else None
     val = node.meta.get("val") if node is not None and node.target is op else None
     try:
