@@ -257,10 +257,11 @@ class Pending:
         if len(self.made) != 1:
             return None
         made = self.made[0]
-        if made.runtime is not None or made.fn is None:
-            return None
+        fn = made.fn
+        if made.runtime is not None or fn is None or not getattr(fn, "_boxed_call", False):
+            return None  # (served_graph passes the inputs as one list)
         self.cache.client.counters.add(inference_direct=1)
-        return served_graph(made.fn, self.disable_amp)
+        return served_graph(fn, self.disable_amp)
 
     @contextmanager
     def listening(self) -> Iterator[None]:
