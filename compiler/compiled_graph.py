@@ -13,7 +13,7 @@ import torch
 from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .kernel_compile import KernelBinary
-from .runtime.buckets import NewBucket
+from .runtime.buckets import NewBucket, generic_config
 
 log = logging.getLogger("kiln.compiled")
 
@@ -102,14 +102,22 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device,
               on_new_bucket: NewBucket | None = None) -> Any:
     config, binary = compiled.config_for(spec), compiled.binaries.get(spec.name)
     buckets = compiled.buckets.get(spec.name, {})
-    if spec.backend == "triton" and spec.size_args and (buckets or on_new_bucket):
+    aligned = any(generic_config(c) for c in (config, *buckets.values()))
+    if spec.backend == "triton" and spec.size_args and (buckets or on_new_bucket or aligned):
         from .runtime.buckets import BucketedLauncher
 
         tuned = compiled.bucket_binaries.get(spec.name, {})
         by_bucket = {name: _one_launcher(spec, device, cfg, tuned.get(name))
                      for name, cfg in buckets.items()}
+
+        def generic(bucket: str | None) -> Any:
+            """The generic variant of an ALIGN config: Triton's JIT (or interpreter)
+            compiles it on first need, specializing on the launch's own values."""
+            plain = generic_config(buckets[bucket] if bucket is not None else config)
+            return None if plain is None else _one_launcher(spec, device, plain, None)
+
         return BucketedLauncher(spec, _one_launcher(spec, device, config, binary), by_bucket,
-                                on_new_bucket)
+                                on_new_bucket, generic if aligned else None)
     return _one_launcher(spec, device, config, binary)
 
 
