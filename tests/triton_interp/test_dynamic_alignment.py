@@ -15,7 +15,7 @@ from kiln.compiler.compiled_graph import load
 from kiln.compiler.kernel_compile import ALIGN_KEY
 from kiln.compiler.runtime.buckets import BucketedLauncher, bucket_index
 
-OPTIONS = {"cpu_backend": "triton-interpret"}
+OPTIONS: dict[str, Any] = {"cpu_backend": "triton-interpret"}
 
 
 @pytest.fixture(autouse=True)
