@@ -111,14 +111,32 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device,
                      for name, cfg in buckets.items()}
 
         def generic(bucket: str | None) -> Any:
-            """The generic variant of an ALIGN config: Triton's JIT (or interpreter)
-            compiles it on first need, specializing on the launch's own values."""
+            """The generic variant of an ALIGN config, compiled on first need for the
+            binary's target (Triton's JIT where that fails, or on the interpreter)."""
             plain = generic_config(buckets[bucket] if bucket is not None else config)
-            return None if plain is None else _one_launcher(spec, device, plain, None)
+            if plain is None:
+                return None
+            return _one_launcher(spec, device, plain, _compile_generic(spec, plain, binary))
 
         return BucketedLauncher(spec, _one_launcher(spec, device, config, binary), by_bucket,
                                 on_new_bucket, generic if aligned else None)
     return _one_launcher(spec, device, config, binary)
+
+
+def _compile_generic(spec: KernelSpec, config: dict[str, Any],
+                     like: KernelBinary | None) -> KernelBinary | None:
+    """The kernel compiled with ``config`` for the target of ``like`` (None without a
+    binary to follow, or where it fails: the launcher then JITs the source)."""
+    if like is None or not like.binary:
+        return None
+    from .kernel_compile import compile_kernel
+
+    try:
+        return compile_kernel(spec, config, dict(like.target))
+    except Exception as e:  # noqa: BLE001 - Triton's JIT of the same source serves
+        log.warning("kiln: kernel %s: its generic variant did not compile (%s); using "
+                    "Triton's JIT", spec.name, e)
+        return None
 
 
 def _one_launcher(spec: KernelSpec, device: torch.device, config: dict[str, Any],

@@ -125,6 +125,15 @@ def test_aligned_variant_loads_are_vectorized_like_static(
     from kiln.workers.pipeline import KernelJob
 
     assert KernelJob(at_2048, config, SM90).key != KernelJob(at_2048, plain, SM90).key
+    # A loaded graph compiles the generic variant on first need, for its binary's target.
+    from kiln.compiler.compiled_graph import _compile_generic
+    from kiln.compiler.kernel_compile import KernelBinary
+
+    aligned = KernelBinary(at_2048.name, dict(SM90), dict(config), b"cubin")
+    generic = _compile_generic(at_2048, plain, aligned)
+    assert generic is not None and generic.config == plain and generic.target == SM90
+    assert generic.binary and generic.metadata["binary_ext"] == "cubin"
+    assert _compile_generic(at_2048, plain, None) is None  # no binary: Triton's JIT
 
 
 SPEC = KernelSpec(name="triton_red_fused_sum_0", backend="triton", kind="reduction",
