@@ -252,3 +252,27 @@ def test_capture_failure_runs_plainly_and_forgets_recordings() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(runner([x])[0], x + 1)  # plain, no second warning
+
+
+def test_served_entry_replays_before_the_slow_path() -> None:
+    """What Dynamo calls for an inference graph under CUDA graphs (``served_graph`` around
+    the runner): an address set with its own recording replays at once; any other call
+    goes through the grad-off path into the runner; outputs match eager throughout."""
+    from kiln.frontend.aot_cache import served_graph
+
+    slow: list[int] = []
+
+    class _Counted(_CpuRunner):
+        def __call__(self, args: list[Any]) -> Any:
+            slow.append(len(args))
+            return super().__call__(args)
+
+    runner = _Counted(_call, "g7")
+    entry = served_graph(runner, False).__wrapped__  # type: ignore[attr-defined]
+    sets = [[torch.randn(3)] for _ in range(2)]
+    for call in range(8):
+        x = sets[call % 2][0]
+        x.copy_(torch.randn(3))
+        torch.testing.assert_close(entry(x)[0], x + 1)
+    # Calls 1-2 warm up, 3-4 record one set each; 5-8 replay with no slow path.
+    assert len(slow) == 4 and len(runner.direct) == 2 and runner.calls == 8
