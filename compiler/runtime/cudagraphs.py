@@ -157,6 +157,17 @@ def replay_of(graph: Any) -> Callable[[], None]:
     return graph.replay  # type: ignore[no-any-return]
 
 
+def first_replay(rec: _Recording) -> None:
+    """The recording's first replay, right after its capture: a C binding that refuses
+    its arguments (a torch whose method differs) raises before any work; the Python
+    method is used from then on."""
+    try:
+        rec.launch()
+    except TypeError:
+        rec.launch = rec.graph.replay
+        rec.launch()
+
+
 @dataclass
 class _Plan:
     """What each replay of one recording does, worked out once: which inputs to check,
@@ -295,7 +306,7 @@ class CudaGraphRunner:
         self.direct[now] = rec
         log.debug("kiln: graph %s recorded reading %d inputs in place (%d)", self.name,
                   len(inputs), len(self.direct))
-        rec.launch()
+        first_replay(rec)
         return rec.outputs
 
     def _record(self, inputs: list[Any]) -> Any:
@@ -311,7 +322,8 @@ class CudaGraphRunner:
         self.recordings += 1
         self.recording = rec
         log.debug("kiln: graph %s recorded (%d)", self.name, self.recordings)
-        return self._replay(inputs)
+        first_replay(rec)  # (with the inputs copied in just before the capture)
+        return self._copy_back(inputs, rec)
 
     def _replay(self, inputs: list[Any]) -> Any:
         plan = self._plan()
@@ -319,6 +331,10 @@ class CudaGraphRunner:
         if plan.copy_to:
             torch._foreach_copy_(plan.copy_to, plan.pick_copied(inputs))
         rec.launch()
+        return self._copy_back(inputs, rec)
+
+    def _copy_back(self, inputs: list[Any], rec: _Recording) -> Any:
+        plan = self._plan()
         if plan.copy_back:  # the graph wrote its own buffer: write the caller's
             torch._foreach_copy_([inputs[i] for i in plan.copy_back],
                                  [rec.inputs[i] for i in plan.copy_back])
