@@ -242,13 +242,7 @@ class GraphLowering(torch.fx.Interpreter):
                 and not _same_strides(out, meta):
             # A buffer laid out for speed (a padded matmul output) is returned as eager
             # lays it out.
-            copy = TensorBox.create(Pointwise(out.get_device(), out.get_dtype(),
-                                              out.make_loader(), tuple(out.get_size())))
-            copy.realize()
-            buf = copy.storage().data  # type: ignore[union-attr]
-            assert isinstance(buf, Buffer)
-            buf.freeze_layout(sympify_tuple(meta.stride()))
-            out = buf
+            return _strided_copy(out, sympify_tuple(meta.stride()))
         return out
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -336,6 +330,26 @@ def _flatten(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return [leaf for item in value for leaf in _flatten(item)]
     return [value]
+
+
+def _strided_copy(out: IRNode, stride: Sequence[sympy.Expr]) -> Buffer:
+    """``out`` copied into a buffer with ``stride``: a kernel, or for values no kernel
+    can type (complex: an FFT's output the fallback laid out otherwise than the trace),
+    an eager clone that the wrapper lays out (``as_layout``)."""
+    if out.get_dtype().is_complex:
+        box = make_fallback_call(torch.ops.aten.clone.default, [out], {})
+        buf = box.storage().data  # type: ignore[union-attr]
+        assert isinstance(buf, Buffer)
+        lay = buf.get_layout()
+        buf.layout = FixedLayout(lay.device, lay.dtype, lay.size, tuple(stride))
+        return buf
+    copy = TensorBox.create(Pointwise(out.get_device(), out.get_dtype(), out.make_loader(),
+                                      tuple(out.get_size())))
+    copy.realize()
+    buf = copy.storage().data  # type: ignore[union-attr]
+    assert isinstance(buf, Buffer)
+    buf.freeze_layout(tuple(stride))
+    return buf
 
 
 def _owned_by_graph(node: IRNode) -> bool:

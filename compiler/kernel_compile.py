@@ -6,7 +6,9 @@ warp size), so a machine with no GPU produces cubins for sm_90.
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,13 @@ from typing import Any
 from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .errors import KilnCompileError
+
+# CPython before 3.13 keeps the AST constructor's recursion depth in state shared by all
+# threads: two threads parsing at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (cpython gh-106905). Triton's front end (hashing a kernel's
+# source, its AST to TTIR: Python, bound by the GIL anyway) runs under this lock; LLVM
+# and ptxas, the slow steps, run in parallel.
+_FRONTEND_LOCK = threading.Lock()
 
 # Block sizes a kernel takes as constexpr arguments, in signature order (the last four:
 # GEMM templates' tiles).
@@ -93,16 +102,16 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
                     ) -> Any:
     """Triton's compiled kernel (its ``asm`` holds every stage: ttgir, ptx, cubin)."""
     import triton
-    from triton.compiler import ASTSource
 
     from .runtime.kernel_files import import_source
 
-    module = import_source(spec.source)
+    with _FRONTEND_LOCK:
+        module = import_source(spec.source)
     fn = getattr(module, spec.name)
     constexprs = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
     pointer_args = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_args}
-    src = ASTSource(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
+    src = _locked_source_class()(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
     options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"]),
                "enable_fp_fusion": True}
     try:
@@ -110,6 +119,23 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
     except Exception as e:
         raise KilnCompileError(f"Triton failed to compile: {type(e).__name__}: {e}",
                                stage="kernel compile", kernel=spec.name) from e
+
+
+@functools.cache
+def _locked_source_class() -> Any:
+    """Triton's ``ASTSource`` with its AST steps under ``_FRONTEND_LOCK``."""
+    from triton.compiler import ASTSource
+
+    class LockedSource(ASTSource):  # type: ignore[misc]
+        def hash(self) -> Any:
+            with _FRONTEND_LOCK:
+                return super().hash()
+
+        def make_ir(self, *args: Any, **kwargs: Any) -> Any:
+            with _FRONTEND_LOCK:
+                return super().make_ir(*args, **kwargs)
+
+    return LockedSource
 
 
 def _jsonable(value: Any) -> Any:

@@ -38,7 +38,9 @@ TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.complex128: (1e-7, 1e-7),
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (5e-2, 5e-2),
+    torch.complex32: (1e-2, 1e-2),  # an FFT of float16 on CUDA
 }
+REDUCED = (torch.float16, torch.bfloat16)
 
 # Ops whose outputs are uninitialized memory: only sizes, strides and dtypes compare.
 UNINITIALIZED = frozenset({
@@ -231,8 +233,53 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype) -> tuple[str, str]:
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, KilnFallbackWarning)]
     if fallbacks:
         return "fallback", fallbacks[0][:500]
-    mismatch = _compare((actual, args), (expected, expected_inputs), uninitialized)
+    mismatch = _compare((actual, args), (expected, expected_inputs), uninitialized, dtype)
+    if mismatch and dtype in REDUCED and _as_accurate_as_eager(
+            fn, tensors, (actual, args), (expected, expected_inputs), dtype):
+        return "pass", f"matched a float64 reference as closely as eager ({mismatch[:200]})"
     return ("wrong", mismatch) if mismatch else ("pass", "")
+
+
+def _as_accurate_as_eager(fn: Callable[..., Any], tensors: Sequence[torch.Tensor],
+                          actual: Any, expected: Any, dtype: torch.dtype) -> bool:
+    """In float16 and bfloat16, Kiln computes a fused chain in float32 and rounds once
+    where eager rounds after each op, so the two can differ by more than the dtype's
+    tolerance with Kiln the closer to the exact value. True when, against the op run in
+    float64, Kiln's error (root mean square and largest) is at most twice eager's plus a
+    tenth of the dtype's atol, for every floating output; non-finite reference values
+    must match eager exactly."""
+    try:
+        reference, ref_inputs = _eager(fn, [t.double() if t.is_floating_point() else t
+                                            for t in tensors])
+    except Exception:  # noqa: BLE001 - no float64 kernel: no second opinion
+        return False
+    a_flat, a_spec = tree_flatten(actual)
+    e_flat, _ = tree_flatten(expected)
+    r_flat, r_spec = tree_flatten((reference, ref_inputs))
+    if a_spec != r_spec:
+        return False
+    slack = TOLERANCE[dtype][1] / 10
+    for a, e, r in zip(a_flat, e_flat, r_flat):
+        if not isinstance(e, torch.Tensor) or _compare_leaf(a, e, False, False, dtype) is None:
+            continue
+        if not (a.is_floating_point() and isinstance(r, torch.Tensor)
+                and r.shape == a.shape and _no_worse(a, e, r, slack)):
+            return False
+    return True
+
+
+def _no_worse(a: torch.Tensor, e: torch.Tensor, r: torch.Tensor, slack: float) -> bool:
+    a, e, r = (t.detach().to("cpu", torch.float64) for t in (a, e, r))
+    finite = torch.isfinite(r)
+    if not torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()):
+        return False
+    err_a, err_e = (a - r)[finite].abs(), (e - r)[finite].abs()
+    if err_a.numel() == 0:
+        return True
+    if err_a.isnan().any():
+        return False
+    rms_a, rms_e = err_a.square().mean().sqrt(), err_e.square().mean().sqrt()
+    return bool(rms_a <= 2 * rms_e + slack and err_a.max() <= 2 * err_e.max() + slack)
 
 
 def _short(e: BaseException) -> str:
@@ -245,21 +292,34 @@ def _same(a: Any, b: Any, exact: bool) -> bool:
     return _compare(a, b, uninitialized=False, exact=exact) is None
 
 
-def _compare(actual: Any, expected: Any, uninitialized: bool, exact: bool = False
-             ) -> str | None:
-    """None when ``actual`` matches ``expected``; otherwise what differs."""
+def _tolerance(out: torch.dtype, run: torch.dtype | None) -> tuple[float, float]:
+    """(rtol, atol) for an output of dtype ``out`` in a run of ``run``: exact for
+    integers and bool, else the looser of the two dtypes' tolerances."""
+    if out not in TOLERANCE:
+        return 0.0, 0.0
+    rtol, atol = TOLERANCE[out]
+    if run in REDUCED and not out.is_complex:
+        rtol, atol = max(rtol, TOLERANCE[run][0]), max(atol, TOLERANCE[run][1])
+    return rtol, atol
+
+
+def _compare(actual: Any, expected: Any, uninitialized: bool,
+             dtype: torch.dtype | None = None, exact: bool = False) -> str | None:
+    """None when ``actual`` matches ``expected``; otherwise what differs. ``dtype`` is
+    the run's (a float32 output of float16 inputs is held to float16's tolerance)."""
     a_flat, a_spec = tree_flatten(actual)
     e_flat, e_spec = tree_flatten(expected)
     if a_spec != e_spec:
         return f"output structure {a_spec} != eager {e_spec}"
     for i, (a, e) in enumerate(zip(a_flat, e_flat)):
-        problem = _compare_leaf(a, e, uninitialized, exact)
+        problem = _compare_leaf(a, e, uninitialized, exact, dtype)
         if problem:
             return f"output {i}: {problem}"
     return None
 
 
-def _compare_leaf(a: Any, e: Any, uninitialized: bool, exact: bool) -> str | None:
+def _compare_leaf(a: Any, e: Any, uninitialized: bool, exact: bool,
+                  dtype: torch.dtype | None = None) -> str | None:
     if not isinstance(e, torch.Tensor):
         if isinstance(e, float) and isinstance(a, float) and math.isnan(e) and math.isnan(a):
             return None
@@ -270,7 +330,7 @@ def _compare_leaf(a: Any, e: Any, uninitialized: bool, exact: bool) -> str | Non
         return f"{a.dtype}{tuple(a.shape)} != eager {e.dtype}{tuple(e.shape)}"
     if uninitialized:
         return None
-    rtol, atol = (0.0, 0.0) if exact else TOLERANCE.get(e.dtype, (0.0, 0.0))
+    rtol, atol = (0.0, 0.0) if exact else _tolerance(e.dtype, dtype)
     try:
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True,
                                    check_device=False, check_stride=False)

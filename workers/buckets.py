@@ -15,9 +15,7 @@ fake benchmark, the chosen configs still run for real.
 from __future__ import annotations
 
 import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kiln.compiler import trace
@@ -79,7 +77,4 @@ def _compile(jobs: dict[tuple[str, str], list[KernelJob]], target: dict[str, Any
     """Every candidate that the target needs a binary for, compiled side by side."""
     flat = list({j.key: j for group in jobs.values() for j in group
                  if needs_binary(j.spec, target)}.values())
-    if not flat:
-        return {}
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        return dict(zip((j.key for j in flat), pool.map(cache.get_or_compile, flat)))
+    return dict(zip((j.key for j in flat), cache.compile_all(flat)))

@@ -249,18 +249,38 @@ def make_fallback_call(op: torch._ops.OpOverload, args: Sequence[Any],
 
 def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
                   inputs: list[IRNode]) -> Any:
-    """The op's outputs as meta tensors: from its meta kernel, or, for an op with none
-    (``geqrf``, ``histogram``), from the FX node's recorded ``val``."""
-    metas = [meta_tensor(x) for x in inputs]
+    """The op's outputs as fake tensors on the inputs' device, laid out as the op will
+    return them at run time; for an op with no meta kernel (``geqrf``, ``histogram``: no
+    real kernel runs while compiling), the FX node's recorded ``val``.
+
+    Meta kernels choose strides per device (cuFFT and MKL lay FFT outputs out
+    differently, eigenvectors are row-major on CUDA): a bare meta tensor passes for CUDA
+    on any host, and for the CPU under an outer fake mode (Dynamo's, while the backend
+    compiles), so the planned layout would differ from the traced one, and the copy to
+    the traced layout would be a kernel over values no kernel can type (complex)."""
+    from torch._subclasses import fake_tensor as ft
+
+    # No meta kernel, or an output shape that depends on values (a shape error is not
+    # this: it stays an error naming the node).
+    no_meta = (NotImplementedError, ft.UnsupportedOperatorException,
+               ft.DynamicOutputShapeException, ft.DataDependentOutputException)
     try:
-        return op(*fill_template(args_t, metas.__getitem__),
-                  **fill_template(kwargs_t, metas.__getitem__))
-    except NotImplementedError:  # no meta kernel (a shape error is not this)
+        with ft.unset_fake_temporarily(), ft.FakeTensorMode(allow_fallback_kernels=False):
+            fakes = [_fake_like(x) for x in inputs]
+            return op(*fill_template(args_t, fakes.__getitem__),
+                      **fill_template(kwargs_t, fakes.__getitem__))
+    except no_meta:
         node = V.graph.current_node if V.has_graph() else None
         val = node.meta.get("val") if node is not None and node.target is op else None
         if val is None:
             raise
         return val
+
+
+def _fake_like(x: IRNode) -> torch.Tensor:
+    """Inside a FakeTensorMode: a fake tensor like realized input ``x``, on its device."""
+    t = meta_tensor(x)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=x.get_device())
 
 
 def _buffer_name(x: IRNode) -> str:

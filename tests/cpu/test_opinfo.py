@@ -88,3 +88,40 @@ def test_bench_shards_merge_in_database_order(tmp_path: Path) -> None:
     order = [full_name(op) for op in select_ops(["abs", "neg", "flip"])]
     assert [(r["op"], r["status"]) for r in run["results"]] == [(n, "pass") for n in order]
     assert run["counts"] == {"pass": 3}
+
+
+def test_reduced_precision_tolerance_is_the_looser_dtypes() -> None:
+    from tests.opinfo_harness import _tolerance
+
+    assert _tolerance(torch.float32, torch.float32) == (1e-4, 1e-5)
+    assert _tolerance(torch.float32, torch.bfloat16) == (5e-2, 5e-2)  # upcast output
+    assert _tolerance(torch.float16, torch.float16) == (1e-2, 1e-2)
+    assert _tolerance(torch.complex32, torch.float16) == (1e-2, 1e-2)
+    assert _tolerance(torch.int64, torch.bfloat16) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_once_passes_against_a_float64_reference(dtype: torch.dtype) -> None:
+    """A chain computed in float32 and rounded once (as Kiln does) may differ from eager,
+    which rounds after each op, by more than the tolerance: it passes when it is as close
+    to the float64 result as eager is; an output off by more does not."""
+    from tests.opinfo_harness import _as_accurate_as_eager, _compare
+
+    def fn(x: torch.Tensor) -> torch.Tensor:  # cancellation: eager's roundings show
+        y = x * 1000
+        for _ in range(6):
+            y = (y + 1000.5) - 1000
+        return y - x * 1000
+
+    x = torch.randn(64, dtype=torch.float64).to(dtype)
+    eager = fn(x)
+    once = fn(x.float()).to(dtype)
+    exact = fn(x.double())
+    assert (once.double() - exact).abs().max() < (eager.double() - exact).abs().max()
+    assert _compare(once, eager, False, dtype) is not None  # beyond the plain tolerance
+    assert _as_accurate_as_eager(fn, [x], (once, [x]), (eager, [x]), dtype)
+    off = once + (once - eager).abs().max() * 4 + 1
+    assert not _as_accurate_as_eager(fn, [x], (off, [x]), (eager, [x]), dtype)
+    nan = once.clone()
+    nan[3] = float("nan")
+    assert not _as_accurate_as_eager(fn, [x], (nan, [x]), (eager, [x]), dtype)
