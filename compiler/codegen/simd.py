@@ -52,6 +52,17 @@ def is_outer_reduction(node: Any) -> bool:
     for sub in node.get_nodes():
         if not sub.is_reduction():
             continue
-        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        i, o = _access_order(sub)
         inner, outer = inner + i, outer + o
     return outer > inner
+
+
+def _access_order(sub: Any) -> tuple[int, int]:
+    """``reduction_access_order`` of one scheduler node, computed once: it reads the
+    coefficients of every access, and fusion asks about each candidate pair of nodes
+    (the scheduler node and its read_writes do not change)."""
+    cached = sub.__dict__.get("_access_order")
+    if cached is None:
+        cached = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        sub.__dict__["_access_order"] = cached
+    return cached
