@@ -390,12 +390,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_farm(args: argparse.Namespace) -> int:
-    from . import farm
+    from . import farm, farm_cluster
 
     if args.action == "up":
         try:
-            info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                            port=args.port, host=args.host)
+            info = farm_cluster.start_local_cluster(
+                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
@@ -403,10 +403,10 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
-        print(farm.auth_instructions(info))
+        print(farm_cluster.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":
-        stopped = farm.stop_local_cluster()
+        stopped = farm_cluster.stop_local_cluster()
         if stopped is None:
             print("no farm is up")
         elif stopped.get("stale"):

@@ -231,6 +231,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "launch cubins with torch's static CUDA launcher", env_only=True),
     Setting("farm_kernel_store", parse_text, None,
             "on a farm: off stops kernel sharing through its store", env_only=True),
+    Setting("kernel_threads", parse_count, 0,
+            "threads compiling one graph's kernels in process (0: the CPUs, at most 16)",
+            env_only=True),
 )}
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.

@@ -58,11 +58,13 @@ def is_outer_reduction(node: Any) -> bool:
 
 
 def _access_order(sub: Any) -> tuple[int, int]:
-    """``reduction_access_order`` of one scheduler node, computed once: it reads the
-    coefficients of every access, and fusion asks about each candidate pair of nodes
-    (the scheduler node and its read_writes do not change)."""
-    cached = sub.__dict__.get("_access_order")
-    if cached is None:
-        cached = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
-        sub.__dict__["_access_order"] = cached
-    return cached
+    """``reduction_access_order`` of a scheduler node's reads, kept on the node while its
+    reads stay the same object: fusion asks it of the same nodes for every candidate pair
+    (sympy coefficient work: seconds per large graph when recomputed)."""
+    rw = sub.read_writes
+    cached = getattr(sub, "_access_order", None)
+    if cached is not None and cached[0] is rw:
+        return cached[1]
+    order = reduction_access_order(rw, len(sub.get_ranges()[0]))
+    sub._access_order = (rw, order)
+    return order
