@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,6 +59,11 @@ DIRECT_OUTPUT_BYTES = 256 << 20
 MAX_SEEN = 64
 
 Call = Callable[[list[Any]], Any]
+
+# Held while a graph is captured, and by this process's autotuning benchmarks (they run on
+# a background thread): a benchmark's allocations and synchronizations during a capture
+# invalidate it ("operation failed due to a previous error during capture").
+GPU_WORK_LOCK = threading.RLock()
 
 
 class KilnCudaGraphWarning(UserWarning):
@@ -285,16 +291,17 @@ class CudaGraphRunner:
 
     def _capture(self, graph_inputs: list[Any]) -> _Recording | str:
         """A recording of one call over ``graph_inputs`` (not run yet), or why none."""
-        torch.cuda.synchronize()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.call(list(graph_inputs))
-        except Exception as e:  # capture failed: this graph runs plainly from now on
+        with GPU_WORK_LOCK:
             torch.cuda.synchronize()
-            return f"capture failed: {type(e).__name__}: {e}"
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = self.call(list(graph_inputs))
+            except Exception as e:  # capture failed: this graph runs plainly from now on
+                torch.cuda.synchronize()
+                return f"capture failed: {type(e).__name__}: {e}"
         return _Recording(graph, list(_pointers(graph_inputs)), graph_inputs, outputs)
 
     def _record_direct(self, inputs: list[Any], now: tuple[int, ...]) -> Any:
