@@ -65,10 +65,39 @@ def row_column_plan(node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> Plan 
     row-column node) and the other a column stage over the same rows that shares its
     reads; None otherwise."""
     for row, col in ((node1, node2), (node2, node1)):
+        if not _shapes_fit(row, col):
+            continue  # every candidate pair of the graph comes here: the cheap test first
         plan = _plan(row, col)
         if plan is not None:
             return plan
     return None
+
+
+def _shapes_fit(row: BaseSchedulerNode, col: BaseSchedulerNode) -> bool:
+    """From the groups alone: ``row`` may reduce rows of ``[M, N]`` and ``col`` be a
+    column stage of ``parts`` x ``N`` outputs over ``M / parts`` rows each."""
+    row_group, col_group = _static_group(row), _static_group(col)
+    if row_group is None or col_group is None:
+        return False
+    (m, n), (outputs, chunk) = row_group, col_group
+    if n > PERSISTENT_RNUMEL or chunk < 2 or outputs % n or outputs // n * chunk != m:
+        return False
+    return is_outer_reduction(col) and outputs // n >= _min_parts()
+
+
+def _static_group(node: BaseSchedulerNode) -> tuple[int, int] | None:
+    """The node's group as integers if it is a reduction of static sizes (once per
+    node: a group is a product of sympy sizes)."""
+    if "_static_group" not in node.__dict__:
+        group = None
+        if node.is_reduction() and not isinstance(node, RowColumnSchedulerNode):
+            m, n = node.group
+            if isinstance(m, sympy.Integer) and isinstance(n, sympy.Integer):
+                group = (int(m), int(n))
+        elif isinstance(node, RowColumnSchedulerNode):
+            group = (int(node.row_group[0]), int(node.row_group[1]))
+        node.__dict__["_static_group"] = group
+    return node.__dict__["_static_group"]
 
 
 def row_column_allows(node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
