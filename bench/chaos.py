@@ -176,7 +176,7 @@ class Chaos:
     def start_farm(self) -> None:
         """`kiln farm up` with the builder's environment (store and private key)."""
         from kiln.artifact_store import generate_ed25519_key
-        from kiln.frontend import farm
+        from kiln.frontend import farm, farm_cluster
 
         if not hasattr(self, "public"):
             self.private, self.public = generate_ed25519_key()
@@ -189,7 +189,7 @@ class Chaos:
                           KILN_FARM_FILE=str(self.tmp / "farm.json"), KILN_STATS_FILE="off",
                           XDG_CACHE_HOME=str(self.tmp / "builder-cache"),
                           PYTHONPATH=str(ROOT))
-        self.farm_info = farm.start_local_cluster(num_cpus=self.args.cpus)
+        self.farm_info = farm_cluster.start_local_cluster(num_cpus=self.args.cpus)
         farm.use_farm_token(self.farm_info)
         farm.use_loopback_ray(self.farm_info["address"])
         import ray
@@ -448,7 +448,7 @@ class Chaos:
         return summary
 
     def close(self) -> None:
-        from kiln.frontend import farm
+        from kiln.frontend import farm_cluster
 
         try:
             import ray
@@ -456,7 +456,7 @@ class Chaos:
             ray.shutdown()
         except Exception:
             pass
-        farm.stop_local_cluster()
+        farm_cluster.stop_local_cluster()
         self.s3.stop()
         self.disk.close()
 

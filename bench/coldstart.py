@@ -23,6 +23,12 @@ compiles its distinct regions on the farm's workers at once. On a 16-core host t
 sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
 40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
+The ``kiln_farm`` rows run first (one farm up for every model), then each model's modes
+in order, then the sweep. ``--budget SECONDS`` keeps the whole run within that time: a
+row is not started with less than ``--row-min`` seconds left (a farm: plus its start),
+a row still running at the end is stopped, and the table says which (``skip``);
+``--results`` is written after every row, so a run cut short from outside keeps them.
+Kiln's packages are byte-compiled before the first row (as a wheel install does).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
 farm compile went to the farm, the default compiled here without waiting for a farm),
 fails on KilnFallbackWarning, and compares the output with eager.
@@ -68,6 +74,7 @@ MODES = ("inductor_cold", "inductor_warm", "inductor_mega", "kiln_inprocess", "k
 PRIMING = {"inductor_warm": "inductor_cold", "inductor_mega": "inductor_cold",
            "kiln_warm": "kiln_inprocess", "kiln_warm_new": "kiln_inprocess"}
 RESULT = "COLDSTART_RESULT "
+FARM_UP_S = 40.0  # `kiln farm up` with its warm-up, on the 16-core host (for --budget)
 TRAINING_MODELS = frozenset({"encoder_train"})  # their graphs take the AOT path warm too
 
 
@@ -98,7 +105,8 @@ def child(model: str, mode: str, device: str, smoke: bool,
         warnings.simplefilter("error", KilnFallbackWarning)
         kiln_compile.observers.append(lambda name, result: selections.append(
             result.compiled.stats.get("gemm_selection") or {}))
-    start = time.perf_counter()
+    profile = _profiler()
+    start, start_us = time.perf_counter(), time.time_ns() / 1000.0
     mega_load = os.environ.get("BENCH_MEGA_LOAD")
     if mega_load:
         torch.compiler.load_cache_artifacts(Path(mega_load).read_bytes())
@@ -107,6 +115,11 @@ def child(model: str, mode: str, device: str, smoke: bool,
     out = case.step(compiled)
     _sync(device)
     seconds = time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(os.environ["BENCH_PROFILE"])
+    if kiln:
+        _mark_first_output(start_us)
     mega_save = os.environ.get("BENCH_MEGA_SAVE")
     if mega_save:
         saved = torch.compiler.save_cache_artifacts()
@@ -130,6 +143,39 @@ def aot_note(counters: dict[str, Any]) -> str:
                     if k.startswith("aot_uncached_"))
     return (f"aot: {counters.get('aot_hits', 0)} served, {counters.get('aot_traces', 0)} "
             f"traced" + (f" (not cacheable: {why})" if why else ""))
+
+
+def _profiler() -> Any:
+    """``BENCH_PROFILE=path`` (``--profile DIR``): cProfile the timed part to that path
+    (it slows the row: a profiled row's seconds are not a measurement)."""
+    if not os.environ.get("BENCH_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
+def _mark_first_output(start_us: float) -> None:
+    """The measured time as one span of the timeline: its critical path then ends at
+    the first output, and the first call's own work shows as this span's own time."""
+    from kiln.compiler import trace
+    from kiln.frontend.trace import flush
+
+    if trace.recording():
+        trace.complete("torch.compile to first output", start_us, time.time_ns() / 1000.0,
+                       cat="bench")
+        flush()
+
+
+def precompile_bytecode() -> None:
+    """Byte-compile Kiln's packages once before measuring, as installing a wheel does:
+    an editable checkout would otherwise compile them inside the first Kiln row."""
+    import compileall
+
+    for package in ("compiler", "frontend", "workers", "artifact_store"):
+        compileall.compile_dir(str(ROOT / package), quiet=1, workers=0)
 
 
 def _sync(device: str) -> None:
@@ -159,6 +205,30 @@ class Bench:
         self.farm_file = self.root / "farm" / "farm.json"
         self.rows: list[dict[str, Any]] = []
         self.done: set[tuple[str, str]] = set()
+        self.deadline = time.monotonic() + args.budget if args.budget else None
+        results = Path(args.results) if args.results else None
+        self.earlier = json.loads(results.read_text()) if results and results.exists() else []
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        """Keep a row, and write the results file at once (a run cut short keeps it)."""
+        self.rows.append(row)
+        if self.args.results:
+            Path(self.args.results).write_text(json.dumps(self.earlier + self.rows, indent=1))
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def out_of_time(self, model: str, what: str, needs: float) -> bool:
+        """True (and a row saying so) when less than ``needs`` seconds of ``--budget``
+        are left: the row is not started, so the run ends inside its budget."""
+        left = self.time_left()
+        if left is None or left >= needs:
+            return False
+        self.add_row({"model": model, "mode": what, "ok": False, "skipped": True,
+                      "problem": f"not run: {max(left, 0):.0f} s of --budget left, "
+                                 f"{needs:.0f} s needed"})
+        print(f"[coldstart] {model} {what}: not run (budget)", file=sys.stderr, flush=True)
+        return True
 
     def base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -210,6 +280,10 @@ class Bench:
             env.update(kv.split("=", 1) for kv in self.args.kiln_env)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
+        if self.args.profile:
+            Path(self.args.profile).mkdir(parents=True, exist_ok=True)
+            env["BENCH_PROFILE"] = str(Path(self.args.profile).resolve() /
+                                       f"{model}-{mode}{tag}.prof")
         if self.args.trace and mode.startswith("kiln"):
             Path(self.args.trace).mkdir(parents=True, exist_ok=True)
             env["KILN_TRACE"] = str(Path(self.args.trace).resolve() / f"{model}-{mode}{tag}.json")
@@ -219,10 +293,18 @@ class Bench:
         command = [sys.executable, __file__, "--child", model, mode, "--device",
                    self.args.device] + (["--smoke"] if self.args.smoke else []) + \
             (["--compile-mode", self.args.compile_mode] if self.args.compile_mode else [])
+        if self.out_of_time(model, label or mode, self.args.row_min):
+            return
+        left = self.time_left()
         print(f"[coldstart] {model} {label or mode} ...", file=sys.stderr, flush=True)
         wall = time.perf_counter()
-        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=self.args.timeout)
+        try:
+            proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=min(self.args.timeout, left or self.args.timeout))
+        except subprocess.TimeoutExpired as e:
+            proc = subprocess.CompletedProcess(command, -9, _text(e.stdout),
+                                               f"timed out after {e.timeout:.0f} s\n"
+                                               f"{_text(e.stderr)}")
         row: dict[str, Any] = {"model": model, "mode": label or mode,
                                "device": self.args.device, "smoke": self.args.smoke,
                                "compile_mode": self.args.compile_mode or "",
@@ -249,7 +331,7 @@ class Bench:
             row["trace"] = env["KILN_TRACE"]
             row["critical_path"] = trace_top(env["KILN_TRACE"])
             row["gpu_usage"] = trace_gpus(env["KILN_TRACE"])
-        self.rows.append(row)
+        self.add_row(row)
         self.done.add((model, label or mode))
         status = "ok" if row["ok"] else f"FAILED: {row['problem']}"
         print(f"[coldstart] {model} {label or mode}: {row.get('seconds', float('nan')):.2f} s "
@@ -266,6 +348,9 @@ class Bench:
 
     def run_farm(self, models: list[str], workers: int | None, tag: str = "") -> None:
         """Bring a farm up (warm), compile each model through it once, bring it down."""
+        if self.out_of_time(",".join(models), f"kiln_farm{tag}",
+                            self.args.row_min + FARM_UP_S):
+            return
         farm_env = self.base_env()
         farm_env.update(self.caches(self.root / f"farm{tag}", fresh=True),
                         KILN_FARM_FILE=str(self.farm_file))
@@ -278,7 +363,7 @@ class Bench:
                             timeout=600)
         if up.returncode != 0:
             for model in models:
-                self.rows.append({"model": model, "mode": f"kiln_farm{tag}", "ok": False,
+                self.add_row({"model": model, "mode": f"kiln_farm{tag}", "ok": False,
                                   "problem": f"kiln farm up failed: {up.stderr[-1500:]}"})
             return
         try:
@@ -288,6 +373,10 @@ class Bench:
         finally:
             subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
                            env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
@@ -394,7 +483,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             (r["model"], r.get("compile_mode", "")))
         secs = r.get("seconds")
         ratio = f"{secs / ref:.2f}x" if secs and ref and r["mode"].startswith("kiln") else ""
-        check = "ok" if r.get("ok") else "FAIL"
+        check = "ok" if r.get("ok") else "skip" if r.get("skipped") else "FAIL"
         note = r.get("problem") or " | ".join(x for x in (r.get("note"), r.get("regions"))
                                               if x)
         if r.get("gemm", {}).get("problems"):
@@ -433,9 +522,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile mode of every row, e.g. max-autotune")
     p.add_argument("--ray-bin", default="/tmp/site/bin", help="where `ray` is, if not on PATH")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per row")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds for the whole run: a row is not started when less than "
+                        "--row-min is left (a farm row: plus the farm's start), and a row "
+                        "running at the end is stopped; the table shows them as skip")
+    p.add_argument("--row-min", type=float, default=40.0,
+                   help="seconds a row needs at least, for --budget")
     p.add_argument("--trace", default=None, help="folder for each Kiln run's timeline")
     p.add_argument("--results", default=None, help="append rows to this JSON file")
+    p.add_argument("--profile", default=None,
+                   help="folder for a cProfile of each row's timed part (pstats files; "
+                        "profiled seconds are not measurements)")
     p.add_argument("--table", default=None, help="print the table of a results file")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -456,26 +554,25 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
     bench = Bench(args)
+    precompile_bytecode()
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m and m != "none"]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         print(f"unknown modes {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    if "kiln_farm" in modes:  # first: the rows a --budget must not leave out
+        bench.run_farm(models, None)
     for model in models:
         for mode in modes:
             bench.run_mode(model, mode)
-    if "kiln_farm" in modes:
-        bench.run_farm(models, None)
     for n in [int(w) for w in args.workers.split(",") if w]:
         bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
-    rows = bench.rows
-    if args.results:
-        path = Path(args.results)
-        rows = (json.loads(path.read_text()) if path.exists() else []) + rows
-        path.write_text(json.dumps(rows, indent=1))
-    print(table(rows))
-    return 0 if all(r.get("ok") for r in bench.rows) else 1
+    print(table(bench.earlier + bench.rows))
+    skipped = sum(1 for r in bench.rows if r.get("skipped"))
+    if skipped:
+        print(f"{skipped} row(s) not run: --budget {args.budget:g} s ran out", file=sys.stderr)
+    return 0 if all(r.get("ok") or r.get("skipped") for r in bench.rows) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from . import debug, trace
 from .codegen.cpp.build import DEFAULT_ISA
 from .codegen.simd import SIMDScheduling
+from .codegen.triton.row_column import TritonScheduling
 from .compiled_graph import CompiledGraph
 from .errors import KilnCompileError
 from .graph import GraphLowering
@@ -73,7 +74,7 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         t = time.perf_counter()
         with trace.span("scheduling and fusion", cat="compiler", graph=name):
             # 3. Scheduler nodes: read_writes of each buffer, dependencies, dead nodes out.
-            scheduler = Scheduler(graph.buffers, backend=SIMDScheduling())
+            scheduler = Scheduler(graph.buffers, backend=scheduling_backend(graph))
             # 4. Fusion: vertical and horizontal, by score, never making a cycle.
             scheduler.fuse_nodes()
         timings["scheduling"] = time.perf_counter() - t
@@ -86,6 +87,14 @@ def lower_and_schedule(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         debug.write_debug_file(folder, "schedule.txt", lambda: scheduler.debug_str() + "\n\n"
                                + describe(memory, scheduler.nodes))
     return ScheduledGraph(graph, scheduler, memory, timings, folder)
+
+
+def scheduling_backend(graph: GraphLowering) -> SIMDScheduling:
+    """The fusion rules of the graph's kernels: GPU graphs add row-column kernels and
+    sibling reductions (``codegen/triton/row_column.py``)."""
+    if graph.default_device.type == "cuda":
+        return TritonScheduling()
+    return SIMDScheduling()
 
 
 def gemm_selection(graph: GraphLowering, options: dict[str, Any],

@@ -6,7 +6,9 @@ warp size), so a machine with no GPU produces cubins for sm_90.
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +17,21 @@ from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .errors import KilnCompileError
 
+# CPython before 3.13 keeps the AST constructor's recursion depth in state shared by all
+# threads: two threads parsing at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (cpython gh-106905). Triton's front end (hashing a kernel's
+# source, its AST to TTIR: Python, bound by the GIL anyway) runs under this lock; LLVM
+# and ptxas, the slow steps, run in parallel.
+_FRONTEND_LOCK = threading.Lock()
+
 # Block sizes a kernel takes as constexpr arguments, in signature order (the last four:
 # GEMM templates' tiles).
 CONSTEXPR_KEYS = ("XBLOCK", "YBLOCK", "RBLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+# A config key of kernels with dynamic sizes: ``ALIGN: 16`` compiles the variant that assumes
+# every symbolic size argument divisible by 16 (Triton can then vectorize loads and stores
+# like a static kernel's); the launcher runs it only on launches where that holds
+# (``runtime.buckets.BucketedLauncher``), and the generic variant on the others.
+ALIGN_KEY = "ALIGN"
 
 
 @dataclass(frozen=True)
@@ -93,16 +107,15 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
                     ) -> Any:
     """Triton's compiled kernel (its ``asm`` holds every stage: ttgir, ptx, cubin)."""
     import triton
-    from triton.compiler import ASTSource
 
     from .runtime.kernel_files import import_source
 
-    module = import_source(spec.source)
+    with _FRONTEND_LOCK:
+        module = import_source(spec.source)
     fn = getattr(module, spec.name)
     constexprs = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
-    pointer_args = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_args}
-    src = ASTSource(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_args(spec, config)}
+    src = _locked_source_class()(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
     options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"]),
                "enable_fp_fusion": True}
     try:
@@ -110,6 +123,46 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
     except Exception as e:
         raise KilnCompileError(f"Triton failed to compile: {type(e).__name__}: {e}",
                                stage="kernel compile", kernel=spec.name) from e
+
+
+def size_arg_positions(spec: KernelSpec) -> list[tuple[int, str]]:
+    """Each integer size argument of a kernel with dynamic sizes: its position among the
+    kernel's arguments and the wrapper's expression for it (``spec.size_args``)."""
+    ints = [i for i, t in enumerate(spec.signature.values()) if t in ("i32", "i64")]
+    return list(zip(ints, spec.size_args))
+
+
+def symbolic_positions(spec: KernelSpec) -> tuple[int, ...]:
+    """Positions of the size arguments whose value changes with the graph's sizes."""
+    return tuple(i for i, expr in size_arg_positions(spec) if not expr.isdigit())
+
+
+def divisible_args(spec: KernelSpec, config: dict[str, Any]) -> list[int]:
+    """Arguments compiled as divisible by 16: every pointer (Kiln allocates and aligns
+    them); a constant size argument that is; and, in the ``ALIGN`` variant, every
+    symbolic size argument (true of the launches that variant serves)."""
+    out = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
+    aligned = bool(config.get(ALIGN_KEY))
+    out += [i for i, expr in size_arg_positions(spec)
+            if (int(expr) % 16 == 0 if expr.isdigit() else aligned)]
+    return sorted(out)
+
+
+@functools.cache
+def _locked_source_class() -> Any:
+    """Triton's ``ASTSource`` with its AST steps under ``_FRONTEND_LOCK``."""
+    from triton.compiler import ASTSource
+
+    class LockedSource(ASTSource):  # type: ignore[misc]
+        def hash(self) -> Any:
+            with _FRONTEND_LOCK:
+                return super().hash()
+
+        def make_ir(self, *args: Any, **kwargs: Any) -> Any:
+            with _FRONTEND_LOCK:
+                return super().make_ir(*args, **kwargs)
+
+    return LockedSource
 
 
 def _jsonable(value: Any) -> Any:

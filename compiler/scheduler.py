@@ -272,6 +272,27 @@ class FusedSchedulerNode(BaseSchedulerNode):
         return f"{head}\n{inner}"
 
 
+class RowColumnSchedulerNode(FusedSchedulerNode):
+    """A row reduction over ``[M, N]`` (``row_group``) whose kernel also computes the
+    first stage of split column reductions over the same rows (``column_names``): one
+    program per part of the rows, looping over them, so both read the rows once
+    (``codegen/triton/row_column.py``)."""
+
+    def __init__(self, scheduler: Scheduler, snodes: list[BaseSchedulerNode],
+                 row_group: tuple[Expr, Expr], parts: int, column_names: set[str]) -> None:
+        super().__init__(scheduler, snodes)
+        self.row_group = row_group
+        self.parts = parts
+        self.column_names = column_names
+
+    @property
+    def group(self) -> tuple[Expr, Expr]:
+        return self.row_group
+
+    def row_nodes(self) -> list[BaseSchedulerNode]:
+        return [n for n in self.snodes if n.get_name() not in self.column_names]
+
+
 def compatible_access(write: MemoryDep, read: MemoryDep) -> bool:
     """True when ``read`` touches, at each iteration, the element ``write`` made there.
 
@@ -420,12 +441,27 @@ class Scheduler:
                 continue
             if not self.can_fuse(node1, node2) or self.will_fusion_create_cycle(node1, node2):
                 continue
-            fused = FusedSchedulerNode.fuse(node1, node2)
+            fused = self.fuse_pair(node1, node2)
             self.fusions.append((node1.get_name(), node2.get_name()))
             for name in fused.get_names():
                 fused_into[name] = fused
             self.nodes = [fused if n is node1 else n for n in self.nodes if n is not node2]
             self._refresh_ancestors(fused, node1, node2)
+
+    def fuse_pair(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                  ) -> FusedSchedulerNode:
+        """One node for both; a row-column kernel stays one (and a column stage joins
+        a row reduction as one, see the backend's ``row_column_plan``)."""
+        plan = self.backend.row_column_plan(node1, node2)
+        if plan is None:
+            kept = [n for n in (node1, node2) if isinstance(n, RowColumnSchedulerNode)]
+            if kept:
+                plan = (kept[0].row_group, kept[0].parts,
+                        set().union(*(n.column_names for n in kept)))
+        fused = FusedSchedulerNode.fuse(node1, node2)
+        if plan is None:
+            return fused
+        return RowColumnSchedulerNode(self, list(fused.snodes), *plan)
 
     def _refresh_ancestors(self, fused: FusedSchedulerNode, node1: BaseSchedulerNode,
                            node2: BaseSchedulerNode) -> None:
@@ -456,7 +492,7 @@ class Scheduler:
             for name in n.used_buffer_names():
                 by_buffer.setdefault(name, []).append(n)
         pairs: dict[tuple[int, int], tuple[BaseSchedulerNode, BaseSchedulerNode]] = {}
-        for users in by_buffer.values():
+        for users in [*by_buffer.values(), *self._sibling_groups()]:
             users = sorted(users, key=lambda n: n.min_order)
             for i, a in enumerate(users):
                 for b in users[i + 1:i + 1 + FUSION_WINDOW]:
@@ -502,11 +538,16 @@ class Scheduler:
             if has_scatter(node1) or has_scatter(node2):
                 return False
             return self.can_fuse_epilogue(node1, node2)
+        if not self.backend.row_column_allows(node1, node2):
+            return False
+        if self.backend.row_column_plan(node1, node2) is not None:
+            return True  # a row reduction and a column stage: one pass over the rows
         # A fusion that shares no access (same buffer, same element per iteration) saves no
         # memory traffic: it is not profitable, and the two loops may walk memory in
         # different orders (a row-wise loop next to a column reduction or a transpose).
         if self.score_fusion_memory(node1, node2) == 0:
-            return False
+            return self.sibling_reductions(node1, node2) and \
+                self.backend.can_fuse_siblings(node1, node2)
         # Vertical when one reads what the other writes; which one is the producer is a matter
         # of dependencies, not of min_order (a fused consumer may start before its producer).
         if node2.get_names() & self.dependency_names(node1):
@@ -518,6 +559,32 @@ class Scheduler:
             return self.can_fuse_vertical(node1, node2) and self.backend.can_fuse_vertical(
                 node1, node2)
         return self.backend.can_fuse_horizontal(node1, node2)
+
+    def _sibling_groups(self) -> list[list[BaseSchedulerNode]]:
+        """Reductions grouped by the one node whose outputs are all they read
+        (candidates for ``sibling_reductions``)."""
+        groups: dict[int, list[BaseSchedulerNode]] = {}
+        for n in self.nodes:
+            if not n.is_reduction():
+                continue
+            writers = {id(self.current.get(name)) for name in n.read_writes.read_names()}
+            if len(writers) == 1 and id(None) not in writers:
+                groups.setdefault(writers.pop(), []).append(n)
+        return [g for g in groups.values() if len(g) > 1]
+
+    def sibling_reductions(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
+                           ) -> bool:
+        """Independent reductions over one space that read only what one other kernel
+        wrote (the second stages of a layer norm's weight and bias gradients, whose
+        partials one kernel made): one launch for both, the same traffic."""
+        if not (node1.is_reduction() and node2.is_reduction()) or node1.group != node2.group:
+            return False
+        if node1.get_names() & self.dependency_names(node2) or \
+                node2.get_names() & self.dependency_names(node1):
+            return False
+        reads = node1.read_writes.read_names() | node2.read_writes.read_names()
+        writers = {id(self.current.get(name)) for name in reads}
+        return len(writers) == 1 and id(None) not in writers
 
     def can_fuse_epilogue(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode) -> bool:
         """A template takes pointwise consumers of its output into its store: over the

@@ -20,11 +20,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 Event = dict[str, Any]
+T = TypeVar("T")
+R = TypeVar("R")
 
 _lock = threading.Lock()
 _events: list[Event] = []
@@ -58,11 +60,52 @@ def _process_label() -> str:
     return _process_name or f"pid {os.getpid()}"
 
 
+@contextmanager
+def background() -> Iterator[None]:
+    """Spans this thread records inside the block are background work (autotuning after
+    the first output): they carry ``args["background"]`` and ``kiln trace summary`` keeps
+    them off the critical path of the first output."""
+    before = getattr(_local, "background", False)
+    _local.background = True
+    try:
+        yield
+    finally:
+        _local.background = before
+
+
+def in_background() -> bool:
+    return bool(getattr(_local, "background", False))
+
+
+def carry(fn: Callable[[T], R]) -> Callable[[T], R]:
+    """``fn`` for another thread (a pool's) with this thread's recording context: its
+    spans go to this thread's open captures too, and are background work where this
+    thread's are."""
+    sinks, behind = list(getattr(_local, "captures", None) or []), in_background()
+    if not sinks and not behind:
+        return fn
+
+    def run(arg: T) -> R:
+        before = getattr(_local, "captures", None)
+        _local.captures = [*(before or []), *sinks]
+        try:
+            if not behind:
+                return fn(arg)
+            with background():
+                return fn(arg)
+        finally:
+            _local.captures = before
+
+    return run
+
+
 def add(event: Event) -> None:
     """Record a finished event (this process's buffer, and any open capture)."""
     event.setdefault("pid", os.getpid())
     event.setdefault("tid", threading.get_native_id())
     event.setdefault("args", {}).setdefault("process", _process_label())
+    if in_background():
+        event["args"]["background"] = True
     captures = getattr(_local, "captures", None)
     if captures:
         for sink in captures:
@@ -124,9 +167,11 @@ def capture(on: bool = True) -> Iterator[list[Event]]:
 
 def merge(events: list[Event] | None) -> None:
     """Events recorded in another process (the farm's), into this process's buffer;
-    an event merged before is not added twice."""
+    an event merged before is not added twice. Merged from a background thread (the
+    farm's tuning), they are background work."""
     if not events or not _enabled:
         return
+    behind = in_background()
     with _lock:
         for event in events:
             if not isinstance(event, dict):
@@ -134,7 +179,10 @@ def merge(events: list[Event] | None) -> None:
             ident = (event.get("name"), event.get("ts"), event.get("pid"), event.get("tid"))
             if ident not in _merged:
                 _merged.add(ident)
-                _events.append(dict(event))
+                event = dict(event)
+                if behind:
+                    event["args"] = {**(event.get("args") or {}), "background": True}
+                _events.append(event)
 
 
 def events() -> list[Event]:

@@ -25,8 +25,13 @@ warm start knows at once to trace it. A graph that is not keyed (``NotCacheable`
 traced too. An entry that fails its checks, names a graph that is gone or whose inputs
 differ, or does not load is rejected: the graph is traced (and the entry replaced).
 
+The same test decides whether a graph that was traced (a miss, or the cache off) runs
+without AOTAutograd's runtime wrappers: ``Pending.direct`` gives the compiled graph behind
+``served_graph`` when they would only call it (``inference_direct``, on by default).
+
 Counters (``kiln stats``): ``aot_hits``, ``aot_misses``, ``aot_traces``,
-``aot_uncached`` (and ``aot_uncached_<reason>``), ``aot_publishes``, ``aot_rejected``.
+``aot_uncached`` (and ``aot_uncached_<reason>``), ``aot_publishes``, ``aot_rejected``,
+``inference_direct`` (traced graphs called with no AOT runtime wrapper).
 """
 
 from __future__ import annotations
@@ -176,56 +181,87 @@ def meta_problem(meta: Any) -> str | None:
 
 @dataclass
 class _Made:
-    """One ATen graph AOTAutograd handed to Kiln for a Dynamo graph."""
+    """One ATen graph AOTAutograd handed to Kiln for a Dynamo graph: why AOTAutograd's
+    runtime must stay around it (``runtime``; None: it would only call it), and why the
+    cache cannot serve it (``problem``)."""
 
     name: str
     problem: str | None
+    runtime: str | None = None
     num_inputs: int = 0
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    fn: Callable[..., Any] | None = None
 
 
 class Pending:
-    """A Dynamo graph on the traced path: what AOTAutograd makes of it is recorded, and
-    the entry published when done (see the module docstring)."""
+    """A Dynamo graph on the traced path: what AOTAutograd makes of it is recorded, the
+    entry published when done (see the module docstring), and, for an inference graph
+    that AOTAutograd's runtime would only call, :meth:`direct` gives the compiled graph
+    without that runtime (``frontend.backend``)."""
 
     def __init__(self, cache: AotCache, key: str | None,
                  example_inputs: Sequence[Any]) -> None:
         self.cache = cache
         self.key = key
-        self.expected = _input_wires(example_inputs) if key is not None else []
+        self.expected: list[Any] | None = None
+        try:
+            self.expected = _input_wires(example_inputs)
+        except Exception:  # inputs with no wire form: neither served nor called directly
+            self.key = None
+        self.disable_amp = bool(torch._C._is_any_autocast_enabled())
         self.made: list[_Made] = []
         self.results: dict[str, CompileResult] = {}
 
-    def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
-        """Called for each ATen graph, once Kiln has compiled (or given up on) it; never
-        raises (a failure here costs the entry, not the graph)."""
-        if self.key is None:
+    def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any],
+               fn: Callable[..., Any] | None = None) -> None:
+        """Called for each ATen graph, once Kiln has compiled (or given up on) it, with
+        its callable ``fn``; never raises (a failure here costs the entry and the direct
+        call, not the graph)."""
+        if self.expected is None:
             return
         try:
-            self._record(name, graph, inputs)
+            self._record(name, graph, inputs, fn)
         except Exception as e:
-            self.key = None
-            self.cache.failed("record", e)
+            self.expected = None
+            self.made.clear()
+            if self.key is not None:
+                self.key = None
+                self.cache.failed("record", e)
 
-    def _record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
+    def _record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any],
+                fn: Callable[..., Any] | None) -> None:
         context = torch._guards.TracingContext.try_get()
         meta = getattr(context, "fw_metadata", None)
-        problem = meta_problem(meta)
+        runtime = meta_problem(meta)
         outputs = graph.graph.find_nodes(op="output")[0].args[0]
         if not name.startswith("inference_"):
-            problem = "training"
-        elif is_regional(name):
-            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
-        elif name not in self.results:
-            problem = "eager_graph"
+            runtime = "training"
         elif _input_wires(inputs) != self.expected:
-            problem = "inputs_changed"  # deduplicated, or a synthetic base
-        elif meta is not None and problem is None and len(outputs) != len(meta.output_info):
-            problem = "extra_outputs"
-        made = _Made(name, problem, len(inputs))
-        if problem is None:
+            runtime = "inputs_changed"  # deduplicated, a synthetic base, lifted parameters
+        elif meta is not None and runtime is None and len(outputs) != len(meta.output_info):
+            runtime = "extra_outputs"
+        problem = runtime
+        if runtime != "training" and is_regional(name):
+            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
+        elif runtime != "training" and name not in self.results:
+            problem = "eager_graph"
+        made = _Made(name, problem, runtime, len(inputs), fn=fn)
+        if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
+
+    def direct(self) -> Callable[..., Any] | None:
+        """The Dynamo graph's callable without AOTAutograd's runtime wrappers, where they
+        would do nothing but call the one inference graph with grad (and autocast) off;
+        None otherwise."""
+        if len(self.made) != 1:
+            return None
+        made = self.made[0]
+        fn = made.fn
+        if made.runtime is not None or fn is None or not getattr(fn, "_boxed_call", False):
+            return None  # (served_graph passes the inputs as one list)
+        self.cache.client.counters.add(inference_direct=1)
+        return served_graph(fn, self.disable_amp)
 
     @contextmanager
     def listening(self) -> Iterator[None]:
@@ -380,7 +416,8 @@ def _input_wires(inputs: Sequence[Any]) -> list[Any]:
 def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callable[..., Any]:
     """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
     extern calls must not record autograd), autocast off when it was on at trace time
-    (the graph is already cast), the inputs passed as one list."""
+    (the graph is already cast), the inputs passed as one list. A CUDA-graph runner
+    (``served``) replays a recording before any of that: a replay runs no op."""
     def forward(*args: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad:
@@ -394,4 +431,6 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callabl
             if grad:
                 torch._C._set_grad_enabled(True)
 
-    return torch._dynamo.disable(forward)  # type: ignore[no-any-return]
+    served = getattr(call, "served", None)  # a CUDA-graph runner replays without the above
+    entry = served(forward) if callable(served) else forward
+    return torch._dynamo.disable(entry)  # type: ignore[no-any-return]

@@ -50,13 +50,15 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
         fn = compile_aten_graph(graph, inputs, config, name)
-        looked_up.record(name, graph, inputs)
+        looked_up.record(name, graph, inputs, fn)
         return fn
 
     with looked_up.listening():
         compiled = aot_kiln(gm, example_inputs, graph_compiler)
     looked_up.finish()
-    return compiled
+    # An inference graph AOTAutograd's runtime would only call: called directly.
+    direct = looked_up.direct() if config.inference_direct else None
+    return direct if direct is not None else compiled
 
 
 GraphCompiler = Callable[[torch.fx.GraphModule, Sequence[Any], str], Any]

@@ -130,7 +130,7 @@ CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "far
                    "time_saved_s", "hits_autotuned", "autotune_publishes",
                    "kernels_from_store", "farm_not_up", "aot_hits", "aot_misses",
                    "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
-                   "hot_swaps", "bucket_tunes")
+                   "hot_swaps", "bucket_tunes", "inference_direct")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -187,7 +187,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{summary['bucket_tunes']} size buckets tuned")
     print(f"AOT cache       {summary['aot_hits']} Dynamo graphs served with no AOTAutograd "
           f"trace, {summary['aot_traces']} traced ({summary['aot_misses']} misses, "
-          f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected)")
+          f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected); "
+          f"{summary['inference_direct']} traced inference graphs called with no AOT "
+          "runtime wrapper")
     print(f"compile time    {summary['compile_seconds']:.1f} s; "
           f"time saved by hits {summary['time_saved_s']:.1f} s")
     print(f"problems        {summary['farm_fallbacks']} farm fallbacks, "
@@ -388,12 +390,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_farm(args: argparse.Namespace) -> int:
-    from . import farm
+    from . import farm, farm_cluster
 
     if args.action == "up":
         try:
-            info = farm.start_local_cluster(num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                            port=args.port, host=args.host)
+            info = farm_cluster.start_local_cluster(
+                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
@@ -401,10 +403,10 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
-        print(farm.auth_instructions(info))
+        print(farm_cluster.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":
-        stopped = farm.stop_local_cluster()
+        stopped = farm_cluster.stop_local_cluster()
         if stopped is None:
             print("no farm is up")
         elif stopped.get("stale"):

@@ -48,7 +48,7 @@ from kiln.workers.pipeline import (
 
 from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
-from .farm import Farm, FarmNotUp, FarmUnavailable, InProcessFarm, farm_for
+from .farm import Farm, FarmNotUp, FarmTimeout, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
 from .tuning import BackgroundTuner
 
@@ -281,9 +281,9 @@ class KilnClient:
         if source == "farm" and hasattr(farm, "tuned"):
             timeout = self.config.farm_timeout
             self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
-        elif source == "local":
+        elif source == "local":  # held until the graph's first output
             self.tuner.submit(key.key, lambda: autotune_inprocess(
-                compiled, request.target, self.local.kernels), publish)
+                compiled, request.target, self.local.kernels), publish, hold=True)
 
     def on_tuned(self, key: str, listener: Callable[[CompiledGraph], None]) -> None:
         """Call ``listener`` (a bound method, held weakly) with the graph of ``key`` once
@@ -351,8 +351,8 @@ class KilnClient:
                                          delay=test_delay()), "farm"
             except FarmNotUp:  # the default with no farm up: compile here, at once
                 self.counters.add(farm_not_up=1)
-            except FarmUnavailable as e:
-                self._give_up_farm(str(e))
+            except FarmUnavailable as e:  # a slow farm is up: stay connected to it
+                self._give_up_farm(str(e), leave=not isinstance(e, FarmTimeout))
             except CompileFailure:
                 self.counters.add(compile_errors=1)
                 raise
@@ -371,7 +371,7 @@ class KilnClient:
             self.counters.add(compile_errors=1)
             raise
 
-    def _give_up_farm(self, reason: str) -> None:
+    def _give_up_farm(self, reason: str, leave: bool = True) -> None:
         with self._lock:
             if self.farm_down is not None:
                 return
@@ -381,7 +381,7 @@ class KilnClient:
                       f"{reason}. This process compiles its graphs itself from now on.",
                       KilnFarmWarning, stacklevel=4)
         release = getattr(self.farm, "release", None)
-        if release is not None:
+        if leave and release is not None:
             release()
 
 

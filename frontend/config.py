@@ -211,6 +211,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "processes for regions' graph stages when compiling here (0: this process)"),
     Setting("aot_cache", parse_flag, True,
             "a warm start skips AOTAutograd through a cache keyed on Dynamo's graph"),
+    Setting("inference_direct", parse_flag, True,
+            "an inference graph AOTAutograd's runtime would only call is called directly"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -229,6 +231,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "launch cubins with torch's static CUDA launcher", env_only=True),
     Setting("farm_kernel_store", parse_text, None,
             "on a farm: off stops kernel sharing through its store", env_only=True),
+    Setting("kernel_threads", parse_count, 0,
+            "threads compiling one graph's kernels in process (0: the CPUs, at most 16)",
+            env_only=True),
 )}
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.
@@ -328,6 +333,7 @@ class KilnConfig:
     region_nodes: int = 100
     region_processes: str = "auto"
     aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
+    inference_direct: bool = True  # skip AOTAutograd's runtime wrappers where they only call
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False

@@ -13,6 +13,9 @@ A process already connected to Ray (``ray.init`` by the user) uses that connecti
 farm that cannot be reached, that dies, that runs other versions, or that does not answer
 within ``KILN_FARM_TIMEOUT`` raises ``FarmUnavailable``: the client then compiles the
 graph itself. A compile error raises ``CompileFailure`` (naming key, stage and op).
+A client that gives a farm up for any reason but a timeout (``FarmTimeout``: the farm is
+up, only slow) calls ``release``: Kiln leaves the Ray connection it opened once no other
+farm of the process uses it. ``farm_cluster`` starts and stops `kiln farm up`'s cluster.
 """
 
 from __future__ import annotations
@@ -20,16 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import secrets
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +57,11 @@ LOOPBACK = "127.0.0.1"
 
 class FarmUnavailable(RuntimeError):
     """The farm cannot compile this graph now; the client compiles it itself."""
+
+
+class FarmTimeout(FarmUnavailable):
+    """The farm did not answer within ``KILN_FARM_TIMEOUT``: it is up, only slow (the
+    client compiles itself and stays connected)."""
 
 
 class FarmNotUp(FarmUnavailable):
@@ -166,7 +170,7 @@ def use_farm_token(info: dict[str, Any]) -> None:
 
 def is_loopback(address: str) -> bool:
     """Whether a Ray address (``host:port``) names this machine's loopback interface."""
-    target = _host_port(address)
+    target = host_port(address)
     return target is not None and (target[0] in ("localhost", "::1")
                                    or target[0].startswith("127."))
 
@@ -198,7 +202,7 @@ def _refresh_ray_auth() -> None:
         log.debug("kiln farm: could not refresh Ray's auth settings: %s", e)
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
+def host_port(address: str) -> tuple[str, int] | None:
     """(host, port) to probe for an address; None where there is nothing to probe."""
     rest = address.removeprefix("ray://")
     if address in ("auto", "") or ":" not in rest:
@@ -214,7 +218,7 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why ``address`` cannot be reached (a TCP connect), or None if it answers.
 
     Ray's own connect waits minutes for a cluster that is not there; this fails fast."""
-    target = _host_port(address)
+    target = host_port(address)
     if target is None:
         return None
     try:
@@ -292,6 +296,60 @@ def use_auth_token() -> None:
 # Ray.
 
 
+class _KilnRay:
+    """The Ray connection Kiln opened in this process, and the farms using it.
+
+    A process has one Ray connection. Kiln leaves it (``ray.shutdown``) only when it
+    opened it itself (never the user's own ``ray.init``), that same connection is still
+    the live one (its job id), and the last farm using it has let go: other clients of
+    the process may share it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.job: str | None = None  # the job id of the connection Kiln opened
+        self.joined: str | None = None  # its address ("embedded": a Ray of its own)
+        self.users: weakref.WeakSet[RayFarm] = weakref.WeakSet()  # the farms on it
+
+    @staticmethod
+    def current_job(ray: Any) -> str | None:
+        try:
+            return str(ray.get_runtime_context().get_job_id())
+        except Exception:  # not connected, or an older Ray
+            return None
+
+    def attach(self, farm: RayFarm, ray: Any) -> None:
+        """Connect ``farm`` (under the lock: one ``ray.init`` a process)."""
+        with self.lock:
+            if not ray.is_initialized():
+                self.joined = farm._init_ray(ray)
+                self.job = self.current_job(ray)
+                self.users.clear()
+            if self.job is not None and self.job == self.current_job(ray):
+                self.users.add(farm)
+                farm.joined = self.joined
+
+    def detach(self, farm: RayFarm) -> None:
+        with self.lock:
+            if farm not in self.users:
+                return
+            self.users.discard(farm)
+            if self.users:
+                log.debug("kiln farm: %d other farm(s) still use Ray", len(self.users))
+                return
+            import ray
+
+            if self.job != self.current_job(ray):
+                return  # the user closed Kiln's connection and opened their own
+            self.job = None
+            try:
+                ray.shutdown()
+            except Exception as e:  # leaving is best effort
+                log.debug("kiln farm: leaving Ray failed: %s", e)
+
+
+_kiln_ray = _KilnRay()
+
+
 class RayFarm:
     """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
 
@@ -306,7 +364,7 @@ class RayFarm:
         self.num_gpus = num_gpus
         self.graph_workers = graph_workers
         self.connect_timeout = connect_timeout
-        self.joined: str | None = None  # what this process is connected to
+        self.joined: str | None = None  # the connection Kiln opened, while this uses it
         self._actor: Any = None
         self._lock = threading.Lock()
 
@@ -335,8 +393,7 @@ class RayFarm:
             if reason is not None:
                 raise FarmUnavailable(f"cannot reach the Ray cluster at {self.address}: "
                                       f"{reason}")
-        if not ray.is_initialized():
-            self._init_ray(ray)
+        _kiln_ray.attach(self, ray)
         start = time.perf_counter()
         actor = get_farm_actor(self.graph_workers)
         try:
@@ -346,7 +403,8 @@ class RayFarm:
         log.debug("kiln farm: coordinator ready in %.2fs", time.perf_counter() - start)
         return actor
 
-    def _init_ray(self, ray: Any) -> None:
+    def _init_ray(self, ray: Any) -> str:
+        """Connect this process to Ray; the address joined ("embedded": a new Ray)."""
         # Ray aborts a driver whose cluster's head has been unreachable for a minute; a
         # user's program that Kiln joined to a farm must outlive the farm (the client
         # gives the farm up, compiles itself, and leaves Ray: ``release``).
@@ -378,7 +436,7 @@ class RayFarm:
                 raise FarmUnavailable(f"Ray did not start: {e}") from e
         else:
             self._join(ray, address, kwargs)
-        self.joined = address or "embedded"
+        return address or "embedded"
 
     @staticmethod
     def _join(ray: Any, address: str, kwargs: dict[str, Any]) -> None:
@@ -406,7 +464,7 @@ class RayFarm:
             try:
                 answer = ray.get(ref, timeout=timeout)
             except ray.exceptions.GetTimeoutError:
-                raise FarmUnavailable(
+                raise FarmTimeout(
                     f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
                     "compiling it for later clients") from None
             except ray.exceptions.RayError as e:
@@ -457,6 +515,15 @@ class RayFarm:
             raise FarmUnavailable(f"the farm's coordinator did not answer: {e}") from e
         return {**dict.fromkeys(FARM_COUNTERS, 0), **dict(stats)}
 
+    def release(self) -> None:
+        """Let go of the farm: a client that gave it up (it died, it cannot be reached,
+        it runs other versions) calls this. The connection is left when Kiln opened it
+        and no other farm of this process uses it: a driver whose cluster is gone keeps
+        trying to reach it (see ``_init_ray``), and the user's own connection is theirs."""
+        with self._lock:
+            self.joined, self._actor = None, None
+        _kiln_ray.detach(self)
+
 
 def farm_status(mode: str) -> dict[str, Any]:
     """What ``kiln farm status`` reports for a ``KILN_FARM`` value: the address, whether
@@ -483,21 +550,6 @@ def farm_status(mode: str) -> dict[str, Any]:
         except FarmUnavailable as e:
             status["reason"] = str(e)
     return status
-
-    def release(self) -> None:
-        """Leave the cluster, if Kiln joined it (never a connection the user made): Ray
-        aborts a driver a minute after its cluster's head is gone, and the user's program
-        with it. Called when a client gives the farm up."""
-        with self._lock:
-            if self.joined is None:
-                return
-            self.joined, self._actor = None, None
-        try:
-            import ray
-
-            ray.shutdown()
-        except Exception as e:  # leaving is best effort
-            log.debug("kiln farm: leaving Ray failed: %s", e)
 
 
 class LocalFarm:
@@ -547,6 +599,12 @@ class LocalFarm:
     def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
         return self.ray_farm().tuned(key, timeout)
 
+    def release(self) -> None:
+        with self._lock:
+            ray_farm, self._ray = self._ray, None
+        if ray_farm is not None:
+            ray_farm.release()
+
 
 _farms: dict[str, Farm] = {}
 _farms_lock = threading.Lock()
@@ -566,191 +624,3 @@ def farm_for(mode: str) -> Farm:
             else:
                 _farms[mode] = RayFarm(mode)
         return _farms[mode]
-
-
-# ---------------------------------------------------------------------------------------
-# `kiln farm up` / `kiln farm down`: a Ray cluster on this machine for every local client.
-
-
-def _ray_executable() -> str:
-    beside = Path(sys.executable).parent / "ray"
-    found = str(beside) if beside.exists() else shutil.which("ray")
-    if not found:
-        raise FileNotFoundError("the `ray` command is not installed (pip install ray)")
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
-def check_port(port: int) -> None:
-    """OSError naming the port unless it is valid and free on this machine."""
-    if not 0 < port < 65536:
-        raise OSError(f"port {port} is out of range (1 to 65535)")
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError as e:
-            raise OSError(f"port {port} is in use on this machine ({e.strerror}); pick "
-                          "another with --port, or leave --port out for a free one") from None
-
-
-def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
-                        port: int | None = None, host: str | None = None,
-                        timeout: float = 120.0) -> dict[str, Any]:
-    """`ray start --head` in the background, with Ray's token authentication on (the
-    token in a private file, ``farm_token_file()``); its address and token file go to
-    the farm file, which ``local`` clients read. ``host``: the address other machines
-    join it by (Ray's node IP), and Ray then listens on every interface: the token, and
-    a firewall for the ports, keep strangers out. Without it every Ray port of the farm
-    listens on 127.0.0.1 only (RAY_LOOPBACK_ENV). A cluster already up is returned as
-    it is."""
-    info = read_farm_file()
-    if info is not None and probe(str(info["address"])) is None:
-        return {**info, "already_running": True}
-    log_path = farm_file().with_name("farm-head.log")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    if port is not None:
-        check_port(port)
-    port = port or _free_port()
-    # Ray's session logs and sockets in a folder of Kiln's own, not the shared /tmp/ray
-    # (short: Ray's socket paths must fit 107 bytes); removed by `kiln farm down`.
-    temp_dir = tempfile.mkdtemp(prefix="kiln-ray-")
-    command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
-               f"--temp-dir={temp_dir}",
-               f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
-               "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
-               f"--node-ip-address={host or LOOPBACK}"]
-    if num_gpus is not None:
-        command.append(f"--num-gpus={num_gpus}")
-    farm_token(create=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
-    if not host:
-        env[RAY_LOOPBACK_ENV] = "0"
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    try:
-        address = _wait_for_head(proc, log_path, timeout, f"{LOOPBACK}:{port}")
-    except (RuntimeError, TimeoutError):
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
-    info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
-            "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
-            "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
-            "host": host or ""}
-    write_farm_file(info)
-    return info
-
-
-def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
-                   loopback: str) -> str:
-    """The head's address once Ray says it started: the one it tells other nodes to
-    join by, or ``loopback`` where it names none (a node on 127.0.0.1)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        if "Ray runtime started" in text:
-            found = re.search(r"ray start --address='([^']+)'", text)
-            return found.group(1) if found else loopback
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start failed: {_last_error_line(text)} (see {log_path})")
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise TimeoutError(f"ray start did not come up in {timeout:g}s (see {log_path})")
-
-
-def _last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["it exited before it was up"])[-1][:300]
-
-
-def head_process_problem(info: dict[str, Any]) -> str | None:
-    """Why the process named by the farm file cannot be proved to be that farm's Ray
-    head (`ray start --head` on the recorded port, by its command line); None if it is."""
-    try:
-        pid = int(info.get("pid", 0))
-    except (TypeError, ValueError):
-        pid = 0
-    if pid <= 0:
-        return "it names no process"
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return f"process {pid} is not running"
-    target = _host_port(str(info.get("address", "")))
-    port = info.get("port") or (target[1] if target else None)
-    is_ray = any(Path(arg).name == "ray" for arg in argv[:3])
-    if not (is_ray and "start" in argv and "--head" in argv):
-        return f"process {pid} is not a Ray head ({' '.join(argv)[:80]})"
-    if port is None or f"--port={port}" not in argv:
-        return f"process {pid} is a Ray head on another port than the farm's {port}"
-    return None
-
-
-def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
-    """Stop the cluster of `kiln farm up` and forget its address. Only a process proved
-    to be that farm's head is stopped (with its process group); a stale farm file is
-    removed, and the returned info's ``stale`` says why. None when there is no file."""
-    path = farm_file()
-    if not path.exists():
-        return None
-    info = read_farm_file() or {"address": "?", "stale": "the farm file is unreadable"}
-    problem = info.get("stale") or head_process_problem(info)
-    if problem is None:
-        _kill_group(int(info["pid"]), grace_s)
-        if str(info.get("temp_dir", "")).startswith(os.path.join(tempfile.gettempdir(),
-                                                                 "kiln-ray-")):
-            shutil.rmtree(str(info["temp_dir"]), ignore_errors=True)
-    else:
-        info["stale"] = problem
-    path.unlink(missing_ok=True)
-    return info
-
-
-def _kill_group(pid: int, grace_s: float) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    try:  # Ray drains for up to 30 s on SIGTERM; a farm going down need not wait
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def auth_instructions(info: dict[str, Any]) -> str:
-    """What `kiln farm up` prints: how clients send the farm's Ray token, and which
-    interfaces the farm's Ray ports listen on."""
-    token_file = info.get("token_file") or farm_token_file()
-    lines = [f"Ray token authentication is on; the token is in {token_file} (mode 0600).",
-             f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}"]
-    if is_loopback(str(info.get("address", ""))):
-        lines += ["  Every Ray port listens on 127.0.0.1 only: other machines cannot reach "
-                  "the farm (start it",
-                  "  with --host ADDRESS to serve them); other users of this machine can, "
-                  "and the token refuses them."]
-    else:
-        lines += [f"  clients elsewhere: export RAY_AUTH_MODE=token "
-                  f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}",
-                  "  Ray listens on every interface (--host): the GCS port, the raylet's and "
-                  "each worker's gRPC",
-                  "  ports are open to the network, guarded by the token: keep them behind "
-                  "a firewall too."]
-    lines += ["  Ray access runs code on the farm, which holds the signing key: give the "
-              "token to trusted",
-              "  builders and clients only (infra/README.md)."]
-    return "\n".join(lines)

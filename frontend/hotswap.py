@@ -65,10 +65,14 @@ class SwappableGraph:
         self._pending: Seen = {}
         self._requested: set[tuple[str, str]] = set()
         self.call = build(compiled, self._hook())
+        self.called = False
         client.on_tuned(key.key, self.tuned)
 
     def __call__(self, args: list[Any]) -> Any:
         out = self.call(args)
+        if not self.called:  # the first output: this graph's held tuning may start
+            self.called = True
+            self.client.tuner.release(self.key.key)
         if self._pending:  # a kernel launched in a size bucket not tuned yet
             self._schedule()
         return out

@@ -99,6 +99,7 @@ class Span:
     process: str
     cat: str = ""
     gpu: str = ""  # the GPU autotuner a benchmark ran on ("" for every other span)
+    background: bool = False  # work after the first output (autotuning), not on its path
 
     @property
     def dur(self) -> float:
@@ -128,7 +129,8 @@ def spans_from_events(raw: list[Any], where: str = "events") -> list[Span]:
             args = event.get("args") or {}
             spans.append(Span(str(event["name"]), start, start + dur, int(event.get("pid", 0)),
                               int(event.get("tid", 0)), str(args.get("process", "")),
-                              str(event.get("cat", "")), _gpu_of(event, args)))
+                              str(event.get("cat", "")), _gpu_of(event, args),
+                              bool(args.get("background"))))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"trace {where}: bad event {event!r}: {e}") from e
     return spans
@@ -177,10 +179,26 @@ def self_times(spans: list[Span]) -> list[float]:
     return [s.dur - sum(spans[c].dur for c in children.get(i, [])) for i, s in enumerate(spans)]
 
 
+def foreground(spans: list[Span]) -> list[Span]:
+    """The spans of the way to the first output: not background work (autotuning that
+    runs after it, ``compiler.trace.background``), nor nested in it in its thread."""
+    children = _children(spans)
+    behind: set[int] = set()
+    todo = [i for i, s in enumerate(spans) if s.background]
+    while todo:
+        i = todo.pop()
+        if i not in behind:
+            behind.add(i)
+            todo += children.get(i, [])
+    return [s for i, s in enumerate(spans) if i not in behind]
+
+
 def critical_path(spans: list[Span]) -> list[Span]:
     """Leaf spans on the chain that ends with the last span to finish (earliest first).
     A leaf has no span nested in it in its thread and, if it is a span that waits
-    (client or farm), none of another process inside it either."""
+    (client or farm), none of another process inside it either. Background work is
+    left out first (``foreground``): the path is the first output's."""
+    spans = foreground(spans)
     children = _children(spans)
 
     def waits_on_others(w: Span) -> bool:
@@ -224,6 +242,7 @@ def _gap_owners(spans: list[Span], start: float, end: float) -> list[tuple[str, 
 def path_stages(spans: list[Span]) -> list[tuple[str, float]]:
     """The critical path as (stage, ms) steps covering the whole wall time: its leaf
     spans, and between them the own time of the span that encloses the gap."""
+    spans = foreground(spans)
     path = critical_path(spans)
     steps: list[tuple[str, float]] = []
     t = min(s.start for s in spans)
@@ -232,6 +251,9 @@ def path_stages(spans: list[Span]) -> list[tuple[str, float]]:
             steps += _gap_owners(spans, t, s.start)
         steps.append((s.name, max(0.0, s.end - max(s.start, t)) / 1000.0))
         t = max(t, s.end)
+    end = max(s.end for s in spans)
+    if end - t > 1.0:  # after the last leaf: the own time of what encloses it
+        steps += _gap_owners(spans, t, end)
     return steps
 
 
@@ -242,10 +264,13 @@ def _table(rows: dict[str, list[float]]) -> list[dict[str, Any]]:
 
 def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
     """Wall time, the critical path merged by stage, and the top stages by own time."""
-    if not spans:
+    ahead = foreground(spans)
+    if not ahead:
         return {"wall_ms": 0.0, "critical_path": [], "top_stages": [], "processes": 0,
-                "gpu_usage": gpu_usage([])}
-    wall = (max(s.end for s in spans) - min(s.start for s in spans)) / 1000.0
+                "gpu_usage": gpu_usage([]), "background_ms": 0.0}
+    wall = (max(s.end for s in ahead) - min(s.start for s in ahead)) / 1000.0
+    # The tuner's own spans (one per graph it tunes), not what nests in them.
+    background_ms = sum(s.dur for s in spans if s.background and s.cat == "background") / 1e3
     on_path: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, ms in path_stages(spans):
         on_path[name][0] += ms
@@ -256,17 +281,19 @@ def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
         own[s.name][1] += 1
     return {"wall_ms": wall, "critical_path": _table(on_path),
             "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans}),
-            "gpu_usage": gpu_usage(spans)}
+            "gpu_usage": gpu_usage(spans), "background_ms": background_ms}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"wall {summary['wall_ms']:.1f} ms over {summary['processes']} process(es)",
-             "", "critical path (stage, ms on the path, steps):"]
+    lines = [f"wall {summary['wall_ms']:.1f} ms to the first output, over "
+             f"{summary['processes']} process(es); background work (autotuning) "
+             f"{summary.get('background_ms', 0.0):.1f} ms",
+             "", "critical path of the first output (stage, ms on the path, steps):"]
     for row in summary["critical_path"]:
-        lines.append(f"  {row['stage']:<36} {row['ms']:>10.1f} {row['count']:>6}")
+        lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
     lines += ["", "top stages by own time (stage, ms, spans):"]
     for row in summary["top_stages"]:
-        lines.append(f"  {row['stage']:<36} {row['ms']:>10.1f} {row['count']:>6}")
+        lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
     usage = summary.get("gpu_usage") or {}
     if usage.get("gpus"):
         lines += ["", f"GPU autotuners (benchmarks over {usage['wall_ms']:.1f} ms; "

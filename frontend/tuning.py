@@ -9,6 +9,12 @@ and ``hot_swaps``.
 Tuning threads are daemons; at exit the process waits up to ``KILN_AUTOTUNE_EXIT_WAIT``
 seconds (default 120) for tuning still running, so that short jobs publish what they
 tuned. No GPU of the target's arch means nothing runs here (CPU graphs never tune).
+
+Tuning in this process waits for the graph's first output (``hold``): its candidate
+compiles would otherwise take the CPUs and the GIL from the rest of the first call
+(Dynamo's guards, loading, the call itself). The loaded graph releases it after its
+first call (``frontend.hotswap``); a graph that is not called within ``HOLD_S`` seconds,
+or a process that waits for its tuning (exit, a benchmark), starts it anyway.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from kiln.compiler.compiled_graph import CompiledGraph
 
 log = logging.getLogger("kiln.tuning")
 EXIT_WAIT_ENV = "KILN_AUTOTUNE_EXIT_WAIT"
+HOLD_S = 10.0  # the longest a held tuning waits for its graph's first call
 
 
 def exit_wait_s() -> float:
@@ -42,27 +49,52 @@ class BackgroundTuner:
 
     def __init__(self) -> None:
         self._threads: list[threading.Thread] = []
+        self._gates: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         atexit.register(self.wait, None)
 
     def submit(self, key: str, tune: Tune, publish: Publish,
-               label: str = "background autotune") -> None:
+               label: str = "background autotune", hold: bool = False) -> None:
         """Run ``tune`` (which returns the tuned graph, or None); ``publish`` a graph
         whose configs were timed. Other background work of a graph (``label`` says
-        what) runs here too, so that exit waits for it."""
-        thread = threading.Thread(target=self._run, args=(key, tune, publish, label),
+        what) runs here too, so that exit waits for it. ``hold``: start only once
+        ``release(key)`` is called (the graph's first call returned), or ``HOLD_S``
+        later, or when something waits for it."""
+        gate = None
+        if hold:
+            with self._lock:
+                gate = self._gates.setdefault(key, threading.Event())
+        thread = threading.Thread(target=self._run, args=(key, tune, publish, label, gate),
                                   daemon=True,
                                   name=f"kiln-autotune-{key[:8]}")
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
-    def _run(self, key: str, tune: Tune, publish: Publish, label: str) -> None:
+    def release(self, key: str) -> None:
+        """The graph of ``key`` gave its first output: its held tuning may start."""
+        with self._lock:
+            gate = self._gates.pop(key, None)
+        if gate is not None:
+            gate.set()
+
+    def held(self) -> int:
+        """Tunings waiting for their graph's first output."""
+        with self._lock:
+            return sum(not gate.is_set() for gate in self._gates.values())
+
+    def _run(self, key: str, tune: Tune, publish: Publish, label: str,
+             gate: threading.Event | None) -> None:
+        if gate is not None and not gate.wait(HOLD_S):
+            log.debug("kiln: graph %s not called within %.0f s: tuning it now", key[:16],
+                      HOLD_S)
+            self.release(key)
         try:
-            with trace.span(label, cat="background", key=key[:16]):
+            with trace.background(), trace.span(label, cat="background", key=key[:16]):
                 tuned = tune()
             if tuned is not None and tuned.autotuned:
-                publish(tuned)
+                with trace.background():
+                    publish(tuned)
         except Exception as e:  # an optimization; the first artifact stays
             log.warning("kiln: %s of graph %s failed: %s", label, key[:16], e)
 
@@ -76,6 +108,9 @@ class BackgroundTuner:
         budget = exit_wait_s() if timeout is None else timeout
         with self._lock:
             threads = list(self._threads)
+            gates, self._gates = list(self._gates.values()), {}
+        for gate in gates:  # waiting for tuning: no point holding it back
+            gate.set()
         deadline = _now() + budget
         for thread in threads:
             thread.join(max(0.0, deadline - _now()))

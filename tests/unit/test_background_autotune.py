@@ -40,7 +40,7 @@ def test_heuristic_first_then_the_tuned_artifact_supersedes_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
     monkeypatch.setenv(FAKE_AUTOTUNE_ENV, "1")
-    client = _client(tmp_path)
+    client = _client(tmp_path, local_cache="off")  # no earlier test's graph from the tier
     request = _cuda_request(client.config)
     first = client.compile(request)  # type: ignore[arg-type]
     assert first.source == "local" and not first.compiled.autotuned
@@ -77,3 +77,36 @@ def test_nothing_tunes_without_a_gpu_or_when_autotuning_is_off(
     result = off.compile(_cuda_request(off.config))  # type: ignore[arg-type]
     assert "autotune_pending" not in result.compiled.stats
     assert off.tuner.pending() == 0 and client.tuner.pending() == 0
+
+
+def test_tuning_in_process_waits_for_the_graphs_first_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates compile only once the graph's first call returned: before, they
+    would take the CPUs and the GIL from that call."""
+    import time
+
+    from kiln.frontend.hotswap import SwappableGraph
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
+    monkeypatch.setenv(FAKE_AUTOTUNE_ENV, "1")
+    client = _client(tmp_path, local_cache="off")  # no earlier test's graph from the tier
+    request = _cuda_request(client.config)
+    first = client.compile(request)  # type: ignore[arg-type]
+    assert first.source == "local" and first.compiled.stats["autotune_pending"], first.source
+    compiled_before = client.local.kernels.compiles
+    time.sleep(1.0)
+    assert client.tuner.held() == 1 and client.tuner.pending() == 1
+    assert client.local.kernels.compiles == compiled_before  # no candidate compiled yet
+    builds: list[bool] = []
+
+    def build(compiled: object, hook: object) -> object:
+        builds.append(bool(getattr(compiled, "autotuned", False)))
+        return lambda args: [a * 2 for a in args]
+
+    graph = SwappableGraph(build, first.compiled, client, first.key,  # type: ignore[arg-type]
+                           request)  # type: ignore[arg-type]
+    assert graph([21]) == [42] and client.tuner.held() == 0
+    assert client.tuner.wait(300)
+    assert client.local.kernels.compiles > compiled_before
+    assert client.counters.snapshot()["autotune_publishes"] == 1
+    assert builds == [False, True] and graph.swaps == 1  # switched to the tuned kernels

@@ -10,12 +10,16 @@ from typing import Any
 import pytest
 import torch
 
+from kiln.compiler.runtime import cudagraphs
 from kiln.compiler.runtime.cudagraphs import (
-    MAX_RECORDINGS,
+    MAX_DIRECT,
+    MAX_SEEN,
     CudaGraphRunner,
     KilnCudaGraphWarning,
+    can_read_in_place,
     cudagraphify,
     moved_static,
+    output_bytes,
     skip_reason,
     static_inputs,
 )
@@ -54,51 +58,6 @@ def test_cpu_graph_runs_plainly_with_one_warning() -> None:
         assert torch.equal(fn([torch.ones(3)])[0], torch.full((3,), 2.0))
 
 
-class _Recorder(CudaGraphRunner):
-    """The runner with recording replaced by bookkeeping (no GPU here)."""
-
-    def _record(self, inputs: list[Any]) -> Any:
-        self.recordings += 1
-        if self.recordings > MAX_RECORDINGS:
-            return self._give_up(inputs, "moved too often")
-        from kiln.compiler.runtime import cudagraphs
-
-        self.recording = cudagraphs._Recording(None, cudagraphs._pointers(inputs),
-                                               list(inputs), None)
-        return "recorded"
-
-    def _replay(self, inputs: list[Any]) -> Any:
-        return "replayed"
-
-
-def test_warm_up_record_replay_and_record_again() -> None:
-    runner = _Recorder(_call, "g1")
-    weight, batches = torch.ones(4), [torch.full((4,), float(i)) for i in range(6)]
-    assert torch.equal(runner([weight, batches[0]])[0], torch.full((4,), 2.0))  # plain
-    runner([weight, batches[1]])  # plain: addresses noted
-    assert runner([weight, batches[2]]) == "recorded"
-    assert runner.static == [True, False]
-    assert runner([weight, batches[3]]) == "replayed"  # the batch is copied in
-    new_weight = torch.ones(4)
-    assert runner([new_weight, batches[4]]) == "recorded"  # the parameter moved
-    assert runner.static == [False, False] and runner.recordings == 2
-    assert runner([torch.ones(4), batches[5]]) == "replayed"
-
-
-def test_input_that_settles_is_read_in_place() -> None:
-    """A backward's saved tensor moves once (its forward starts replaying from its pool),
-    then stays: it is promoted to static and the graph records again, once."""
-    runner = _Recorder(_call, "g2")
-    saved = [torch.ones(4) for _ in range(3)]
-    runner([saved[0]])
-    runner([saved[1]])
-    assert runner([saved[2]]) == "recorded" and runner.static == [False]
-    assert runner([saved[2]]) == "recorded" and runner.static == [True]
-    assert runner([saved[2]]) == "replayed" and runner.recordings == 2
-    assert runner([saved[0]]) == "recorded" and runner.static == [False]  # moved: demoted
-    assert runner([saved[0]]) == "replayed"  # demoted for good: never promoted again
-
-
 def test_reduce_overhead_and_option_turn_cudagraphs_on() -> None:
     assert KilnConfig.resolve({"cudagraphs": "1"}).cudagraphs
     assert not KilnConfig.resolve({}).cudagraphs
@@ -125,30 +84,42 @@ def test_reduce_overhead_on_a_cpu_model_warns_once_and_matches_eager() -> None:
 
 
 class _CpuGraph:
-    """Replays ``fn`` over the buffers it was recorded with (what a CUDA graph does)."""
+    """What a CUDA graph does, over CPU tensors: each replay reads the tensors it was
+    recorded with as they are now and writes the outputs it was recorded with."""
 
-    def __init__(self, fn: Any, buffers: list[torch.Tensor], out: torch.Tensor) -> None:
-        self.fn, self.buffers, self.out, self.replays = fn, buffers, out, 0
+    def __init__(self, call: Any, inputs: list[torch.Tensor], outputs: tuple[Any, ...]
+                 ) -> None:
+        self.call, self.inputs, self.outputs, self.replays = call, inputs, outputs, 0
 
     def replay(self) -> None:
         self.replays += 1
-        self.out.copy_(self.fn(self.buffers))
+        for out, fresh in zip(self.outputs, self.call(list(self.inputs))):
+            out.copy_(fresh)
 
 
 class _CpuRunner(CudaGraphRunner):
-    """The real replay path (copy-in plan, one foreach copy, copy-back of mutated inputs)
-    over CPU tensors; recording makes the graph's own buffers as the real one does."""
+    """The runner's every decision and its replay path (copy-in plan, one foreach copy,
+    copy-back of mutated inputs, recordings keyed by address), with capture done on CPU:
+    like a CUDA capture, it runs nothing (the outputs come from a call on clones)."""
 
-    def _record(self, inputs: list[Any]) -> Any:
-        from kiln.compiler.runtime import cudagraphs
+    def _capture(self, graph_inputs: list[Any]) -> Any:
+        outputs = self.call([x.clone() for x in graph_inputs])
+        graph = _CpuGraph(self.call, graph_inputs, outputs)
+        return cudagraphs._Recording(graph, list(cudagraphs._pointers(graph_inputs)),
+                                     graph_inputs, outputs)
 
-        self.recordings += 1
-        buffers = [x if s else torch.empty_like(x) for x, s in zip(inputs, self.static)]
-        out = torch.empty_like(inputs[0])
-        graph = _CpuGraph(lambda b: self.call(list(b))[0], buffers, out)
-        self.recording = cudagraphs._Recording(graph, cudagraphs._pointers(buffers), buffers,
-                                               (out,))
-        return self._replay(inputs)
+
+def _copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the runner's ``_foreach_copy_`` launches (one entry per launch)."""
+    launches: list[int] = []
+    real = torch._foreach_copy_
+
+    def counted(dst: list[torch.Tensor], src: Any) -> None:
+        launches.append(len(dst))
+        real(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    return launches
 
 
 def _scale_and_bump(args: list[Any]) -> tuple[Any, ...]:
@@ -157,17 +128,165 @@ def _scale_and_bump(args: list[Any]) -> tuple[Any, ...]:
     return (x * weight,)
 
 
-def test_replay_copies_only_moving_inputs_and_writes_mutations_back() -> None:
+def test_warm_up_record_replay_and_record_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    copies = _copies(monkeypatch)
+    runner = _CpuRunner(_call, "g1")
+    weight, batches = torch.randn(4), [torch.randn(4) for _ in range(6)]
+    for i in range(4):
+        torch.testing.assert_close(runner([weight, batches[i]])[0], weight + 1)
+    assert runner.recordings == 1 and runner.static == [True, False]  # at call 3
+    # The batch copied in (before the recording's capture, then at each replay), the
+    # weight read in place.
+    assert copies == [1, 1]
+    new_weight = torch.randn(4)
+    torch.testing.assert_close(runner([new_weight, batches[4]])[0], new_weight + 1)
+    assert runner.static == [False, False] and runner.recordings == 2  # it moved
+    other = torch.randn(4)
+    torch.testing.assert_close(runner([other, batches[5]])[0], other + 1)
+    assert runner.recordings == 2 and not runner.direct  # no address set came back
+
+
+def test_input_that_settles_is_promoted_when_not_read_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no recording per address set left to make: a backward's saved tensor moves
+    once (its forward starts replaying from its pool), then stays: it is promoted to
+    static and the graph records again, once."""
+    monkeypatch.setattr(cudagraphs, "MAX_DIRECT", 0)
+    runner = _CpuRunner(_call, "g2")
+    saved = [torch.randn(4) for _ in range(3)]
+    runner([saved[0]])
+    runner([saved[1]])
+    runner([saved[2]])
+    assert runner.recordings == 1 and runner.static == [False]
+    runner([saved[2]])
+    assert runner.recordings == 2 and runner.static == [True]
+    out = runner([saved[2]])[0]
+    assert runner.recordings == 2 and runner.recording is not None
+    torch.testing.assert_close(out, saved[2] + 1)
+    torch.testing.assert_close(runner([saved[0]])[0], saved[0] + 1)
+    assert runner.recordings == 3 and runner.static == [False]  # moved: demoted
+    runner([saved[0]])
+    assert runner.recordings == 3  # demoted for good: never promoted again
+
+
+def test_repeating_address_sets_replay_in_place_with_no_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU bench's loop: four preallocated input sets in turn, refilled in place. Each
+    set gets a recording that reads it where it is on its second call; from then on no
+    call copies anything, and every output matches eager on fresh values."""
+    copies = _copies(monkeypatch)
     runner = _CpuRunner(_scale_and_bump, "g3", mutated=[2])
     weight = torch.randn(5)
-    counters = [torch.zeros(5) for _ in range(6)]
-    for i in range(6):
-        x = torch.randn(5)
-        out = runner([weight, x, counters[i]])[0]
-        torch.testing.assert_close(out, x * weight)
-        assert torch.equal(counters[i], torch.ones(5)), i  # written back to the caller's
-    assert runner.static == [True, False, False] and runner.recordings == 1
-    plan = runner.plan
-    assert plan is not None and len(plan.copy_to) == 2 and plan.copy_back == [2]
-    assert plan.recording.inputs[0] is weight  # read in place, never copied
-    assert plan.recording.graph.replays == 4  # calls 3-6
+    sets = [[weight, torch.randn(5), torch.zeros(5)] for _ in range(4)]
+    for call in range(14):
+        args = sets[call % 4]
+        args[1].copy_(torch.randn(5))  # new values, same address
+        before = args[2].clone()
+        out = runner(list(args))[0]
+        torch.testing.assert_close(out, args[1] * weight)
+        torch.testing.assert_close(args[2], before + 1)  # the mutation reached the caller's
+    assert len(runner.direct) == 4 and runner.recordings == 1
+    # Calls 3-4, the first sightings of sets 2 and 3 (0 and 1 were seen warming up):
+    # the copy recording (the batch and the mutated counter copied in before its capture,
+    # then at its replay; the counter copied back each time). No copy since.
+    assert copies == [2, 1, 2, 1]
+    replays = sorted(rec.graph.replays for rec in runner.direct.values())
+    assert replays == [2, 2, 3, 3]  # calls 5-14 (calls 1-2 warm up, set 0 recorded at 5)
+    # A replay's outputs are the recording's own tensors (overwritten by the next replay).
+    assert runner(list(sets[2]))[0] is runner(list(sets[2]))[0]
+
+
+def test_more_address_sets_than_recordings_copy_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    copies = _copies(monkeypatch)
+    runner = _CpuRunner(_call, "g4")
+    sets = [[torch.randn(3)] for _ in range(MAX_DIRECT + 2)]
+    for call in range(4 * len(sets)):
+        args = sets[call % len(sets)]
+        torch.testing.assert_close(runner(list(args))[0], args[0] + 1)
+    assert len(runner.direct) == MAX_DIRECT and runner.recordings == 1
+    copies.clear()
+    for args in sets:
+        runner(list(args))
+    assert copies == [1, 1]  # the two sets without a recording of their own
+
+
+def test_large_outputs_are_not_recorded_per_address_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cudagraphs, "DIRECT_OUTPUT_BYTES", 3 * 4 * 16)  # 3 sets of outputs
+    runner = _CpuRunner(_call, "g5")
+    sets = [[torch.randn(16)] for _ in range(5)]
+    for call in range(20):
+        args = sets[call % 5]
+        torch.testing.assert_close(runner(list(args))[0], args[0] + 1)
+    assert runner.out_bytes == 64 and len(runner.direct) == 3
+
+
+def test_can_read_in_place_needs_a_second_sighting_within_bounds() -> None:
+    seen: set[tuple[int, ...]] = set()
+    assert not can_read_in_place(seen, 0, (1, 2), 100)
+    assert can_read_in_place(seen, 0, (1, 2), 100)
+    assert not can_read_in_place(seen, MAX_DIRECT, (1, 2), 100)
+    assert not can_read_in_place(seen, 0, (1, 2), cudagraphs.DIRECT_OUTPUT_BYTES + 1)
+    for i in range(MAX_SEEN):
+        can_read_in_place(seen, 0, (i + 10,), 0)
+    assert len(seen) <= MAX_SEEN and (1, 2) not in seen  # forgotten all at once
+    assert output_bytes((torch.ones(4), None, [torch.ones(2, dtype=torch.float16)])) == 20
+
+
+def test_capture_failure_runs_plainly_and_forgets_recordings() -> None:
+    class _Failing(_CpuRunner):
+        def _capture(self, graph_inputs: list[Any]) -> Any:
+            if self.direct:  # every capture after the first
+                return "capture failed: RuntimeError: synchronizes"
+            return super()._capture(graph_inputs)
+
+    runner = _Failing(_call, "g6")
+    x, y = torch.randn(3), torch.randn(3)
+    for _ in range(3):
+        runner([x])
+    assert len(runner.direct) == 1
+    failed = r"graph g6 runs without CUDA graphs \(capture failed"
+    with pytest.warns(KilnCudaGraphWarning, match=failed):
+        torch.testing.assert_close(runner([y])[0], y + 1)  # the copy recording fails
+    assert runner.plain_reason is not None and not runner.direct
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(runner([x])[0], x + 1)  # plain, no second warning
+
+
+def test_served_entry_replays_before_the_slow_path() -> None:
+    """What Dynamo calls for an inference graph under CUDA graphs (``served_graph`` around
+    the runner): an address set with its own recording replays at once; any other call
+    goes through the grad-off path into the runner; outputs match eager throughout."""
+    from kiln.frontend.aot_cache import served_graph
+
+    slow: list[int] = []
+
+    class _Counted(_CpuRunner):
+        def __call__(self, args: list[Any]) -> Any:
+            slow.append(len(args))
+            return super().__call__(args)
+
+    runner = _Counted(_call, "g7")
+    entry = served_graph(runner, False).__wrapped__  # type: ignore[attr-defined]
+    sets = [[torch.randn(3)] for _ in range(2)]
+    for call in range(8):
+        x = sets[call % 2][0]
+        x.copy_(torch.randn(3))
+        torch.testing.assert_close(entry(x)[0], x + 1)
+    # Calls 1-2 warm up, 3-4 record one set each; 5-8 replay with no slow path.
+    assert len(slow) == 4 and len(runner.direct) == 2 and runner.calls == 8
+
+
+def test_first_replay_falls_back_to_the_python_method() -> None:
+    graph = _CpuGraph(_call, [torch.ones(2)], (torch.zeros(2),))
+    rec = cudagraphs._Recording(graph, [0], graph.inputs, graph.outputs)
+
+    def refuses() -> None:
+        raise TypeError("replay(): incompatible function arguments")
+
+    rec.launch = refuses
+    cudagraphs.first_replay(rec)
+    assert rec.launch == graph.replay and graph.replays == 1
+    torch.testing.assert_close(graph.outputs[0], torch.full((2,), 2.0))

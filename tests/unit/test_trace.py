@@ -91,6 +91,60 @@ def test_critical_path_follows_the_chain_that_finishes_last_across_processes() -
     assert own["farm wait"] == pytest.approx(85)  # nested spans of other processes do not count
 
 
+def test_background_tuning_is_off_the_first_outputs_critical_path() -> None:
+    """Autotuning after the first output (its candidate compiles in a pool's threads,
+    the farm's tuning merged from another process) ends last, yet the critical path is
+    the first output's; the spans are kept (own time) and the tuning time reported."""
+    trace.enable()
+    with trace.span("Dynamo compile of a frame", cat="client"):
+        with trace.span("kernel compile", cat="kernel", kernel="first"):
+            pass
+    def compile_candidate(name: str) -> None:
+        trace.complete("kernel compile", trace.now_us(), trace.now_us() + 5e5, cat="kernel",
+                       kernel=name)
+
+    def tune() -> None:
+        with trace.background(), trace.span("background autotune", cat="background"):
+            worker = threading.Thread(target=trace.carry(compile_candidate),
+                                      args=("candidate",))
+            worker.start()
+            worker.join()
+            trace.merge([dict(trace.make_event("autotune benchmark", trace.now_us(),
+                                               trace.now_us() + 9e5, cat="autotune"),
+                              pid=4242)])
+
+    tuner = threading.Thread(target=tune)
+    tuner.start()
+    tuner.join()
+    spans = load_spans_of(trace.events())
+    assert {s.name for s in spans if s.background} == {
+        "kernel compile", "autotune benchmark", "background autotune"}
+    path = [s.name for s in critical_path(spans)]
+    assert path == ["kernel compile"], path
+    summary = summarize(spans)
+    assert summary["wall_ms"] < 400 and summary["background_ms"] > 0
+    on_path = {r["stage"] for r in summary["critical_path"]}
+    assert not on_path & {"autotune benchmark", "background autotune"}, on_path
+    assert {r["stage"] for r in summary["top_stages"]} >= {"autotune benchmark",
+                                                           "background autotune"}
+
+
+def test_time_after_the_last_leaf_is_the_enclosing_spans_own_time() -> None:
+    """The bench's span from torch.compile to the first output ends after the last
+    compile step: the first call's own work is on the path, and the path covers the wall."""
+    spans = [_span("torch.compile to first output", 0, 100), _span("Dynamo", 0, 60),
+             _span("lowering", 10, 50)]
+    rows = {r["stage"]: r["ms"] for r in summarize(spans)["critical_path"]}
+    assert rows["torch.compile to first output (own time)"] == pytest.approx(40)
+    assert rows["lowering"] == pytest.approx(40) and sum(rows.values()) == pytest.approx(100)
+
+
+def load_spans_of(events: list[trace.Event]) -> list[Span]:
+    from kiln.frontend.trace import spans_from_events
+
+    return spans_from_events(events)
+
+
 def test_trace_file_and_cli_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     events = [trace.make_event("lowering", 1000, 3000, cat="compiler"),
               dict(trace.make_event("kernel compile", 3000, 9000), pid=77,

@@ -59,7 +59,7 @@ class TritonKernel:
 
     def __init__(self, kind: str, xnumel: Expr | int, rnumel: Expr | int, removed: set[str],
                  index_dtype: str = "tl.int32", max_xblock: int | None = None,
-                 outer: bool = False) -> None:
+                 outer: bool = False, parts: int = 0) -> None:
         self.kind = kind
         self.outer = outer  # a column reduction: x contiguous, r strided
         # The largest XBLOCK any launch config uses (None: unknown): a block of x then
@@ -85,9 +85,20 @@ class TritonKernel:
         self.uses_r = False
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
-        self.reduction_cache: dict[tuple[str, str], Any] = {}
+        self.reduction_cache: dict[tuple[str, str, bool], Any] = {}
         self.unforwarded: set[str] = set()
         self.phase_reductions: set[str] = set()
+        # A row-column kernel (``row_column.py``): ``parts`` programs; while ``column``
+        # a column stage's body is generated, its reductions accumulating across the
+        # row loop (accumulators made in ``column_pre``, combined in ``column_post``).
+        self.parts = parts
+        self.column = False
+        self.column_pre = IndentedBuffer()
+        self.column_post = IndentedBuffer()
+        if parts:
+            from .row_column import PID
+
+            self.var_ranges[PID] = sympy.Integer(parts)
 
     # -- where code goes ----------------------------------------------------------------
 
@@ -253,6 +264,9 @@ class TritonKernel:
                                  f"{value}{cast}, {self.mask()}, sem='relaxed')")
 
     def store_reduction(self, name: str, index: Expr, value: CSEVariable) -> None:
+        if self.column:  # one value per column of the part, after the row loop
+            self._store_to(self.column_post, name, index, value, "rmask")
+            return
         was_r = self.uses_r
         self.uses_r = False
         saved = self.in_loop
@@ -329,11 +343,12 @@ class TritonKernel:
 
     def reduction(self, dtype: torch.dtype, src_dtype: torch.dtype, reduction_type: str,
                   value: CSEVariable) -> Any:
-        from .reductions import emit_reduction
+        from .reductions import emit_column_reduction, emit_reduction
 
-        key = (reduction_type, str(value))
+        key = (reduction_type, str(value), self.column)
         if key not in self.reduction_cache:
-            self.reduction_cache[key] = emit_reduction(self, reduction_type, value, dtype)
+            emit = emit_column_reduction if self.column else emit_reduction
+            self.reduction_cache[key] = emit(self, reduction_type, value, dtype)
         return self.reduction_cache[key]
 
     def __getattr__(self, name: str) -> Callable[..., CSEVariable]:

@@ -23,9 +23,10 @@ def identity(reduction_type: str, dtype: torch.dtype) -> Any:
     raise NotImplementedError(reduction_type)
 
 
-_FINAL = {"sum": "tl.sum({a}, 1)", "prod": "th.prod({a}, 1)", "max": "th.max2({a}, 1)",
-          "min": "th.min2({a}, 1)", "xor_sum": "th.xor_sum({a}, 1)",
-          "any": "tl.max({a}, 1)", "all": "tl.min({a}, 1)"}
+_FINAL = {"sum": "tl.sum({a}, {axis})", "prod": "th.prod({a}, {axis})",
+          "max": "th.max2({a}, {axis})", "min": "th.min2({a}, {axis})",
+          "xor_sum": "th.xor_sum({a}, {axis})", "any": "tl.max({a}, {axis})",
+          "all": "tl.min({a}, {axis})"}
 _STEP = {"sum": "{acc} + {v}", "prod": "{acc} * {v}", "max": "th.maximum({acc}, {v})",
          "min": "th.minimum({acc}, {v})", "xor_sum": "{acc} ^ {v}",
          "any": "tl.maximum({acc}, {v})", "all": "tl.minimum({acc}, {v})"}
@@ -36,11 +37,7 @@ def emit_reduction(k: Any, reduction_type: str, value: CSEVariable, dtype: torch
     if reduction_type in ("any", "all"):
         value = k.emit(f"({value} != 0).to(tl.int8)", torch.int8)
     acc_dtype = value.dtype
-    if not acc_dtype.is_floating_point and reduction_type in ("max", "min"):
-        _STEP_INT = {"max": "tl.maximum({acc}, {v})", "min": "tl.minimum({acc}, {v})"}
-        step, final = _STEP_INT[reduction_type], f"tl.{reduction_type}({{a}}, 1)"
-    else:
-        step, final = _STEP.get(reduction_type, ""), _FINAL.get(reduction_type, "")
+    step, final = _step_final(reduction_type, acc_dtype, 1)
     mask = "rmask & xmask" if not k.mask_stack else "rmask & xmask & " + " & ".join(
         k.mask_stack)
     if reduction_type == "welford_reduce":
@@ -60,6 +57,34 @@ def emit_reduction(k: Any, reduction_type: str, value: CSEVariable, dtype: torch
     out = k.loop_cse.newvar(acc_dtype)
     k.loop_post.writeline(f"{out} = {final.format(a=acc)}[:, None]")
     return _finish(k, reduction_type, out)
+
+
+def _step_final(reduction_type: str, acc_dtype: torch.dtype, axis: int) -> tuple[str, str]:
+    """The accumulate step and the final combine (over ``axis``) of a reduction."""
+    if not acc_dtype.is_floating_point and reduction_type in ("max", "min"):
+        step = {"max": "tl.maximum({acc}, {v})", "min": "tl.minimum({acc}, {v})"}
+        return step[reduction_type], f"tl.{reduction_type}({{a}}, {axis})"
+    final = _FINAL.get(reduction_type, "").replace("{axis}", str(axis))
+    return _STEP.get(reduction_type, ""), final
+
+
+def emit_column_reduction(k: Any, reduction_type: str, value: CSEVariable,
+                          dtype: torch.dtype) -> CSEVariable:
+    """A column stage's reduction in a row-column kernel: accumulated per lane across
+    the row loop, combined over the rows of the tile (axis 0) after it."""
+    acc_dtype = value.dtype
+    step, final = _step_final(reduction_type, acc_dtype, 0)
+    mask = " & ".join(["xmask", "rmask", *k.mask_stack])
+    init = literal(identity(reduction_type, acc_dtype), acc_dtype)
+    vb = k.emit(f"tl.broadcast_to({value}, [XBLOCK, RBLOCK])", acc_dtype)
+    acc = f"_{k.cse.newvar(acc_dtype).name}"
+    k.column_pre.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {init}, "
+                           f"{triton_type(acc_dtype)})")
+    updated = k.emit(step.format(acc=acc, v=vb), acc_dtype)
+    k.body.writeline(f"{acc} = tl.where({mask}, {updated}, {acc})")
+    out = k.cse.newvar(acc_dtype)
+    k.column_post.writeline(f"{out} = {final.format(a=acc)}[None, :]")
+    return out
 
 
 def _finish(k: Any, reduction_type: str, out: CSEVariable) -> CSEVariable:

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sympy
 
-from ...dependencies import MemoryDep, reduction_access_order
+from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
-from ...scheduler import BaseSchedulerNode, SchedulerNode
+from ...kernel_compile import ALIGN_KEY
+from ...scheduler import BaseSchedulerNode, RowColumnSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
 from ..kernel_spec import KernelSpec
+from ..simd import is_outer_reduction
 from .heuristics import PERSISTENT_RNUMEL, configs_for
 from .kernel import RINDEX, XINDEX, TritonKernel
 from .overrides import SIGNATURE_DTYPES
+from .row_column import PID, render_frame, row_column_configs, row_itemsize
 
 HEADER = """import triton
 import triton.language as tl
@@ -25,7 +29,8 @@ from triton.language.extra import libdevice
 from kiln.compiler.runtime import triton_helpers as th
 """
 
-KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red"}
+KIND_PREFIX = {"pointwise": "poi", "persistent_reduction": "per", "reduction": "red",
+               "row_column": "per"}
 NAME_PLACEHOLDER = "KERNEL_NAME"
 
 
@@ -46,22 +51,12 @@ def kernel_kind(rnumel: Expr | int, outer: bool = False) -> str:
     return "persistent_reduction" if fits else "reduction"
 
 
-def is_outer_reduction(node: BaseSchedulerNode) -> bool:
-    """True when the reduced dimension is strided in memory and x is the contiguous one,
-    judged by the reductions' reads (a column sum of a row-major matrix)."""
-    inner = outer = 0
-    for sub in node.get_nodes():
-        if not sub.is_reduction():
-            continue
-        assert isinstance(sub, SchedulerNode)
-        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
-        inner, outer = inner + i, outer + o
-    return outer > inner
-
-
 # A reduction over a symbolic row also gets persistent variants for rows up to these
 # lengths; the wrapper picks one at run time from the row's length (a guarded choice).
-PERSISTENT_BUCKETS = (1024, PERSISTENT_RNUMEL)
+# Powers of two, so that a power-of-two row (a sequence length of 512 or 2048) fills its
+# block: a block twice the row masks off half the lanes (the H200 profile of the
+# decoder's softmax at 2048 tokens ran RBLOCK 4096).
+PERSISTENT_BUCKETS = (256, 512, 1024, 2048, PERSISTENT_RNUMEL)
 
 
 def persistent_variants(node: BaseSchedulerNode, removed: set[str]
@@ -86,36 +81,59 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
     launches it only for such rows).
     """
     xnumel, rnumel = (sympy.sympify(v) for v in node.group)
-    outer = rnumel != 1 and is_outer_reduction(node)
+    parts = node.parts if isinstance(node, RowColumnSchedulerNode) else 0
+    outer = rnumel != 1 and not parts and is_outer_reduction(node)
     kind = kernel_kind(rnumel, outer) if rbound is None else "persistent_reduction"
+    kind = "row_column" if parts else kind
     index_dtype = "tl.int64" if _needs_int64(node) else "tl.int32"
     sizevars = V.graph.sizevars
-    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind == "persistent_reduction" \
-        else None
+    rhint = (rbound or sizevars.upper_bound(rnumel)) if kind != "pointwise" and \
+        kind != "reduction" else None
     xhint, rhint = sizevars.size_hint(xnumel), rhint or sizevars.size_hint(rnumel)
-    configs = tuple(configs_for(kind, xhint, rhint, outer))
+    rows = xhint // parts if parts else 0
+    configs = tuple(row_column_configs(rhint, rows, row_itemsize(node, xhint * rhint))
+                    if parts
+                    else configs_for(kind, xhint, rhint, outer))
     kernel = TritonKernel(kind, xnumel, rnumel, removed, index_dtype,
-                          max(int(c.get("XBLOCK", 1)) for c in configs), outer)
+                          max(int(c.get("XBLOCK", 1)) for c in configs), outer, parts)
     order = memory_order(node, removed) if kind == "pointwise" else None
+    columns = node.column_names if isinstance(node, RowColumnSchedulerNode) else set()
     with V.set_ops_handler(kernel), V.set_kernel_handler(kernel):
         for sub in node.get_nodes():
             assert isinstance(sub, SchedulerNode) and isinstance(sub.node, ComputedBuffer)
-            _codegen_subnode(kernel, sub, order)
+            if sub.get_name() in columns:
+                codegen_column_subnode(kernel, sub, rows)
+            else:
+                _codegen_subnode(kernel, sub, order)
         kernel.end_loop()
     lost = kernel.unforwarded & removed
     if lost:
         raise UnforwardedBuffers(lost)
     ops = [op for sub in node.get_nodes() for op in sub.read_writes.op_names]
-    source = render(kernel)
+    source = render(kernel, rows)
     if rbound is not None:  # the same body as other buckets: named apart by its bound
         source = source.replace("@triton.jit", f"# rows of at most {rbound}\n@triton.jit", 1)
     spec = KernelSpec(
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
         signature=_signature(kernel), xnumel=xhint, rnumel=rhint,
-        configs=configs,
-        size_args=kernel.size_args())
+        configs=_with_alignment(kernel, configs),
+        size_args=kernel.size_args(), programs=parts)
     return _base_name(kind, ops), spec
+
+
+def _with_alignment(kernel: TritonKernel, configs: tuple[dict[str, Any], ...]
+                    ) -> tuple[dict[str, Any], ...]:
+    """A kernel with symbolic size arguments whose hints are all multiples of 16 compiles
+    its ``ALIGN`` variant (``kernel_compile.divisible_args``); the launcher falls back to
+    the generic one for a launch whose sizes are not."""
+    exprs = [sympy.sympify(kernel.xnumel), sympy.sympify(kernel.rnumel),
+             *kernel.size_symbols]
+    symbolic = [e for e in exprs if e.free_symbols]
+    if not kernel.dynamic or not symbolic or any(
+            V.graph.sizevars.size_hint(e) % 16 for e in symbolic):
+        return configs
+    return tuple({**c, ALIGN_KEY: 16} for c in configs)
 
 
 def _base_name(kind: str, ops: Sequence[str]) -> str:
@@ -191,6 +209,27 @@ def _codegen_subnode(kernel: TritonKernel, sub: SchedulerNode,
         body(variables)
 
 
+def codegen_column_subnode(kernel: TritonKernel, sub: SchedulerNode, rows: int) -> None:
+    """A column stage's body in the row loop: its part is ``pid``, its columns
+    ``rindex``, its reduced row ``xindex - pid * rows``; its reduction accumulates across
+    the loop (``TritonKernel.column``)."""
+    buf = sub.node
+    assert isinstance(buf, ComputedBuffer)
+    ranges = [sympy.sympify(s) for s in buf.data.get_size()]
+    variables = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True)
+                 for i in range(len(ranges) + 1)]
+    part, columns, row = variables[0], variables[1:len(ranges)], variables[len(ranges)]
+    mapping = _map_loops(ranges[1:], columns, _access_exprs(sub), RINDEX)
+    mapping[part] = PID
+    mapping[row] = XINDEX - rows * PID
+    kernel.set_index_map(mapping, uses_r=True)
+    kernel.column = True
+    try:
+        buf.store_body()(variables[:len(ranges)], variables[len(ranges):])
+    finally:
+        kernel.column = False
+
+
 def _place_in_phase(kernel: TritonKernel, sub: SchedulerNode, is_red: bool,
                     x_only: bool) -> None:
     """Looped reductions: x-only work runs between loops; loop work that needs a
@@ -255,8 +294,9 @@ def _signature(kernel: TritonKernel) -> dict[str, str]:
     return sig
 
 
-def render(kernel: TritonKernel) -> str:
-    """The kernel's module source: imports, then the ``@triton.jit`` function."""
+def render(kernel: TritonKernel, rows: int = 0) -> str:
+    """The kernel's module source: imports, then the ``@triton.jit`` function (a
+    row-column kernel: ``rows`` per program)."""
     args = [arg for arg, _ in kernel.args.call_args()] + kernel.size_params()
     args.append("XBLOCK: tl.constexpr")
     if kernel.is_reduction:
@@ -265,6 +305,9 @@ def render(kernel: TritonKernel) -> str:
     code.writeline("@triton.jit")
     code.writeline(f"def {NAME_PLACEHOLDER}({', '.join(args)}):")
     with code.indent():
+        if kernel.parts:
+            render_frame(kernel, rows, code)
+            return HEADER + "\n\n" + code.getvalue()
         if not kernel.dynamic:  # a dynamic kernel takes xnumel and rnumel as arguments
             code.writeline(f"xnumel = {kernel.xnumel}")
         pid = "tl.program_id(0)"
