@@ -227,6 +227,7 @@ class Bench:
         self.add_row({"model": model, "mode": what, "ok": False, "skipped": True,
                       "problem": f"not run: {max(left, 0):.0f} s of --budget left, "
                                  f"{needs:.0f} s needed"})
+        self.done.add((model, what))  # a warm row does not try its cold row again
         print(f"[coldstart] {model} {what}: not run (budget)", file=sys.stderr, flush=True)
         return True
 
@@ -296,15 +297,22 @@ class Bench:
         if self.out_of_time(model, label or mode, self.args.row_min):
             return
         left = self.time_left()
+        limit = min(self.args.timeout, left) if left is not None else self.args.timeout
         print(f"[coldstart] {model} {label or mode} ...", file=sys.stderr, flush=True)
         wall = time.perf_counter()
         try:
             proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=min(self.args.timeout, left or self.args.timeout))
-        except subprocess.TimeoutExpired as e:
-            proc = subprocess.CompletedProcess(command, -9, _text(e.stdout),
-                                               f"timed out after {e.timeout:.0f} s\n"
-                                               f"{_text(e.stderr)}")
+                                  timeout=limit)
+        except subprocess.TimeoutExpired:
+            cut = limit < self.args.timeout  # --budget ran out, not the row's own limit
+            self.add_row({"model": model, "mode": label or mode, "ok": False,
+                          "skipped": cut, "process_s": time.perf_counter() - wall,
+                          "problem": f"{'stopped: --budget ran out' if cut else 'timed out'} "
+                                     f"after {limit:.0f} s"})
+            self.done.add((model, label or mode))
+            print(f"[coldstart] {model} {label or mode}: stopped after {limit:.0f} s",
+                  file=sys.stderr, flush=True)
+            return
         row: dict[str, Any] = {"model": model, "mode": label or mode,
                                "device": self.args.device, "smoke": self.args.smoke,
                                "compile_mode": self.args.compile_mode or "",
@@ -342,6 +350,12 @@ class Bench:
             return
         if mode in PRIMING and (model, PRIMING[mode]) not in self.done:
             self.run_mode(model, PRIMING[mode])
+        if mode in PRIMING and not any(r.get("ok") for r in self.rows
+                                       if (r["model"], r["mode"]) == (model, PRIMING[mode])):
+            self.add_row({"model": model, "mode": mode, "ok": False, "skipped": True,
+                          "problem": f"not run: its {PRIMING[mode]} row did not pass"})
+            self.done.add((model, mode))
+            return
         if mode == "kiln_farm":
             return  # run by run_farm, with the farm up
         self.measure(model, mode, self.env_for(model, mode))
@@ -373,10 +387,6 @@ class Bench:
         finally:
             subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
                            env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
