@@ -16,17 +16,19 @@ Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in tu
     kiln, AOT runtime           Kiln with ``inference_direct=0``: AOTAutograd's wrappers
     kiln reduce-overhead        CUDA graphs (GPU only): 4 address sets, each read in place
     kiln reduce-overhead, copy  the same with ``inference_direct=0`` and one recording that
-                                copies its inputs in (no address set read in place)
+                                copies its inputs in (``MAX_DIRECT`` = 0: what Kiln did
+                                before recordings per address set)
     kiln reduce-overhead, same inputs
 
-Columns: host µs per call (perf_counter over ``--calls`` calls, then one synchronize:
-on a host-bound graph this is the wall time per call) and, on CUDA, the median wall µs
-of one call between CUDA events (``gpu_bench``'s measure). Note: ``dynamic=False`` (as
-``gpu_bench`` compiles) makes Dynamo patch its config on every call, and
-``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two calls to every
-frame; both are part of the "dynamo floor" row, for Kiln and Inductor alike. Every Kiln
-row is compared with eager first and fails on ``KilnFallbackWarning``. ``--profile`` prints the
-functions with the most own time in Kiln's default and reduce-overhead calls.
+Columns: host µs per call (the best of 5 runs of ``--calls``/5 calls, each timed with
+perf_counter up to a synchronize: on a host-bound graph this is the wall time per call)
+and, on CUDA, the median wall µs of one call between CUDA events (``gpu_bench``'s
+measure). ``dynamic=False`` (as ``gpu_bench`` compiles) makes Dynamo patch its config on
+every call, and ``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two
+calls to every frame: both are in the "dynamo floor" row, for Kiln and Inductor alike.
+Every Kiln row is compared with eager first and fails on ``KilnFallbackWarning``.
+``--profile`` prints the functions with the most own time in Kiln's default and
+reduce-overhead calls.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def variants(device: str) -> list[tuple[str, dict[str, Any], bool]]:
         ro = {"mode": "reduce-overhead"}
         rows += [("inductor reduce-overhead", {"backend": "inductor", **ro}, False),
                  ("kiln reduce-overhead", {"backend": "kiln", **ro}, False),
-                 ("kiln reduce-overhead, copy",
-                  {"backend": "kiln", **ro, "options": {"inference_direct": False}}, False),
+                 ("kiln reduce-overhead, copy",  # (torch.compile takes mode or options)
+                  {"backend": "kiln", "options": {"cudagraphs": True,
+                                                  "inference_direct": False}}, False),
                  ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True)]
     return rows
 
@@ -106,16 +109,22 @@ def compile_variant(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[
     return torch.compile(fn, dynamic=False, **kwargs)
 
 
-def host_us(fn: Callable[..., Any], sets: list[list[Any]], calls: int, sync: Callable[[], None]
-            ) -> float:
+def host_us(fn: Callable[..., Any], sets: list[list[Any]], calls: int, sync: Callable[[], None],
+            blocks: int = 5) -> float:
+    """µs per call: the best of ``blocks`` runs of ``calls // blocks`` calls (the least
+    disturbed by other work on the host)."""
     for i in range(20):
         fn(*sets[i % len(sets)])
     sync()
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(*sets[i % len(sets)])
-    sync()
-    return (time.perf_counter() - start) / calls * 1e6
+    n = max(calls // blocks, len(sets))
+    best = float("inf")
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for i in range(n):
+            fn(*sets[i % len(sets)])
+        sync()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+    return best
 
 
 def event_us(fn: Callable[..., Any], sets: list[list[Any]], reps: int = 200) -> float:
@@ -158,7 +167,9 @@ def profile(fn: Callable[..., Any], sets: list[list[Any]], title: str, top: int 
 
 def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[dict[str, Any]]:
     from kiln import KilnFallbackWarning
+    from kiln.compiler.runtime import cudagraphs
 
+    direct = cudagraphs.MAX_DIRECT
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = []
     with torch.no_grad():
@@ -173,6 +184,7 @@ def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[di
             for vname, kwargs, same in variants(device):
                 used = sets[:1] if same else sets
                 compiled = compile_variant(fn, kwargs)
+                cudagraphs.MAX_DIRECT = 0 if vname.endswith(", copy") else direct
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", KilnFallbackWarning)
                     if vname != "dynamo floor":

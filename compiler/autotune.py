@@ -92,12 +92,19 @@ def autotune_kernel(spec: KernelSpec, target: dict[str, Any], device: torch.devi
                     binaries: list[KernelBinary] | None = None
                     ) -> tuple[KernelBinary, list[tuple[dict[str, Any], float]]]:
     """The fastest config's binary, and each config's median time."""
-    from .runtime.triton_launcher import TritonLauncher
+    from .runtime.cudagraphs import GPU_WORK_LOCK
 
     binaries = binaries or compile_configs(spec, target)
     if len(binaries) == 1 or len(spec.arg_bytes) == 0:
         return binaries[0], []
-    args = scratch_args(spec, device)
+    with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
+        return _time_configs(spec, binaries, scratch_args(spec, device))
+
+
+def _time_configs(spec: KernelSpec, binaries: list[KernelBinary], args: list[torch.Tensor]
+                  ) -> tuple[KernelBinary, list[tuple[dict[str, Any], float]]]:
+    from .runtime.triton_launcher import TritonLauncher
+
     results: list[tuple[dict[str, Any], float]] = []
     best: tuple[float, KernelBinary] | None = None
     for binary in binaries:

@@ -13,7 +13,7 @@ import torch
 from . import trace
 from .codegen.kernel_spec import KernelSpec
 from .kernel_compile import KernelBinary
-from .runtime.buckets import NewBucket
+from .runtime.buckets import NewBucket, generic_config
 
 log = logging.getLogger("kiln.compiled")
 
@@ -87,6 +87,11 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
         namespace[name] = constants[name].to(device)
     code = compile(compiled.wrapper_source, f"<kiln wrapper {compiled.name}>", "exec")
     exec(code, namespace)
+    if device.type == "cuda" and "empty_strided" in namespace:
+        from .runtime.wrapper_runtime import cuda_empty_strided
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        namespace["empty_strided"] = cuda_empty_strided(index)  # read by call() at run time
     call = namespace["call"]
     call._boxed_call = True
     return call  # type: ignore[no-any-return]
@@ -102,15 +107,41 @@ def _launcher(compiled: CompiledGraph, spec: KernelSpec, device: torch.device,
               on_new_bucket: NewBucket | None = None) -> Any:
     config, binary = compiled.config_for(spec), compiled.binaries.get(spec.name)
     buckets = compiled.buckets.get(spec.name, {})
-    if spec.backend == "triton" and spec.size_args and (buckets or on_new_bucket):
+    aligned = any(generic_config(c) for c in (config, *buckets.values()))
+    if spec.backend == "triton" and spec.size_args and (buckets or on_new_bucket or aligned):
         from .runtime.buckets import BucketedLauncher
 
         tuned = compiled.bucket_binaries.get(spec.name, {})
         by_bucket = {name: _one_launcher(spec, device, cfg, tuned.get(name))
                      for name, cfg in buckets.items()}
+
+        def generic(bucket: str | None) -> Any:
+            """The generic variant of an ALIGN config, compiled on first need for the
+            binary's target (Triton's JIT where that fails, or on the interpreter)."""
+            plain = generic_config(buckets[bucket] if bucket is not None else config)
+            if plain is None:
+                return None
+            return _one_launcher(spec, device, plain, _compile_generic(spec, plain, binary))
+
         return BucketedLauncher(spec, _one_launcher(spec, device, config, binary), by_bucket,
-                                on_new_bucket)
+                                on_new_bucket, generic if aligned else None)
     return _one_launcher(spec, device, config, binary)
+
+
+def _compile_generic(spec: KernelSpec, config: dict[str, Any],
+                     like: KernelBinary | None) -> KernelBinary | None:
+    """The kernel compiled with ``config`` for the target of ``like`` (None without a
+    binary to follow, or where it fails: the launcher then JITs the source)."""
+    if like is None or not like.binary:
+        return None
+    from .kernel_compile import compile_kernel
+
+    try:
+        return compile_kernel(spec, config, dict(like.target))
+    except Exception as e:  # noqa: BLE001 - Triton's JIT of the same source serves
+        log.warning("kiln: kernel %s: its generic variant did not compile (%s); using "
+                    "Triton's JIT", spec.name, e)
+        return None
 
 
 def _one_launcher(spec: KernelSpec, device: torch.device, config: dict[str, Any],

@@ -27,6 +27,11 @@ _FRONTEND_LOCK = threading.Lock()
 # Block sizes a kernel takes as constexpr arguments, in signature order (the last four:
 # GEMM templates' tiles).
 CONSTEXPR_KEYS = ("XBLOCK", "YBLOCK", "RBLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+# A config key of kernels with dynamic sizes: ``ALIGN: 16`` compiles the variant that assumes
+# every symbolic size argument divisible by 16 (Triton can then vectorize loads and stores
+# like a static kernel's); the launcher runs it only on launches where that holds
+# (``runtime.buckets.BucketedLauncher``), and the generic variant on the others.
+ALIGN_KEY = "ALIGN"
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,7 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
         module = import_source(spec.source)
     fn = getattr(module, spec.name)
     constexprs = {k: config[k] for k in CONSTEXPR_KEYS if k in spec.signature}
-    pointer_args = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_args}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_args(spec, config)}
     src = _locked_source_class()(fn, dict(spec.signature), constexprs=constexprs, attrs=attrs)
     options = {"num_warps": int(config["num_warps"]), "num_stages": int(config["num_stages"]),
                "enable_fp_fusion": True}
@@ -119,6 +123,29 @@ def triton_compiled(spec: KernelSpec, config: dict[str, Any], target: dict[str, 
     except Exception as e:
         raise KilnCompileError(f"Triton failed to compile: {type(e).__name__}: {e}",
                                stage="kernel compile", kernel=spec.name) from e
+
+
+def size_arg_positions(spec: KernelSpec) -> list[tuple[int, str]]:
+    """Each integer size argument of a kernel with dynamic sizes: its position among the
+    kernel's arguments and the wrapper's expression for it (``spec.size_args``)."""
+    ints = [i for i, t in enumerate(spec.signature.values()) if t in ("i32", "i64")]
+    return list(zip(ints, spec.size_args))
+
+
+def symbolic_positions(spec: KernelSpec) -> tuple[int, ...]:
+    """Positions of the size arguments whose value changes with the graph's sizes."""
+    return tuple(i for i, expr in size_arg_positions(spec) if not expr.isdigit())
+
+
+def divisible_args(spec: KernelSpec, config: dict[str, Any]) -> list[int]:
+    """Arguments compiled as divisible by 16: every pointer (Kiln allocates and aligns
+    them); a constant size argument that is; and, in the ``ALIGN`` variant, every
+    symbolic size argument (true of the launches that variant serves)."""
+    out = [i for i, t in enumerate(spec.signature.values()) if t.startswith("*")]
+    aligned = bool(config.get(ALIGN_KEY))
+    out += [i for i, expr in size_arg_positions(spec)
+            if (int(expr) % 16 == 0 if expr.isdigit() else aligned)]
+    return sorted(out)
 
 
 @functools.cache

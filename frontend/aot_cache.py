@@ -257,10 +257,11 @@ class Pending:
         if len(self.made) != 1:
             return None
         made = self.made[0]
-        if made.runtime is not None or made.fn is None:
-            return None
+        fn = made.fn
+        if made.runtime is not None or fn is None or not getattr(fn, "_boxed_call", False):
+            return None  # (served_graph passes the inputs as one list)
         self.cache.client.counters.add(inference_direct=1)
-        return served_graph(made.fn, self.disable_amp)
+        return served_graph(fn, self.disable_amp)
 
     @contextmanager
     def listening(self) -> Iterator[None]:
@@ -415,7 +416,8 @@ def _input_wires(inputs: Sequence[Any]) -> list[Any]:
 def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callable[..., Any]:
     """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
     extern calls must not record autograd), autocast off when it was on at trace time
-    (the graph is already cast), the inputs passed as one list."""
+    (the graph is already cast), the inputs passed as one list. A CUDA-graph runner
+    (``served``) replays a recording before any of that: a replay runs no op."""
     def forward(*args: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad:
@@ -429,4 +431,6 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callabl
             if grad:
                 torch._C._set_grad_enabled(True)
 
-    return torch._dynamo.disable(forward)  # type: ignore[no-any-return]
+    served = getattr(call, "served", None)  # a CUDA-graph runner replays without the above
+    entry = served(forward) if callable(served) else forward
+    return torch._dynamo.disable(entry)  # type: ignore[no-any-return]

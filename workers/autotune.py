@@ -75,6 +75,14 @@ def benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[in
     if fake_autotune():
         fake_gpu_work(len(binaries))
         return fake_timings([b.config for b in binaries], sizes)
+    from kiln.compiler.runtime.cudagraphs import GPU_WORK_LOCK
+
+    with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
+        return _benchmark(spec, binaries, sizes, arg_bytes)
+
+
+def _benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[int],
+               arg_bytes: Sequence[int]) -> list[float]:
     import torch
 
     from kiln.compiler.autotune import scratch_args, time_launch
@@ -108,6 +116,14 @@ def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     if fake_autotune():
         fake_gpu_work(1 + len(specs))
         return fake_gemm_timings(len(specs))
+    from kiln.compiler.runtime.cudagraphs import GPU_WORK_LOCK
+
+    with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
+        return _benchmark_gemm(problem, specs, binaries)
+
+
+def _benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
+                    binaries: list[KernelBinary | None]) -> dict[str, Any]:
     import torch
 
     from kiln.compiler.autotune import time_launch

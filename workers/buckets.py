@@ -19,9 +19,11 @@ import time
 from typing import Any
 
 from kiln.compiler import trace
+from kiln.compiler.codegen.kernel_spec import KernelSpec
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.request import CompileRequest
+from kiln.compiler.runtime.buckets import aligned_sizes, generic_config
 
 from .pipeline import KernelCache, KernelJob, candidate_configs, fastest, needs_binary
 
@@ -50,7 +52,7 @@ def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
     specs = {spec.name: spec for spec in out.kernels}
     todo = [(name, bucket) for name, bucket in seen if name in specs]
     jobs = {item: [KernelJob(specs[item[0]], c, target)
-                   for c in candidate_configs(specs[item[0]], True, bucket=True)]
+                   for c in bucket_candidates(specs[item[0]], seen[item][1])]
             for item in todo}
     binaries = _compile(jobs, target, cache)
     start = time.perf_counter()
@@ -70,6 +72,16 @@ def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
         out.stats.setdefault("bucket_autotune", {}).setdefault(name, {})[bucket] = record
     out.timings["bucket_autotune"] = time.perf_counter() - start
     return out
+
+
+def bucket_candidates(spec: KernelSpec, sizes: list[int]) -> list[dict[str, Any]]:
+    """A bucket's candidate configs: the ``ALIGN`` variants (vectorized loads) where the
+    sizes seen in that bucket allow them, else the generic ones."""
+    configs = candidate_configs(spec, True, bucket=True)
+    if aligned_sizes(spec, sizes):
+        return configs
+    plain = [generic_config(c) or c for c in configs]
+    return [c for i, c in enumerate(plain) if c not in plain[:i]]
 
 
 def _compile(jobs: dict[tuple[str, str], list[KernelJob]], target: dict[str, Any],

@@ -143,11 +143,14 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
 
 
 def _align_inputs(source: str, wrapper: WrapperCodegen, inputs: list[str]) -> str:
-    """Triton binaries assume 16-byte aligned pointers: copy misaligned inputs first."""
+    """Triton binaries assume 16-byte aligned pointers: copy misaligned inputs first. One
+    test of all their addresses together per call (a graph's parameters are inputs too:
+    one Python call each would cost more than the test)."""
     used = {b for spec in wrapper.kernels.values() for b in spec.arg_buffers}
-    lines = [f"    {n} = align_input({n})" for n in inputs
-             if n in used and n not in wrapper.mutated]
-    if not lines:
+    names = [n for n in inputs if n in used and n not in wrapper.mutated]
+    if not names:
         return source
+    pointers = " | ".join(f"{n}.data_ptr()" for n in names)
+    lines = [f"    if ({pointers}) % 16:"] + [f"        {n} = align_input({n})" for n in names]
     marker = "    args.clear()\n"
     return source.replace(marker, marker + "\n".join(lines) + "\n", 1)

@@ -52,6 +52,19 @@ def is_outer_reduction(node: Any) -> bool:
     for sub in node.get_nodes():
         if not sub.is_reduction():
             continue
-        i, o = reduction_access_order(sub.read_writes, len(sub.get_ranges()[0]))
+        i, o = _access_order(sub)
         inner, outer = inner + i, outer + o
     return outer > inner
+
+
+def _access_order(sub: Any) -> tuple[int, int]:
+    """``reduction_access_order`` of a scheduler node's reads, kept on the node while its
+    reads stay the same object: fusion asks it of the same nodes for every candidate pair
+    (sympy coefficient work: seconds per large graph when recomputed)."""
+    rw = sub.read_writes
+    cached = getattr(sub, "_access_order", None)
+    if cached is not None and cached[0] is rw:
+        return cached[1]
+    order = reduction_access_order(rw, len(sub.get_ranges()[0]))
+    sub._access_order = (rw, order)
+    return order

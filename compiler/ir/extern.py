@@ -13,7 +13,6 @@ from typing import Any
 
 import sympy
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from ..sizevars import SymbolicTensor
 from ..virtualized import V
@@ -259,14 +258,20 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
     on any host, and for the CPU under an outer fake mode (Dynamo's, while the backend
     compiles), so the planned layout would differ from the traced one, and the copy to
     the traced layout would be a kernel over values no kernel can type (complex)."""
-    node = V.graph.current_node if V.has_graph() else None
-    val = node.meta.get("val") if node is not None and node.target is op else None
+    from torch._subclasses import fake_tensor as ft
+
+    # No meta kernel, or an output shape that depends on values (a shape error is not
+    # this: it stays an error naming the node).
+    no_meta = (NotImplementedError, ft.UnsupportedOperatorException,
+               ft.DynamicOutputShapeException, ft.DataDependentOutputException)
     try:
-        with unset_fake_temporarily(), FakeTensorMode(allow_fallback_kernels=False):
+        with ft.unset_fake_temporarily(), ft.FakeTensorMode(allow_fallback_kernels=False):
             fakes = [_fake_like(x) for x in inputs]
             return op(*fill_template(args_t, fakes.__getitem__),
                       **fill_template(kwargs_t, fakes.__getitem__))
-    except Exception:  # no fake kernel on this device, or one needing values
+    except no_meta:
+        node = V.graph.current_node if V.has_graph() else None
+        val = node.meta.get("val") if node is not None and node.target is op else None
         if val is None:
             raise
         return val

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..codegen.kernel_spec import KernelSpec
-from ..kernel_compile import CONSTEXPR_KEYS
+from ..kernel_compile import ALIGN_KEY, CONSTEXPR_KEYS, symbolic_positions
 
 _BUCKET_RE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
-_CONFIG_INTS = (*CONSTEXPR_KEYS, "num_warps", "num_stages", "num_ctas")
+_CONFIG_INTS = (*CONSTEXPR_KEYS, "num_warps", "num_stages", "num_ctas", ALIGN_KEY)
 MAX_BUCKETS = 64  # per kernel, in a stored artifact
 MAX_BLOCK = 2**20
 
@@ -103,21 +103,48 @@ def launch_sizes(args: tuple[Any, ...]) -> tuple[list[int], list[int]]:
     return nbytes, sizes
 
 
+def aligned_sizes(spec: KernelSpec, sizes: list[int]) -> bool:
+    """Whether a launch's integer size arguments (``launch_sizes``) fit the kernel's
+    ``ALIGN`` variant: every symbolic one a multiple of 16."""
+    exprs = spec.size_args
+    return all(v % 16 == 0 for v, e in zip(sizes, exprs) if not e.isdigit())
+
+
+def generic_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config of the generic variant of an ``ALIGN`` config (None: it is generic)."""
+    if not config.get(ALIGN_KEY):
+        return None
+    return {k: v for k, v in config.items() if k != ALIGN_KEY}
+
+
 NewBucket = Callable[[str, str, list[int], list[int]], None]
+# A bucket's name (None: the heuristic config) -> the launcher of its config's generic
+# variant, or None where that config is generic already.
+GenericFactory = Callable[[str | None], Any]
 
 
 class BucketedLauncher:
     """``run(*args)``: the launcher of the launch's size bucket, else the heuristic one
-    (and ``on_new(kernel, bucket, arg_bytes, sizes)`` once per unseen bucket)."""
+    (and ``on_new(kernel, bucket, arg_bytes, sizes)`` once per unseen bucket).
+
+    Launchers compiled with ``ALIGN`` run only launches whose symbolic size arguments
+    are all multiples of 16 (a few bit tests per launch); any other launch runs the
+    generic variant of the same config, from ``generic`` (built on first need)."""
 
     def __init__(self, spec: KernelSpec, default: Any, by_bucket: dict[str, Any],
-                 on_new: NewBucket | None = None) -> None:
+                 on_new: NewBucket | None = None,
+                 generic: GenericFactory | None = None) -> None:
         self.name = spec.name
         self.x_at, self.r_at = numel_positions(spec)
         self.default = default
         self.by_bucket = dict(by_bucket)
         self.by_index = {index_of(name): launcher for name, launcher in by_bucket.items()}
+        self.names = {index_of(name): name for name in by_bucket}
         self.on_new = on_new
+        self.generic = generic
+        self.symbolic = symbolic_positions(spec) if generic is not None else ()
+        self.unaligned: dict[int, Callable[..., None]] = {}  # bucket index -> generic run
+        self.generic_by_name: dict[str | None, Any] = {}
         self.seen: set[int] = set(self.by_index)
         self.run = self._runner()  # type: ignore[method-assign]
 
@@ -130,20 +157,40 @@ class BucketedLauncher:
         x_at, r_at, seen, report = self.x_at, self.r_at, self.seen, self._report
         runs = {index: launcher.run for index, launcher in self.by_index.items()}
         default = self.default.run
+        symbolic, unaligned, generic = self.symbolic, self.unaligned, self._generic_run
 
         def run(*args: Any) -> None:
             x = args[x_at]
             r = 1 if r_at is None else args[r_at]
             index = ((x - 1).bit_length() if x > 1 else 0) << 8 | \
                 ((r - 1).bit_length() if r > 1 else 0)
-            launch = runs.get(index)
+            launch: Callable[..., None] | None
+            for at in symbolic:
+                if args[at] & 15:  # the ALIGN variants do not hold: the generic ones
+                    launch = unaligned.get(index) or generic(index)
+                    break
+            else:
+                launch = runs.get(index)
             if launch is None:
                 launch = default
-                if index not in seen:
-                    report(index, x, r, args)
+            if index not in seen:
+                report(index, x, r, args)
             launch(*args)
 
         return run
+
+    def _generic_run(self, index: int) -> Callable[..., None]:
+        """The generic variant for a bucket's launches (its config's, or the heuristic
+        config's where the bucket has none), built once."""
+        assert self.generic is not None
+        name = self.names.get(index)
+        launcher = self.generic_by_name.get(name)
+        if launcher is None:
+            launcher = self.generic_by_name[name] = self.generic(name)
+        if launcher is None:  # that config is generic: its own launcher serves
+            launcher = self.by_index[index] if name is not None else self.default
+        self.unaligned[index] = launcher.run
+        return launcher.run  # type: ignore[no-any-return]
 
     def run(self, *args: Any) -> None:  # replaced by ``_runner``'s closure
         raise NotImplementedError

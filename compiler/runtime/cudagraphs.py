@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +59,11 @@ DIRECT_OUTPUT_BYTES = 256 << 20
 MAX_SEEN = 64
 
 Call = Callable[[list[Any]], Any]
+
+# Held while a graph is captured, and by this process's autotuning benchmarks (they run on
+# a background thread): a benchmark's allocations and synchronizations during a capture
+# invalidate it ("operation failed due to a previous error during capture").
+GPU_WORK_LOCK = threading.RLock()
 
 
 class KilnCudaGraphWarning(UserWarning):
@@ -140,6 +147,31 @@ class _Recording:
     pointers: list[Any]  # of the inputs the graph reads (static ones: the caller's)
     inputs: list[torch.Tensor]  # what the graph reads: caller's tensors or own buffers
     outputs: Any
+    launch: Callable[[], None] = field(init=False)  # the replay, as a C call
+
+    def __post_init__(self) -> None:
+        self.launch = replay_of(self.graph)
+
+
+def replay_of(graph: Any) -> Callable[[], None]:
+    """``graph.replay`` bound to torch's C++ method where ``graph`` is a CUDA graph: its
+    Python override only checks an input-liveness tracker Kiln never turns on."""
+    native = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+    if native is not None and isinstance(graph, torch._C._CUDAGraph) \
+            and getattr(graph, "_tracker", None) is None:
+        return types.MethodType(native, graph)
+    return graph.replay  # type: ignore[no-any-return]
+
+
+def first_replay(rec: _Recording) -> None:
+    """The recording's first replay, right after its capture: a C binding that refuses
+    its arguments (a torch whose method differs) raises before any work; the Python
+    method is used from then on."""
+    try:
+        rec.launch()
+    except TypeError:
+        rec.launch = rec.graph.replay
+        rec.launch()
 
 
 @dataclass
@@ -196,7 +228,7 @@ class CudaGraphRunner:
         rec = self.direct.get(now)
         if rec is not None:  # the hot path: inputs where a recording reads them
             self.last_pointers = now
-            rec.graph.replay()
+            rec.launch()
             return rec.outputs
         last, self.last_pointers = self.last_pointers, now
         if self.calls <= WARMUP_CALLS:
@@ -211,6 +243,25 @@ class CudaGraphRunner:
         elif not self._reclassify(last, now):
             return self._replay(inputs)
         return self._record(inputs)
+
+    def served(self, slow: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(*inputs)`` for a caller that passes the inputs unboxed (``frontend.
+        aot_cache.served_graph``): a call at an address set that has its own recording is
+        replayed right here; any other goes to ``slow`` (which calls this runner with the
+        grad and autocast handling a plain or recording call needs; a replay needs none)."""
+        direct, pointers = self.direct, _pointers
+
+        def replay_or_call(*inputs: Any) -> Any:
+            now = pointers(inputs)
+            rec = direct.get(now)
+            if rec is None:
+                return slow(*inputs)
+            self.calls += 1
+            self.last_pointers = now
+            rec.launch()
+            return rec.outputs
+
+        return replay_or_call
 
     def _plan(self) -> _Plan:
         plan, rec = self.plan, self.recording
@@ -240,16 +291,17 @@ class CudaGraphRunner:
 
     def _capture(self, graph_inputs: list[Any]) -> _Recording | str:
         """A recording of one call over ``graph_inputs`` (not run yet), or why none."""
-        torch.cuda.synchronize()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.call(list(graph_inputs))
-        except Exception as e:  # capture failed: this graph runs plainly from now on
+        with GPU_WORK_LOCK:
             torch.cuda.synchronize()
-            return f"capture failed: {type(e).__name__}: {e}"
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = self.call(list(graph_inputs))
+            except Exception as e:  # capture failed: this graph runs plainly from now on
+                torch.cuda.synchronize()
+                return f"capture failed: {type(e).__name__}: {e}"
         return _Recording(graph, list(_pointers(graph_inputs)), graph_inputs, outputs)
 
     def _record_direct(self, inputs: list[Any], now: tuple[int, ...]) -> Any:
@@ -261,7 +313,7 @@ class CudaGraphRunner:
         self.direct[now] = rec
         log.debug("kiln: graph %s recorded reading %d inputs in place (%d)", self.name,
                   len(inputs), len(self.direct))
-        rec.graph.replay()
+        first_replay(rec)
         return rec.outputs
 
     def _record(self, inputs: list[Any]) -> Any:
@@ -277,14 +329,19 @@ class CudaGraphRunner:
         self.recordings += 1
         self.recording = rec
         log.debug("kiln: graph %s recorded (%d)", self.name, self.recordings)
-        return self._replay(inputs)
+        first_replay(rec)  # (with the inputs copied in just before the capture)
+        return self._copy_back(inputs, rec)
 
     def _replay(self, inputs: list[Any]) -> Any:
         plan = self._plan()
         rec = plan.recording
         if plan.copy_to:
             torch._foreach_copy_(plan.copy_to, plan.pick_copied(inputs))
-        rec.graph.replay()
+        rec.launch()
+        return self._copy_back(inputs, rec)
+
+    def _copy_back(self, inputs: list[Any], rec: _Recording) -> Any:
+        plan = self._plan()
         if plan.copy_back:  # the graph wrote its own buffer: write the caller's
             torch._foreach_copy_([inputs[i] for i in plan.copy_back],
                                  [rec.inputs[i] for i in plan.copy_back])

@@ -136,6 +136,7 @@ class StaticCudaKernel:
         self.device = device  # None: the current device at first launch
         self.fallback = fallback  # makes another launcher if the cubin will not load
         self._instead: Any = None
+        self._stream_device: int | None = None  # the stream is that device's current one
 
     def load(self) -> None:
         """Load the cubin into the device's context."""
@@ -153,6 +154,7 @@ class StaticCudaKernel:
             self.function = loaded[0]
         if self.stream is None:
             self.stream = _raw_stream(device)
+            self._stream_device = device
         self.run = self._bound_run()  # type: ignore[method-assign]
 
     def _bound_run(self) -> Callable[..., None]:
@@ -166,6 +168,14 @@ class StaticCudaKernel:
             def run_with_scratch(*args: Any) -> None:
                 launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
             return run_with_scratch
+        if self._stream_device is not None:  # the stream read with no Python call between
+            import torch
+
+            get_stream, device = torch._C._cuda_getCurrentRawStream, self._stream_device
+
+            def run_on_current(*args: Any) -> None:
+                launch(function, gx, gy, gz, warps, shared, tys, args, get_stream(device))
+            return run_on_current
 
         def run(*args: Any) -> None:
             launch(function, gx, gy, gz, warps, shared, tys, args, stream())

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 empty_strided = torch.empty_strided
+
+
+def cuda_empty_strided(index: int, fast: Callable[..., torch.Tensor] | None = None,
+                       current: Callable[[], int] | None = None) -> Callable[..., torch.Tensor]:
+    """The wrapper's ``empty_strided`` for a graph on ``cuda:<index>``: torch's C++ helper
+    (what Inductor's wrappers call: no Python argument parser, no dispatcher; about 7 µs
+    less per buffer on the H200 host) when that device is the current one, which is the
+    device it allocates on; ``torch.empty_strided`` otherwise. ``fast`` and ``current``
+    stand in for torch's functions in tests."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    fast = fast or getattr(guards, "_empty_strided_cuda", None)
+    if fast is None:
+        return torch.empty_strided
+    current = current or torch._C._cuda_getDevice
+    slow = torch.empty_strided
+
+    def allocate(size: Sequence[int], stride: Sequence[int], *, device: torch.device,
+                 dtype: torch.dtype) -> torch.Tensor:
+        if current() == index:
+            return fast(size, stride, dtype)
+        return slow(size, stride, device=device, dtype=dtype)
+
+    return allocate
 
 
 def _reinterpret_python(x: torch.Tensor, size: Sequence[int], stride: Sequence[int],

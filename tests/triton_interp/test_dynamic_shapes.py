@@ -69,12 +69,12 @@ def test_symbolic_row_reduction_is_guarded() -> None:
         kiln_compile.observers.pop()
     (result,) = seen
     kinds = sorted(k.kind for k in result.compiled.kernels)
-    assert kinds == ["persistent_reduction"] * 2 + ["reduction"], kinds
+    assert kinds == ["persistent_reduction"] * 5 + ["reduction"], kinds
     wrapper = result.compiled.wrapper_source
-    assert "if s0 <= 1024:" in wrapper and "elif s0 <= 4096:" in wrapper, wrapper
+    assert "if s0 <= 256:" in wrapper and "elif s0 <= 2048:" in wrapper, wrapper
     rblocks = sorted(k.configs[0]["RBLOCK"] for k in result.compiled.kernels
                      if k.kind == "persistent_reduction")
-    assert rblocks == [1024, 4096], rblocks
+    assert rblocks == [256, 512, 1024, 2048, 4096], rblocks
 
 
 def test_decoder_without_fallback() -> None:

@@ -135,8 +135,9 @@ def test_warm_up_record_replay_and_record_again(monkeypatch: pytest.MonkeyPatch)
     for i in range(4):
         torch.testing.assert_close(runner([weight, batches[i]])[0], weight + 1)
     assert runner.recordings == 1 and runner.static == [True, False]  # at call 3
-    # The batch copied in (before recording, then at each replay), the weight read in place.
-    assert copies == [1, 1, 1]
+    # The batch copied in (before the recording's capture, then at each replay), the
+    # weight read in place.
+    assert copies == [1, 1]
     new_weight = torch.randn(4)
     torch.testing.assert_close(runner([new_weight, batches[4]])[0], new_weight + 1)
     assert runner.static == [False, False] and runner.recordings == 2  # it moved
@@ -186,9 +187,9 @@ def test_repeating_address_sets_replay_in_place_with_no_copy(
         torch.testing.assert_close(args[2], before + 1)  # the mutation reached the caller's
     assert len(runner.direct) == 4 and runner.recordings == 1
     # Calls 3-4, the first sightings of sets 2 and 3 (0 and 1 were seen warming up):
-    # the copy recording (the batch and the mutated counter copied in before recording,
-    # and at each replay; the counter copied back). No copy since.
-    assert copies == [2, 2, 1, 2, 1]
+    # the copy recording (the batch and the mutated counter copied in before its capture,
+    # then at its replay; the counter copied back each time). No copy since.
+    assert copies == [2, 1, 2, 1]
     replays = sorted(rec.graph.replays for rec in runner.direct.values())
     assert replays == [2, 2, 3, 3]  # calls 5-14 (calls 1-2 warm up, set 0 recorded at 5)
     # A replay's outputs are the recording's own tensors (overwritten by the next replay).
@@ -252,3 +253,40 @@ def test_capture_failure_runs_plainly_and_forgets_recordings() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(runner([x])[0], x + 1)  # plain, no second warning
+
+
+def test_served_entry_replays_before_the_slow_path() -> None:
+    """What Dynamo calls for an inference graph under CUDA graphs (``served_graph`` around
+    the runner): an address set with its own recording replays at once; any other call
+    goes through the grad-off path into the runner; outputs match eager throughout."""
+    from kiln.frontend.aot_cache import served_graph
+
+    slow: list[int] = []
+
+    class _Counted(_CpuRunner):
+        def __call__(self, args: list[Any]) -> Any:
+            slow.append(len(args))
+            return super().__call__(args)
+
+    runner = _Counted(_call, "g7")
+    entry = served_graph(runner, False).__wrapped__  # type: ignore[attr-defined]
+    sets = [[torch.randn(3)] for _ in range(2)]
+    for call in range(8):
+        x = sets[call % 2][0]
+        x.copy_(torch.randn(3))
+        torch.testing.assert_close(entry(x)[0], x + 1)
+    # Calls 1-2 warm up, 3-4 record one set each; 5-8 replay with no slow path.
+    assert len(slow) == 4 and len(runner.direct) == 2 and runner.calls == 8
+
+
+def test_first_replay_falls_back_to_the_python_method() -> None:
+    graph = _CpuGraph(_call, [torch.ones(2)], (torch.zeros(2),))
+    rec = cudagraphs._Recording(graph, [0], graph.inputs, graph.outputs)
+
+    def refuses() -> None:
+        raise TypeError("replay(): incompatible function arguments")
+
+    rec.launch = refuses
+    cudagraphs.first_replay(rec)
+    assert rec.launch == graph.replay and graph.replays == 1
+    torch.testing.assert_close(graph.outputs[0], torch.full((2,), 2.0))

@@ -57,6 +57,8 @@ def test_golden_fused_epilogue() -> None:
     lines = [ln.strip() for ln in compiled.wrapper_source.splitlines()]
     body = lines[lines.index("args.clear()") + 1:]
     assert body == [
+        "if (arg0_1.data_ptr() | arg1_1.data_ptr() | arg2_1.data_ptr() | arg3_1.data_ptr()) "
+        "% 16:",
         "arg0_1 = align_input(arg0_1)", "arg1_1 = align_input(arg1_1)",
         "arg2_1 = align_input(arg2_1)", "arg3_1 = align_input(arg3_1)",
         "buf1 = empty_strided((256, 192), (192, 1), device=DEVICE, dtype=torch.float16)",

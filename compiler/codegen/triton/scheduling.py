@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sympy
 
@@ -10,6 +11,7 @@ from ...dependencies import MemoryDep
 from ...errors import KilnCompileError
 from ...ir.nodes import ComputedBuffer, Scatter
 from ...ir.sym import Expr, prod, unflatten_index
+from ...kernel_compile import ALIGN_KEY
 from ...scheduler import BaseSchedulerNode, RowColumnSchedulerNode, SchedulerNode
 from ...virtualized import V
 from ..common import IndentedBuffer, linear_substitution, merge_loops
@@ -51,7 +53,10 @@ def kernel_kind(rnumel: Expr | int, outer: bool = False) -> str:
 
 # A reduction over a symbolic row also gets persistent variants for rows up to these
 # lengths; the wrapper picks one at run time from the row's length (a guarded choice).
-PERSISTENT_BUCKETS = (1024, PERSISTENT_RNUMEL)
+# Powers of two, so that a power-of-two row (a sequence length of 512 or 2048) fills its
+# block: a block twice the row masks off half the lanes (the H200 profile of the
+# decoder's softmax at 2048 tokens ran RBLOCK 4096).
+PERSISTENT_BUCKETS = (256, 512, 1024, 2048, PERSISTENT_RNUMEL)
 
 
 def persistent_variants(node: BaseSchedulerNode, removed: set[str]
@@ -112,9 +117,23 @@ def codegen_triton(node: BaseSchedulerNode, removed: set[str], rbound: int | Non
         name=NAME_PLACEHOLDER, backend="triton", kind=kind, source=source,
         arg_buffers=tuple(buf for _, buf in kernel.args.call_args()),
         signature=_signature(kernel), xnumel=xhint, rnumel=rhint,
-        configs=configs,
+        configs=_with_alignment(kernel, configs),
         size_args=kernel.size_args(), programs=parts)
     return _base_name(kind, ops), spec
+
+
+def _with_alignment(kernel: TritonKernel, configs: tuple[dict[str, Any], ...]
+                    ) -> tuple[dict[str, Any], ...]:
+    """A kernel with symbolic size arguments whose hints are all multiples of 16 compiles
+    its ``ALIGN`` variant (``kernel_compile.divisible_args``); the launcher falls back to
+    the generic one for a launch whose sizes are not."""
+    exprs = [sympy.sympify(kernel.xnumel), sympy.sympify(kernel.rnumel),
+             *kernel.size_symbols]
+    symbolic = [e for e in exprs if e.free_symbols]
+    if not kernel.dynamic or not symbolic or any(
+            V.graph.sizevars.size_hint(e) % 16 for e in symbolic):
+        return configs
+    return tuple({**c, ALIGN_KEY: 16} for c in configs)
 
 
 def _base_name(kind: str, ops: Sequence[str]) -> str:
