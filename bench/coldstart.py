@@ -23,8 +23,8 @@ compiles its distinct regions on the farm's workers at once. On a 16-core host t
 sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
 40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
-The ``kiln_farm`` rows run first (one farm up for every model), then each model's modes
-in order, then the sweep. ``--budget SECONDS`` keeps the whole run within that time: a
+The ``kiln_farm`` rows run first (one farm up for every model), then the sweep, then
+each model's modes in order. ``--budget SECONDS`` keeps the whole run within that time: a
 row is not started with less than ``--row-min`` seconds left (a farm: plus its start),
 a row still running at the end is stopped, and the table says which (``skip``);
 ``--results`` is written after every row, so a run cut short from outside keeps them.
@@ -573,11 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "kiln_farm" in modes:  # first: the rows a --budget must not leave out
         bench.run_farm(models, None)
+    for n in [int(w) for w in args.workers.split(",") if w]:
+        bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
     for model in models:
         for mode in modes:
             bench.run_mode(model, mode)
-    for n in [int(w) for w in args.workers.split(",") if w]:
-        bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
     print(table(bench.earlier + bench.rows))
     skipped = sum(1 for r in bench.rows if r.get("skipped"))
     if skipped:
