@@ -254,15 +254,12 @@ def extract_read_writes(
                       frozenset(handler.index_exprs), tuple(handler.op_names))
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def reduction_access_order(rw: ReadWrites, num_index_vars: int) -> tuple[int, int]:
     """(inner, outer): elements of the reads of a reduction body that walk memory along
     the reduced dimension (a row sum) or along the last kept dimension (a column sum).
 
     Each read counts the elements it touches, so a row vector broadcast over the columns
     (layer norm's mean and rstd in its weight gradient) does not outvote the matrices.
-    Memoized: fusion asks it of the same nodes for every candidate pair (sympy's
-    ``coeff`` made that 3 s of GPT-2's graph stage on the H200).
     """
     inner = outer = 0
     for dep in rw.reads:
