@@ -47,6 +47,11 @@ UNINITIALIZED = frozenset({
     "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
     "empty_permuted", "nn.functional.dropout", "torch.empty",
 })
+# Single outputs that are uninitialized memory, by flat output index: flash attention's
+# fourth output is ``unused``, an ``at::empty({})`` the kernel never writes.
+UNINITIALIZED_OUTPUTS: dict[str, frozenset[int]] = {
+    "torch.ops.aten._flash_attention_forward": frozenset({3}),
+}
 
 # The CI subset: ops that exercise each category the harness found (views, complex,
 # graph constants, effectful ops, meta-less ops, index lowerings, reductions, matmuls).
@@ -233,7 +238,8 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype) -> tuple[str, str]:
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, KilnFallbackWarning)]
     if fallbacks:
         return "fallback", fallbacks[0][:500]
-    mismatch = _compare((actual, args), (expected, expected_inputs), uninitialized, dtype)
+    mismatch = _compare((actual, args), (expected, expected_inputs), uninitialized, dtype,
+                        skip=UNINITIALIZED_OUTPUTS.get(full_name(op), frozenset()))
     if mismatch and dtype in REDUCED and _as_accurate_as_eager(
             fn, tensors, (actual, args), (expected, expected_inputs), dtype):
         return "pass", f"matched a float64 reference as closely as eager ({mismatch[:200]})"
@@ -304,15 +310,17 @@ def _tolerance(out: torch.dtype, run: torch.dtype | None) -> tuple[float, float]
 
 
 def _compare(actual: Any, expected: Any, uninitialized: bool,
-             dtype: torch.dtype | None = None, exact: bool = False) -> str | None:
+             dtype: torch.dtype | None = None, exact: bool = False,
+             skip: frozenset[int] = frozenset()) -> str | None:
     """None when ``actual`` matches ``expected``; otherwise what differs. ``dtype`` is
-    the run's (a float32 output of float16 inputs is held to float16's tolerance)."""
+    the run's (a float32 output of float16 inputs is held to float16's tolerance);
+    outputs in ``skip`` are uninitialized: only their sizes and dtypes compare."""
     a_flat, a_spec = tree_flatten(actual)
     e_flat, e_spec = tree_flatten(expected)
     if a_spec != e_spec:
         return f"output structure {a_spec} != eager {e_spec}"
     for i, (a, e) in enumerate(zip(a_flat, e_flat)):
-        problem = _compare_leaf(a, e, uninitialized, exact, dtype)
+        problem = _compare_leaf(a, e, uninitialized or i in skip, exact, dtype)
         if problem:
             return f"output {i}: {problem}"
     return None

@@ -153,12 +153,12 @@ class WrapperCodegen:
             rendered = [_render(a) for a in args] + [f"{k}={_render(v)}"
                                                      for k, v in kwargs.items()]
             self.lines.writeline(f"{name} = {op}({', '.join(rendered)})")
-            self._coerce_layout(buf)
+            self._coerce_layout(buf, with_dtype=True)
             for out in buf.outputs:
                 index = "".join(f"[{i}]" for i in out.indices) if isinstance(out, MultiOutput) \
                     else ""
                 self.lines.writeline(f"{out.get_name()} = {name}{index}")
-                self._coerce_layout(out)
+                self._coerce_layout(out, with_dtype=True)
             return
         rendered = refs + [value_str(a) for a in buf.constant_args]
         rendered += [f"{k}={value_str(v)}" for k, v in buf.kwargs.items()]
@@ -174,15 +174,19 @@ class WrapperCodegen:
         if buf.op_overload is torch.ops.aten.convolution.default:
             self._coerce_layout(buf)
 
-    def _coerce_layout(self, buf: Buffer) -> None:
+    def _coerce_layout(self, buf: Buffer, with_dtype: bool = False) -> None:
         """Library calls choose their outputs' strides at run time (cuDNN picks NHWC);
-        the kernels after them were generated for the planned layout."""
+        the kernels after them were generated for the planned layout. ``with_dtype``
+        (fallback ops): the planned dtype too, since a meta kernel can disagree with the
+        real one (``_batch_norm_with_update_functional`` on bf16: float32 running stats
+        from meta, bfloat16 from the CPU kernel)."""
         layout = buf.layout
         if not isinstance(layout, Layout):
             return
         name = buf.get_name()
+        dtype = f", {layout.dtype}" if with_dtype else ""
         self.lines.writeline(f"{name} = as_layout({name}, {size_str(layout.size)}, "
-                             f"{size_str(layout.stride)})")
+                             f"{size_str(layout.stride)}{dtype})")
 
     def nop(self, node: NopKernelSchedulerNode) -> None:
         buf = node.node

@@ -52,12 +52,19 @@ def align_input(x: torch.Tensor, alignment: int = 16) -> torch.Tensor:
     return base.as_strided(x.shape, x.stride(), 0)
 
 
-def as_layout(x: torch.Tensor | None, size: Sequence[int], stride: Sequence[int]
-              ) -> torch.Tensor | None:
-    """``x`` itself when a library call returned the layout the compiler planned for,
-    else a copy laid out that way (the kernels after it index by that layout). An output
-    the library left out (None where the meta kernel gave a tensor) stays None."""
-    if x is None or tuple(x.stride()) == tuple(stride) or x.numel() <= 1:
+def as_layout(x: torch.Tensor | None, size: Sequence[int], stride: Sequence[int],
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``x`` itself when a library call returned the layout (and ``dtype``, where given)
+    the compiler planned for, else a copy laid out that way (the kernels after it index
+    by that layout and read that dtype). An output the library left out (None where the
+    meta kernel gave a tensor) stays None."""
+    if x is None:
+        return x
+    if dtype is not None and x.dtype != dtype:
+        out = torch.empty_strided(size, stride, dtype=dtype, device=x.device)
+        out.copy_(x)
+        return out
+    if tuple(x.stride()) == tuple(stride) or x.numel() <= 1:
         return x
     if all(a == b or n == 1 for a, b, n in zip(x.stride(), stride, size)):
         return x

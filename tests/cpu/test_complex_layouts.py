@@ -99,7 +99,7 @@ def test_complex_graph_compiles_for_cuda_under_an_outer_fake_mode(case: str) -> 
     assert all(k.backend == "triton" for k in compiled.kernels)
     if case == "eig":  # CUDA's eigenvectors are row-major (the CPU's column-major)
         assert _traced_strides(gm)[1] == (5, 1)
-        assert "as_layout(buf2, (5, 5), (5, 1))" in compiled.wrapper_source
+        assert "as_layout(buf2, (5, 5), (5, 1), torch.complex64)" in compiled.wrapper_source
 
 
 def test_complex_output_in_another_layout_is_copied_eagerly() -> None:
@@ -115,7 +115,7 @@ def test_complex_output_in_another_layout_is_copied_eagerly() -> None:
     compiled = compile_graph(gm, [x], {}, name="complex_relayout")
     assert not compiled.kernels
     assert "torch.ops.aten.clone.default(" in compiled.wrapper_source
-    assert "(4, 6, 8), (8, 32, 1))" in compiled.wrapper_source
+    assert "(4, 6, 8), (8, 32, 1), torch.complex64)" in compiled.wrapper_source
     (got,) = load(compiled)([x.clone()])
     assert got.stride() == (8, 32, 1)
     torch.testing.assert_close(got, fft.fft(x), rtol=1e-4, atol=1e-5)

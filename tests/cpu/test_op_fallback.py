@@ -155,3 +155,26 @@ def test_zero_dim_index_select_and_squeeze_dims(check_lowering: Any) -> None:
     check_lowering(lambda t, i: torch.index_select(t, 0, i), x, torch.tensor([0]))
     check_lowering(lambda t: aten.squeeze.dims(t, [0]), x)
     check_lowering(lambda t: aten.squeeze.dims(t, [0, -1]), torch.randn(1, 3, 1))
+
+
+def test_fallback_output_whose_meta_dtype_is_wrong_is_converted(
+        compiled_graphs: list[CompiledGraph]) -> None:
+    """``_batch_norm_with_update`` on bf16: torch's meta kernel says float32 running
+    stats, the CPU kernel returns bf16. The kernel that writes them back into the running
+    buffers read bf16 memory as float (garbage running mean); the wrapper now converts a
+    fallback output to its planned dtype."""
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, mean: torch.Tensor,
+           var: torch.Tensor) -> Any:
+        return aten._batch_norm_with_update(x, w, b, mean, var, 0.5, 0.6)
+
+    bf = torch.bfloat16
+    args = [torch.randn(5, 5, 5, dtype=bf), torch.randn(5, dtype=bf), torch.randn(5, dtype=bf),
+            torch.randn(5, dtype=bf), torch.rand(5, dtype=bf) + 0.5]
+    mine, ref = [a.clone() for a in args], [a.clone() for a in args]
+    got, want = run_compiled(fn, *mine), fn(*ref)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for m, r in zip(mine[3:], ref[3:]):  # the running mean and variance, updated in place
+        torch.testing.assert_close(m, r, rtol=2e-2, atol=2e-2)
+    (graph,) = compiled_graphs
+    assert "aten._batch_norm_with_update_functional.default" in fallback_ops(graph)
+    assert "torch.bfloat16)" in graph.wrapper_source  # the planned dtype is checked

@@ -125,3 +125,17 @@ def test_rounding_once_passes_against_a_float64_reference(dtype: torch.dtype) ->
     nan = once.clone()
     nan[3] = float("nan")
     assert not _as_accurate_as_eager(fn, [x], (nan, [x]), (eager, [x]), dtype)
+
+
+def test_an_uninitialized_output_compares_only_its_metadata() -> None:
+    """Flash attention's ``unused`` output is never written: its value differs between
+    any two runs, so only its size and dtype compare; the others still must match."""
+    from tests.opinfo_harness import UNINITIALIZED_OUTPUTS, _compare
+
+    out = torch.randn(4, 8)
+    garbage, zero = torch.tensor(4832118636128809244), torch.tensor(0)
+    assert _compare([out, garbage], [out.clone(), zero], False) is not None
+    assert _compare([out, garbage], [out.clone(), zero], False, skip=frozenset({1})) is None
+    assert _compare([out + 1, garbage], [out, zero], False, skip=frozenset({1})) is not None
+    assert _compare([out, garbage.int()], [out, zero], False, skip=frozenset({1})) is not None
+    assert UNINITIALIZED_OUTPUTS["torch.ops.aten._flash_attention_forward"] == {3}
