@@ -23,8 +23,8 @@ compiles its distinct regions on the farm's workers at once. On a 16-core host t
 sweep takes about 4 to 6 minutes (per worker count: the farm's start and warm-up, 20 to
 40 s, then one fresh-process run).
 A warm mode runs its cold mode first when that was not asked for (its row is shown).
-The ``kiln_farm`` rows run first (one farm up for every model), then each model's modes
-in order, then the sweep. ``--budget SECONDS`` keeps the whole run within that time: a
+The ``kiln_farm`` rows run first (one farm up for every model), then the sweep, then
+each model's modes in order. ``--budget SECONDS`` keeps the whole run within that time: a
 row is not started with less than ``--row-min`` seconds left (a farm: plus its start),
 a row still running at the end is stopped, and the table says which (``skip``);
 ``--results`` is written after every row, so a run cut short from outside keeps them.
@@ -227,6 +227,7 @@ class Bench:
         self.add_row({"model": model, "mode": what, "ok": False, "skipped": True,
                       "problem": f"not run: {max(left, 0):.0f} s of --budget left, "
                                  f"{needs:.0f} s needed"})
+        self.done.add((model, what))  # a warm row does not try its cold row again
         print(f"[coldstart] {model} {what}: not run (budget)", file=sys.stderr, flush=True)
         return True
 
@@ -296,15 +297,22 @@ class Bench:
         if self.out_of_time(model, label or mode, self.args.row_min):
             return
         left = self.time_left()
+        limit = min(self.args.timeout, left) if left is not None else self.args.timeout
         print(f"[coldstart] {model} {label or mode} ...", file=sys.stderr, flush=True)
         wall = time.perf_counter()
         try:
             proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=min(self.args.timeout, left or self.args.timeout))
-        except subprocess.TimeoutExpired as e:
-            proc = subprocess.CompletedProcess(command, -9, _text(e.stdout),
-                                               f"timed out after {e.timeout:.0f} s\n"
-                                               f"{_text(e.stderr)}")
+                                  timeout=limit)
+        except subprocess.TimeoutExpired:
+            cut = limit < self.args.timeout  # --budget ran out, not the row's own limit
+            self.add_row({"model": model, "mode": label or mode, "ok": False,
+                          "skipped": cut, "process_s": time.perf_counter() - wall,
+                          "problem": f"{'stopped: --budget ran out' if cut else 'timed out'} "
+                                     f"after {limit:.0f} s"})
+            self.done.add((model, label or mode))
+            print(f"[coldstart] {model} {label or mode}: stopped after {limit:.0f} s",
+                  file=sys.stderr, flush=True)
+            return
         row: dict[str, Any] = {"model": model, "mode": label or mode,
                                "device": self.args.device, "smoke": self.args.smoke,
                                "compile_mode": self.args.compile_mode or "",
@@ -342,6 +350,12 @@ class Bench:
             return
         if mode in PRIMING and (model, PRIMING[mode]) not in self.done:
             self.run_mode(model, PRIMING[mode])
+        if mode in PRIMING and not any(r.get("ok") for r in self.rows
+                                       if (r["model"], r["mode"]) == (model, PRIMING[mode])):
+            self.add_row({"model": model, "mode": mode, "ok": False, "skipped": True,
+                          "problem": f"not run: its {PRIMING[mode]} row did not pass"})
+            self.done.add((model, mode))
+            return
         if mode == "kiln_farm":
             return  # run by run_farm, with the farm up
         self.measure(model, mode, self.env_for(model, mode))
@@ -373,10 +387,6 @@ class Bench:
         finally:
             subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
                            env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
@@ -563,11 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "kiln_farm" in modes:  # first: the rows a --budget must not leave out
         bench.run_farm(models, None)
+    for n in [int(w) for w in args.workers.split(",") if w]:
+        bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
     for model in models:
         for mode in modes:
             bench.run_mode(model, mode)
-    for n in [int(w) for w in args.workers.split(",") if w]:
-        bench.run_farm([args.sweep_model], n, tag=f"_w{n}")
     print(table(bench.earlier + bench.rows))
     skipped = sum(1 for r in bench.rows if r.get("skipped"))
     if skipped:

@@ -160,8 +160,9 @@ class SchedulerNode(BaseSchedulerNode):
             return self.node.data.get_size(), self.node.data.get_reduction_size()
         return self.node.get_size(), ()
 
-    @property
+    @functools.cached_property
     def group(self) -> tuple[Expr, Expr]:
+        """(numel, rnumel): fixed for a node (fusion asks it of every candidate pair)."""
         ranges, rranges = self.get_ranges()
         return prod(ranges), prod(rranges)
 
