@@ -13,8 +13,8 @@ from kiln.compiler.driver import compile_graph
 from kiln.compiler.kernel_compile import compile_kernel
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from tests.numerics_cases import ALL_CASES, case_id, expand_cases
+from tests.targets import SM90
 
-SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 CASES = expand_cases(ALL_CASES)
 
 pytestmark = pytest.mark.skipif(interpreter_active(),

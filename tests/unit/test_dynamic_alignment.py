@@ -28,8 +28,7 @@ from kiln.compiler.kernel_compile import (
 from kiln.compiler.runtime.buckets import BucketedLauncher, aligned_sizes, generic_config
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from kiln.workers.buckets import bucket_candidates
-
-SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
+from tests.targets import SM90
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")

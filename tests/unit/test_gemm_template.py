@@ -26,8 +26,8 @@ from kiln.compiler.select_algorithm import (
     pick_winner,
 )
 from tests.gemm_helpers import aot_graphs, as_fake_cuda, compile_tuned
+from tests.targets import SM90
 
-SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")
 

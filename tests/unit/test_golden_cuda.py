@@ -20,8 +20,7 @@ from kiln.compiler.driver import compile_graph
 from kiln.compiler.fx_passes import fuse_attention
 from kiln.compiler.kernel_compile import compile_kernel
 from kiln.compiler.runtime.kernel_files import interpreter_active
-
-SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
+from tests.targets import SM90
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")

@@ -25,8 +25,8 @@ from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph
 from kiln.compiler.kernel_compile import triton_compiled
 from kiln.compiler.runtime.kernel_files import interpreter_active
+from tests.targets import SM90
 
-SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 ROWS, COLS = 8192, 4096
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
