@@ -17,6 +17,7 @@ import gzip
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,14 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     xs = {n: torch.randint(0, 32000, (4, n), device="cuda") for n in lengths}
     traces = Path(args.traces) if args.traces else None
+    from kiln import KilnFallbackWarning
+
     for backend, dynamic in (("inductor", False), ("kiln", False), ("inductor", True),
                              ("kiln", True)):
         torch._dynamo.reset()
         fn = torch.compile(model, backend=backend, dynamic=dynamic)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)  # eager is not Kiln's
             for n in lengths:
                 torch.testing.assert_close(fn(xs[n]), model(xs[n]), rtol=3e-2, atol=3e-2)
             if backend == "kiln":

@@ -8,8 +8,10 @@ index read from them is always in bounds.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -92,32 +94,39 @@ def autotune_kernel(spec: KernelSpec, target: dict[str, Any], device: torch.devi
                     binaries: list[KernelBinary] | None = None
                     ) -> tuple[KernelBinary, list[tuple[dict[str, Any], float]]]:
     """The fastest config's binary, and each config's median time."""
-    from .runtime.cudagraphs import GPU_WORK_LOCK
-
     binaries = binaries or compile_configs(spec, target)
     if len(binaries) == 1 or len(spec.arg_bytes) == 0:
         return binaries[0], []
-    with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
-        return _time_configs(spec, binaries, scratch_args(spec, device))
+    timings = time_candidates(spec, binaries, device)
+    results = [(b.config, ms) for b, ms in zip(binaries, timings) if ms != math.inf]
+    if not results:
+        return binaries[0], []
+    best = min(range(len(binaries)), key=lambda i: timings[i])
+    return binaries[best], results
 
 
-def _time_configs(spec: KernelSpec, binaries: list[KernelBinary], args: list[torch.Tensor]
-                  ) -> tuple[KernelBinary, list[tuple[dict[str, Any], float]]]:
+def time_candidates(spec: KernelSpec, binaries: list[KernelBinary], device: torch.device,
+                    sizes: Sequence[int] = (), arg_bytes: tuple[int, ...] | None = None
+                    ) -> list[float]:
+    """Median milliseconds of each candidate binary of ``spec`` on scratch arguments
+    (``arg_bytes`` where given, then the integer ``sizes`` of a dynamic kernel's bucket);
+    infinity where one does not run (resources). Never during a CUDA graph capture of
+    this process: the benchmark's allocations and syncs would invalidate it."""
+    from .runtime.cudagraphs import GPU_WORK_LOCK
     from .runtime.triton_launcher import TritonLauncher
 
-    results: list[tuple[dict[str, Any], float]] = []
-    best: tuple[float, KernelBinary] | None = None
-    for binary in binaries:
-        try:
-            launcher = TritonLauncher(spec, binary.config, "binary", binary)
-            ms = time_launch(launcher.run, args)
-        except Exception as e:  # a config that cannot run (resources) is skipped
-            log.debug("config %s of %s failed: %s", binary.config, spec.name, e)
-            continue
-        results.append((binary.config, ms))
-        if best is None or ms < best[0]:
-            best = (ms, binary)
-    return (best[1] if best else binaries[0]), results
+    with GPU_WORK_LOCK:
+        args: list[Any] = [*scratch_args(spec, device, arg_bytes), *sizes]
+        timings = []
+        for binary in binaries:
+            try:
+                launcher = TritonLauncher(spec, binary.config, "binary", binary)
+                timings.append(time_launch(launcher.run, args))
+            except Exception as e:  # a candidate that cannot run is never chosen
+                log.warning("kiln autotune: kernel %s config %s failed: %s", spec.name,
+                            binary.config, e)
+                timings.append(math.inf)
+        return timings
 
 
 def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],

@@ -75,31 +75,12 @@ def benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[in
     if fake_autotune():
         fake_gpu_work(len(binaries))
         return fake_timings([b.config for b in binaries], sizes)
-    from kiln.compiler.runtime.cudagraphs import GPU_WORK_LOCK
-
-    with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
-        return _benchmark(spec, binaries, sizes, arg_bytes)
-
-
-def _benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[int],
-               arg_bytes: Sequence[int]) -> list[float]:
     import torch
 
-    from kiln.compiler.autotune import scratch_args, time_launch
-    from kiln.compiler.runtime.triton_launcher import TritonLauncher
+    from kiln.compiler.autotune import time_candidates
 
     device = torch.device("cuda", torch.cuda.current_device())
-    args: list[Any] = [*scratch_args(spec, device, tuple(arg_bytes) or None), *sizes]
-    timings = []
-    for binary in binaries:
-        try:
-            launcher = TritonLauncher(spec, binary.config, "binary", binary)
-            timings.append(time_launch(launcher.run, args))
-        except Exception as e:  # a candidate that does not run (resources) is not chosen
-            log.warning("kiln autotune: kernel %s config %s failed: %s", spec.name,
-                        binary.config, e)
-            timings.append(math.inf)
-    return timings
+    return time_candidates(spec, binaries, device, sizes, tuple(arg_bytes) or None)
 
 
 def fake_gemm_timings(count: int) -> dict[str, Any]:

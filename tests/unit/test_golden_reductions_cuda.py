@@ -39,15 +39,22 @@ def _ln_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: tor
                                                      [True, True, True])
 
 
-@pytest.fixture(scope="module")
-def compiled() -> CompiledGraph:
+def _ln_backward_args(with_weights: bool) -> list[torch.Tensor]:
+    """Fake CUDA g and x (bf16, [ROWS, COLS]), mean and rstd (float32, [ROWS, 1]), and
+    with ``with_weights`` the bf16 weight and bias."""
     bf = torch.bfloat16
     with FakeTensorMode():
         args = [torch.empty(ROWS, COLS, dtype=bf, device="cuda"),
                 torch.empty(ROWS, COLS, dtype=bf, device="cuda"),
-                torch.empty(ROWS, 1, device="cuda"), torch.empty(ROWS, 1, device="cuda"),
-                torch.empty(COLS, dtype=bf, device="cuda"),
-                torch.empty(COLS, dtype=bf, device="cuda")]
+                torch.empty(ROWS, 1, device="cuda"), torch.empty(ROWS, 1, device="cuda")]
+        if with_weights:
+            args += [torch.empty(COLS, dtype=bf, device="cuda") for _ in range(2)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def compiled() -> CompiledGraph:
+    args = _ln_backward_args(with_weights=True)
     return compile_graph(trace_aten(_ln_backward, args), args, {}, compile_kernels=False)
 
 
@@ -149,11 +156,7 @@ def _weight_bias_grads(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
 @pytest.fixture(scope="module")
 def columns_only() -> CompiledGraph:
     """The weight and bias gradients with no row reduction to join: two stages."""
-    bf = torch.bfloat16
-    with FakeTensorMode():
-        args = [torch.empty(ROWS, COLS, dtype=bf, device="cuda"),
-                torch.empty(ROWS, COLS, dtype=bf, device="cuda"),
-                torch.empty(ROWS, 1, device="cuda"), torch.empty(ROWS, 1, device="cuda")]
+    args = _ln_backward_args(with_weights=False)
     return compile_graph(trace_aten(_weight_bias_grads, args), args, {},
                          compile_kernels=False)
 
