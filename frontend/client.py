@@ -179,6 +179,14 @@ class KilnClient:
             with self._lock:
                 self._inflight.pop(key.key, None)
 
+    def connect_farm_early(self) -> None:
+        """Start joining the farm that is up (``frontend.farm.connect_early``), unless
+        this process compiles here or gave the farm up."""
+        if self.farm is not self.local and self.farm_down is None:
+            from .farm import connect_early
+
+            connect_early(self.farm)
+
     def loaded(self, result: CompileResult, *, ok: bool) -> None:
         """Count a graph once it is loaded: a hit saves its recorded compile time; a graph
         that fails to load counts as a load error (and a hit saves nothing)."""
@@ -278,9 +286,10 @@ class KilnClient:
             self.counters.flush()
 
         farm: Any = self.farm
-        if source == "farm" and hasattr(farm, "tuned"):
+        if source == "farm" and hasattr(farm, "tuned"):  # the farm tunes once asked
             timeout = self.config.farm_timeout
-            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
+            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish,
+                              hold=True)
         elif source == "local":  # held until the graph's first output
             self.tuner.submit(key.key, lambda: autotune_inprocess(
                 compiled, request.target, self.local.kernels), publish, hold=True)
