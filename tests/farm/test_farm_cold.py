@@ -137,8 +137,8 @@ connecting = [t for t in threading.enumerate() if t.name == "kiln-farm-connect"]
 for thread in connecting:
     thread.join(120)
 joined = client.farm._actor is not None
-result = client.compile(cuda_request(shapes=((8, 40), (40, 40)), options={{"tag": "early"}}))
-print(json.dumps({{"threads": len(connecting), "joined": joined, "source": result.source}}))
+result = client.compile(cuda_request(shapes=((8, 40), (40, 40)), options={"tag": "early"}))
+print(json.dumps({"threads": len(connecting), "joined": joined, "source": result.source}))
 """
 
 
