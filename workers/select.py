@@ -113,7 +113,7 @@ def template_jobs(key: str, problem: GemmProblem, target: dict[str, Any]
     from kiln.compiler.codegen.triton.templates import standalone_spec
 
     out: list[tuple[Candidate, KernelJob | None]] = []
-    for i, cand in enumerate(candidates(problem)):
+    for i, cand in enumerate(candidates(problem, target)):
         if cand.kind == EXTERN:
             out.append((cand, None))
             continue
