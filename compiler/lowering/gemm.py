@@ -116,5 +116,9 @@ def _feeds_pointwise(node: torch.fx.Node) -> bool:
 
 
 def _is_pointwise(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and torch.Tag.pointwise in tags
+    """A pointwise op, or a dtype cast (16-bit activations run in fp32 after one)."""
+    if node.op != "call_function":
+        return False
+    if node.target in _CASTS:
+        return not set(node.kwargs) - {"dtype"}
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())

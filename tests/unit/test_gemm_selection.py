@@ -102,6 +102,10 @@ def test_row_bias_in_the_library_call_is_no_epilogue() -> None:
     # Pointwise work follows: the library call would write and re-read the product.
     act = _pending(lambda x, w, b: torch.relu(torch.addmm(b, x, w)), *shapes)
     assert [p.epilogue for p in act] == [True]
+    # A 16-bit activation computed in fp32: the cast is pointwise work too.
+    gelu = _pending(lambda x, w, b: torch.nn.functional.gelu(torch.addmm(b, x, w).float()),
+                    *shapes)
+    assert [p.epilogue for p in gelu] == [True]
     # A scaled bias or a 2-D one is a kernel of its own after the library call.
     scaled = _pending(lambda x, w, b: torch.addmm(b, x, w, beta=0.5) @ w.t(), *shapes)
     assert (256, 192, 128, True) in {(p.m, p.n, p.k, p.epilogue) for p in scaled}
