@@ -18,7 +18,10 @@ the mode given) and adds Kiln's default mode as a column.
 timed on both sides), so that a slow side (Inductor's max-autotune benchmarks every GEMM
 for tens of seconds) can run in a call of its own: same workloads, seeds and settings;
 ``--merge`` prints the table of the two JSON files. ``--json`` is written after every
-row, so a run cut short keeps the rows it finished.
+row, so a run cut short keeps the rows it finished. Inductor's "max-autotune" turns its
+CUDA graphs on, Kiln's does not (Kiln's replays overwrite outputs without Inductor's
+checks): a Kiln max-autotune row also times Kiln with ``KILN_CUDAGRAPHS=1`` as a
+diagnostic line under the table (checked against eager too).
 
 Training steps start each call as a training loop does: gradients set to None, and a new
 CUDA-graph step marked (``torch.compiler.cudagraph_mark_step_begin``), for every
@@ -460,6 +463,7 @@ def run(w: Workload, reps: int, copy_gbs: float, side: str = "both") -> dict[str
         row["kiln_max_rel_err"] = check_against_eager(w, fns["kiln"], first)
         if MODE:
             fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
+            _with_cudagraphs(w, fns, row, first)
     for name, fn in fns.items():
         with _grad(w):
             row[f"{name}_ms"] = time_fn(fn, sets, reps)
@@ -475,10 +479,34 @@ def run(w: Workload, reps: int, copy_gbs: float, side: str = "both") -> dict[str
     return derived(row, w.bytes_moved, copy_gbs)
 
 
+def _with_cudagraphs(w: Workload, fns: dict[str, Callable[..., Any]], row: dict[str, Any],
+                     args: list[Any]) -> None:
+    """A diagnostic column: Kiln's max-autotune with its CUDA graphs on
+    (``KILN_CUDAGRAPHS=1``; Kiln's max-autotune mode leaves them off, Inductor's turns its
+    own on). The same store: a hit. A failure here is reported, not the row's."""
+    before = os.environ.get("KILN_CUDAGRAPHS")
+    os.environ["KILN_CUDAGRAPHS"] = "1"
+    try:
+        fn, _ = compiled(w, "kiln", MODE)
+        row["kiln_cudagraphs_max_rel_err"] = check_against_eager(w, fn, args)
+        fns["kiln_cudagraphs"] = fn
+    except Exception as e:
+        row["kiln_cudagraphs_error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"# {w.name}: kiln with CUDA graphs FAILED {row['kiln_cudagraphs_error']}",
+              file=sys.stderr)
+    finally:
+        if before is None:
+            os.environ.pop("KILN_CUDAGRAPHS", None)
+        else:
+            os.environ["KILN_CUDAGRAPHS"] = before
+
+
 def derived(row: dict[str, Any], bytes_moved: int, copy_gbs: float) -> dict[str, Any]:
     """The ratio and bandwidth columns of what the row has."""
     if "kiln_ms" in row and "inductor_ms" in row:
         row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
+    if "kiln_cudagraphs_ms" in row and "inductor_ms" in row:
+        row["kiln_cudagraphs/inductor"] = row["kiln_cudagraphs_ms"] / row["inductor_ms"]
     row["bytes_moved"] = bytes_moved
     for name in ("inductor", "kiln"):
         if bytes_moved and f"{name}_kernel_ms" in row:
@@ -541,6 +569,11 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
             cells.insert(4, _ms(r, "kiln_default_ms"))
         print("| " + " | ".join(cells) + " |")
     for r in rows:
+        if "kiln_cudagraphs_ms" in r or "kiln_cudagraphs_error" in r:
+            print(f"{r['workload']}: Kiln {r.get('mode')} with KILN_CUDAGRAPHS=1 (a "
+                  f"diagnostic, not Kiln's mode): {_ms(r, 'kiln_cudagraphs_ms')} ms, "
+                  f"{_ms(r, 'kiln_cudagraphs/inductor', 2)}x Inductor "
+                  f"{r.get('kiln_cudagraphs_error', '')}")
         if r.get("gemm_problems"):
             print(f"{r['workload']}: Kiln's GEMM problems so far in its process "
                   f"{r['gemm_problems']} ({r['gemm_benchmarked']} benchmarked, "

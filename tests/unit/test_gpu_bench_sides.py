@@ -17,7 +17,8 @@ KILN_SIDE = {"copy_GBps": 4000.0, "side": "kiln", "failed": [], "rows": [
      "eager_ms": 5.0, "eager_kernel_ms": 4.8, "eager_launches": 20.0, "kiln_ms": 4.2,
      "kiln_kernel_ms": 4.1, "kiln_launches": 9.0, "kiln_compile_s": 21.5,
      "kiln_default_ms": 4.3, "kiln_default_compile_s": 6.0, "bytes_moved": 0,
-     "gemm_problems": 5, "gemm_benchmarked": 5, "gemm_cached": 0, "gemm_untuned": 0}]}
+     "gemm_problems": 5, "gemm_benchmarked": 5, "gemm_cached": 0, "gemm_untuned": 0,
+     "kiln_cudagraphs_ms": 3.9}]}
 INDUCTOR_SIDE = {"copy_GBps": 3900.0, "side": "inductor", "failed": [], "rows": [
     {"workload": "MLP training step 4096x1024 fp32", "side": "inductor",
      "mode": "max-autotune", "eager_ms": 5.5, "eager_kernel_ms": 4.9, "eager_launches": 20.0,
@@ -46,6 +47,7 @@ def test_sides_merge_into_one_table(tmp_path: Path) -> None:
     assert cells[-3:] == ["20/11/9", "21.5", "150.0"]
     assert "copy bandwidth (d2d, read+write): 4000 GB/s" in out
     assert "5 benchmarked, 0 cached, 0 untuned" in out
+    assert "with KILN_CUDAGRAPHS=1 (a diagnostic, not Kiln's mode): 3.900 ms, 0.97x" in out
 
 
 def test_a_side_alone_prints_dashes_for_the_other(tmp_path: Path) -> None:
