@@ -41,6 +41,9 @@ def model_a(x, w, b):
 def model_b(x, w, b):
     return torch.tanh(torch.addmm(b, x, w)) * 3
 
+def model_c(x, w, b):  # two problems: 64x96x128, then 64x128x96
+    return torch.relu(x @ w + b) @ w.t()
+
 config = KilnConfig.resolve().with_mode("max-autotune")
 request = cuda_request({NAME}, shapes=((64, 128), (128, 96), (96,)),
                        options=request_options(config))
@@ -113,6 +116,25 @@ def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
     assert again["source"] == "local"
     assert again["selection"] == {"problems": 1, "cached": 1, "benchmarked": 0, "untuned": 0}
     assert again["choices"] == first["choices"]
+
+
+def test_inprocess_selection_of_several_problems(tmp_path: Path) -> None:
+    """Every problem's configs compile in one pool, then each problem is timed."""
+    env = python_env(KILN_FARM="inprocess", KILN_TEST_FAKE_AUTOTUNE="1",
+                     KILN_STORE=str(tmp_path / "store"), KILN_LOCAL_CACHE="off",
+                     XDG_CACHE_HOME=str(tmp_path / "client"), KILN_KERNEL_THREADS="2",
+                     KILN_STATS_FILE=str(tmp_path / "stats.json"))
+    out = run_python(CLIENT.replace("{NAME}", "model_c"), env)
+    assert out["selection"] == {"problems": 2, "cached": 0, "benchmarked": 2, "untuned": 0}
+    sizes = set()
+    for choice in out["choices"].values():
+        p = GemmProblem.from_dict(choice["problem"])
+        sizes.add((p.m, p.n, p.k))
+        assert choice["kind"] == "template" and choice["config"] == gemm_configs(p)[0]
+        assert len(choice["timings"]) == 1 + len(gemm_configs(p))
+    assert sizes == {(64, 96, 128), (64, 128, 96)}
+    assert len([k for k in out["kernels"] if k.startswith("triton_tem_fused_mm")]) == 2
+    assert _gemm_stats(env) == {"problems": 2, "benchmarked": 2, "cached": 0, "untuned": 0}
 
 
 def _check_farm_timeline(path: Path, choice: dict) -> None:  # type: ignore[type-arg]
