@@ -175,24 +175,29 @@ class StaticCudaKernel:
     def _bound_run(self) -> Callable[..., None]:
         """The launch with everything but the arguments and the stream bound once: the
         wrapper calls it for every kernel of every call (host time per launch)."""
+        if self.xnumel_at is not None:
+            return self._bound_dynamic_run()
         launch, function, stream = self.impl._launch_kernel, self.function, self.stream
         gx, gy, gz = self.grid
         warps, shared, tys, scratch = self.num_warps, self.shared, self.arg_tys, self.scratch
         assert stream is not None
-        if self.xnumel_at is not None:
-            return self._bound_dynamic_run()
-        if scratch:
-            def run_with_scratch(*args: Any) -> None:
-                launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
-            return run_with_scratch
         if self._stream_device is not None:  # the stream read with no Python call between
             import torch
 
             get_stream, device = torch._C._cuda_getCurrentRawStream, self._stream_device
+            if scratch:  # (Triton 3.4 and later: every kernel takes its scratch slots)
+                def run_on_current_with_scratch(*args: Any) -> None:
+                    launch(function, gx, gy, gz, warps, shared, tys, args + scratch,
+                           get_stream(device))
+                return run_on_current_with_scratch
 
             def run_on_current(*args: Any) -> None:
                 launch(function, gx, gy, gz, warps, shared, tys, args, get_stream(device))
             return run_on_current
+        if scratch:
+            def run_with_scratch(*args: Any) -> None:
+                launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
+            return run_with_scratch
 
         def run(*args: Any) -> None:
             launch(function, gx, gy, gz, warps, shared, tys, args, stream())
