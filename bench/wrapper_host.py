@@ -17,7 +17,8 @@ as ``compiled_graph.load`` binds it on a GPU, with what needs a GPU stood in for
   call (``torch.addmm``, ``torch.bmm``) is an empty meta tensor of its output's shape
   (torch's meta kernels for them are Python decompositions, slower than the CUDA call).
 
-Columns: µs per call (best of 5 blocks), Triton launches per call, and dynamic/static.
+Columns: CPU µs per call (this thread's CPU time, the best of 10 blocks, static and
+dynamic interleaved), Triton launches per call, and dynamic/static.
 A dynamic wrapper whose host time is close to the static one's at the same length does
 the per-call size and variant work once, not per launch. Not a GPU measure: the H200
 figures come from ``bench/decoder_profile.py`` and ``bench/gpu_bench.py --dynamic``.
@@ -149,16 +150,21 @@ def inputs_for(request: Any, sizes: dict[str, int]) -> list[Any]:
     return out
 
 
-def host_us(call: Callable[[list[Any]], Any], args: list[Any], calls: int) -> float:
-    for _ in range(20):
-        call(list(args))
-    best = float("inf")
-    n = max(calls // 5, 1)
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
+def host_us(calls: list[tuple[Callable[[list[Any]], Any], list[Any]]], n: int,
+            blocks: int = 10) -> list[float]:
+    """CPU µs per call of each (wrapper, inputs): the best of ``blocks`` blocks of ``n``
+    calls, the wrappers' blocks interleaved, timed by this thread's CPU time (a shared
+    machine's other work does not count)."""
+    for call, args in calls:
+        for _ in range(20):
             call(list(args))
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
+    best = [float("inf")] * len(calls)
+    for _ in range(blocks):
+        for k, (call, args) in enumerate(calls):
+            start = time.thread_time()
+            for _ in range(n):
+                call(list(args))
+            best[k] = min(best[k], (time.thread_time() - start) / n * 1e6)
     return best
 
 
@@ -184,8 +190,8 @@ def main() -> None:
         NoLaunch.launches = 0
         dyn_call(list(dyn_args))
         launches = NoLaunch.launches
-        s_us, d_us = host_us(static_call, static_args, ns.calls), host_us(dyn_call, dyn_args,
-                                                                          ns.calls)
+        s_us, d_us = host_us([(static_call, static_args), (dyn_call, dyn_args)],
+                             max(ns.calls // 10, 1))
         print(f"| {n} | {s_us:.1f} | {d_us:.1f} | {launches} | {d_us / s_us:.2f} |",
               flush=True)
         if ns.profile:
