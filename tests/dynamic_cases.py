@@ -67,6 +67,8 @@ CASES = [
     DynamicCase("creation", lambda x: x + torch.arange(x.shape[0]).unsqueeze(-1)
                 + torch.ones_like(x), lambda n, g: [_randn(g, n, 4)]),
     DynamicCase("matmul", lambda x: (x @ _W.t()).relu() + 1, lambda n, g: [_randn(g, n, 16)]),
+    DynamicCase("size_as_value", lambda x: x.sum(-1) / x.shape[0] + x.shape[0],
+                lambda n, g: [_randn(g, n, 12)], reduction=True),
     DynamicCase("bmm", lambda x, y: torch.bmm(x, y).sum(-1),
                 lambda n, g: [_randn(g, 2, n, 8), _randn(g, 2, 8, n)], ((0, 1), (1, 2)),
                 reduction=True),

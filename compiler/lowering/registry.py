@@ -152,6 +152,9 @@ def value_loader(a: Any, dtype: torch.dtype) -> Callable[[Sequence[Expr]], Any]:
             return load
         return lambda index: ops.to_dtype(load(index), dtype, src)
     value = a
+    if isinstance(value, sympy.Expr) and not value.is_number:
+        # A size of the graph (a SymInt input, ``x.shape[0]``): read at run time.
+        return lambda index: ops.index_expr(value, dtype)
     return lambda index: ops.constant(value, dtype)
 
 
