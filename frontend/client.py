@@ -256,7 +256,8 @@ class KilnClient:
         with trace.span("publish", cat="client", key=key.key[:16]):
             published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
-                          **kernels, compile_seconds=wall, publishes=int(published))
+                          **kernels, **gemm_counters(compiled), compile_seconds=wall,
+                          publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
         if compiled.stats.get("autotune_pending"):
@@ -396,6 +397,17 @@ class KilnClient:
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}
 _clients_lock = threading.Lock()
+
+
+def gemm_counters(compiled: CompiledGraph) -> dict[str, int]:
+    """Max-autotune's GEMM problems of a compile (``gemm_problems``), and how each was
+    decided: benchmarked, its choice found in the store (``gemm_cached``), or left to the
+    library call with no GPU to measure (``gemm_untuned``)."""
+    selection = compiled.stats.get("gemm_selection")
+    if not isinstance(selection, dict):
+        return {}
+    return {f"gemm_{k}": int(selection.get(k, 0))
+            for k in ("problems", "cached", "benchmarked", "untuned")}
 
 
 def client_for(config: KilnConfig) -> KilnClient:
