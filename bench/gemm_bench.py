@@ -45,7 +45,7 @@ def main() -> None:
     binaries = [compile_kernel(job.spec, job.config, target) for job in jobs]
     compile_s = time.perf_counter() - start
     timings = benchmark_gemm(p, [job.spec for job in jobs], list(binaries))
-    cands = candidates(p)
+    cands = candidates(p, target)
     ms = [timings["extern_ms"]] + list(timings["template_ms"])
     record = pick_winner(p, list(zip(cands, ms)), timings["round_trip_ms"])
     print(f"# {torch.cuda.get_device_name()}, {p.m}x{p.n}x{p.k} {p.dtype}, "

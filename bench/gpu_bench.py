@@ -1,7 +1,8 @@
 """GPU benchmark: eager vs stock Inductor vs Kiln, side by side in one run (H200 host).
 
     python3 bench/gpu_bench.py [--only NAME[,NAME]] [--reps 50] [--json OUT]
-                               [--max-autotune [MODE]]
+                               [--max-autotune [MODE]] [--side kiln|inductor]
+    python3 bench/gpu_bench.py --merge KILN.json INDUCTOR.json
     python3 bench/gpu_bench.py --dynamic [--reps 50] [--json OUT]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
@@ -12,6 +13,20 @@ measured in the same run, kernel launches per call (kernel events in the profile
 cold compile seconds for Kiln and Inductor (fresh caches, first call, Dynamo's tracing
 included for both). ``--max-autotune`` compiles both with ``mode="max-autotune"`` (or
 the mode given) and adds Kiln's default mode as a column.
+
+``--side kiln`` (or ``inductor``) compiles and times only that compiler's rows (eager is
+timed on both sides), so that a slow side (Inductor's max-autotune benchmarks every GEMM
+for tens of seconds) can run in a call of its own: same workloads, seeds and settings;
+``--merge`` prints the table of the two JSON files. ``--json`` is written after every
+row, so a run cut short keeps the rows it finished. Inductor's "max-autotune" turns its
+CUDA graphs on, Kiln's does not (Kiln's replays overwrite outputs without Inductor's
+checks): a Kiln max-autotune row also times Kiln with ``KILN_CUDAGRAPHS=1`` as a
+diagnostic line under the table (checked against eager too).
+
+Training steps start each call as a training loop does: gradients set to None, and a new
+CUDA-graph step marked (``torch.compiler.cudagraph_mark_step_begin``), for every
+backend alike. Without it Inductor's CUDA graphs (mode "max-autotune") refuse a step
+that accumulates into gradients a replay has overwritten.
 
 Every row first checks Kiln against eager: the outputs (and, for training steps, every
 parameter's gradient) must match, and a graph that falls back to eager
@@ -70,6 +85,19 @@ class Workload:
     mode: str | None = None  # torch.compile mode for Kiln and Inductor ("reduce-overhead")
     params: list[torch.nn.Parameter] = field(default_factory=list)  # gradients compared
     results: dict[str, Any] = field(default_factory=dict)
+
+    def stepped(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as a training loop calls it (see the module docstring); others as is."""
+        if not self.train:
+            return fn
+
+        def step(*args: Any) -> Any:
+            for p in self.params:
+                p.grad = None
+            torch.compiler.cudagraph_mark_step_begin()
+            return fn(*args)
+
+        return step
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -336,7 +364,7 @@ def compiled(w: Workload, backend: str, mode: str | None = None
 
     mode = mode or w.mode
     torch._dynamo.reset()
-    fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
+    fn = w.stepped(torch.compile(w.fn, backend=backend, dynamic=False, mode=mode))
     args = w.make_inputs()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -356,7 +384,7 @@ def compiled(w: Workload, backend: str, mode: str | None = None
 
         wait_for_background(900)
         torch._dynamo.reset()
-        fn = torch.compile(w.fn, backend=backend, dynamic=False, mode=mode)
+        fn = w.stepped(torch.compile(w.fn, backend=backend, dynamic=False, mode=mode))
         with _grad(w):
             fn(*args)
             fn(*args)
@@ -420,43 +448,108 @@ class _grad:
         self.ctx.__exit__(*exc)
 
 
-def run(w: Workload, reps: int, copy_gbs: float) -> dict[str, Any]:
+def run(w: Workload, reps: int, copy_gbs: float, side: str = "both") -> dict[str, Any]:
+    """One row: ``side`` "both", or "kiln" / "inductor" alone (eager on every side)."""
     first = w.make_inputs()
     size = sum(nbytes(a) for a in first if isinstance(a, torch.Tensor))
     sets = [first] + [w.make_inputs() for _ in range(3 if size < L2_BYTES else 0)]
-    row: dict[str, Any] = {"workload": w.name}
-    fns: dict[str, Callable[..., Any]] = {"eager": w.fn}
-    for backend in ("inductor", "kiln"):
+    row: dict[str, Any] = {"workload": w.name, "side": side}
+    fns: dict[str, Callable[..., Any]] = {"eager": w.stepped(w.fn)}
+    backends = [b for b in ("inductor", "kiln") if side in ("both", b)]
+    for backend in backends:
         fn, secs = compiled(w, backend, MODE)
         fns[backend], row[f"{backend}_compile_s"] = fn, secs
-    row["kiln_max_rel_err"] = check_against_eager(w, fns["kiln"], first)
-    if MODE:
-        fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
+    if "kiln" in fns:
+        row["kiln_max_rel_err"] = check_against_eager(w, fns["kiln"], first)
+        if MODE:
+            fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
+            _with_cudagraphs(w, fns, row, first)
     for name, fn in fns.items():
         with _grad(w):
             row[f"{name}_ms"] = time_fn(fn, sets, reps)
-    row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
     if MODE:
         row["mode"] = MODE
-    for name in ("eager", "inductor", "kiln"):
+    for name in ["eager", *backends]:
         print(f"# {w.name}: {name} top kernels", file=sys.stderr)
         with _grad(w):
             row[f"{name}_kernel_ms"], row[f"{name}_launches"] = kernel_ms(
                 fns[name], sets[0], top=PROFILE_TOP)
-    if w.bytes_moved:
-        for name in ("inductor", "kiln"):
-            gbs = w.bytes_moved / row[f"{name}_kernel_ms"] / 1e6
+    if "kiln" in fns:
+        row.update(_kiln_gemm_counters())
+    return derived(row, w.bytes_moved, copy_gbs)
+
+
+def _with_cudagraphs(w: Workload, fns: dict[str, Callable[..., Any]], row: dict[str, Any],
+                     args: list[Any]) -> None:
+    """A diagnostic column: Kiln's max-autotune with its CUDA graphs on
+    (``KILN_CUDAGRAPHS=1``; Kiln's max-autotune mode leaves them off, Inductor's turns its
+    own on). The same store: a hit. A failure here is reported, not the row's."""
+    before = os.environ.get("KILN_CUDAGRAPHS")
+    os.environ["KILN_CUDAGRAPHS"] = "1"
+    try:
+        fn, _ = compiled(w, "kiln", MODE)
+        row["kiln_cudagraphs_max_rel_err"] = check_against_eager(w, fn, args)
+        fns["kiln_cudagraphs"] = fn
+    except Exception as e:
+        row["kiln_cudagraphs_error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"# {w.name}: kiln with CUDA graphs FAILED {row['kiln_cudagraphs_error']}",
+              file=sys.stderr)
+    finally:
+        if before is None:
+            os.environ.pop("KILN_CUDAGRAPHS", None)
+        else:
+            os.environ["KILN_CUDAGRAPHS"] = before
+
+
+def derived(row: dict[str, Any], bytes_moved: int, copy_gbs: float) -> dict[str, Any]:
+    """The ratio and bandwidth columns of what the row has."""
+    if "kiln_ms" in row and "inductor_ms" in row:
+        row["kiln/inductor"] = row["kiln_ms"] / row["inductor_ms"]
+    if "kiln_cudagraphs_ms" in row and "inductor_ms" in row:
+        row["kiln_cudagraphs/inductor"] = row["kiln_cudagraphs_ms"] / row["inductor_ms"]
+    row["bytes_moved"] = bytes_moved
+    for name in ("inductor", "kiln"):
+        if bytes_moved and f"{name}_kernel_ms" in row:
+            gbs = bytes_moved / row[f"{name}_kernel_ms"] / 1e6
             row[f"{name}_GBps"] = gbs
             row[f"{name}_pct_copy"] = 100 * gbs / copy_gbs
     return row
 
 
+def _kiln_gemm_counters() -> dict[str, Any]:
+    """Max-autotune's GEMM problems so far in this process (``kiln stats``' counters)."""
+    from kiln.frontend.client import process_counters
+
+    total = process_counters()
+    return {k: total.get(k, 0) for k in ("gemm_problems", "gemm_cached", "gemm_benchmarked",
+                                         "gemm_untuned")}
+
+
+def merge(paths: list[str]) -> tuple[list[dict[str, Any]], float]:
+    """Rows of several ``--side`` runs joined by workload (eager from the first file
+    that has it), the ratios computed again; and the first file's copy bandwidth."""
+    rows: dict[str, dict[str, Any]] = {}
+    copy_gbs = 0.0
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        copy_gbs = copy_gbs or float(data.get("copy_GBps", 0.0))
+        for r in data["rows"]:
+            into = rows.setdefault(r["workload"], {})
+            into.update({k: v for k, v in r.items() if k not in into or
+                         not k.startswith("eager")})
+            into["side"] = "merged"
+    for r in rows.values():
+        derived(r, int(r.get("bytes_moved", 0)), copy_gbs or 1.0)
+    return list(rows.values()), copy_gbs
+
+
 def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
     print(f"copy bandwidth (d2d, read+write): {copy_gbs:.0f} GB/s")
-    head = ("workload", "eager ms", "inductor ms", "kiln ms", "kiln/inductor",
-            "kiln GPU ms", "inductor GPU ms", "kiln kernel GB/s", "kiln %copy",
-            "inductor %copy", "launches eager/inductor/kiln", "kiln compile s",
-            "inductor compile s")
+    head: tuple[str, ...] = (
+        "workload", "eager ms", "inductor ms", "kiln ms", "kiln/inductor", "kiln GPU ms",
+        "inductor GPU ms", "kiln kernel GB/s", "kiln %copy", "inductor %copy",
+        "launches eager/inductor/kiln", "kiln compile s", "inductor compile s")
     tuned = any("kiln_default_ms" in r for r in rows)
     if tuned:
         print(f"mode: {rows[0].get('mode')} (Inductor and Kiln); kiln default = Kiln's "
@@ -465,18 +558,31 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        cells = [r["workload"], f"{r['eager_ms']:.3f}", f"{r['inductor_ms']:.3f}",
-                 f"{r['kiln_ms']:.3f}", f"{r['kiln/inductor']:.2f}",
-                 f"{r['kiln_kernel_ms']:.3f}", f"{r['inductor_kernel_ms']:.3f}",
-                 f"{r.get('kiln_GBps', 0):.0f}" if "kiln_GBps" in r else "-",
+        cells = [r["workload"], _ms(r, "eager_ms"), _ms(r, "inductor_ms"), _ms(r, "kiln_ms"),
+                 _ms(r, "kiln/inductor", 2), _ms(r, "kiln_kernel_ms"),
+                 _ms(r, "inductor_kernel_ms"), _ms(r, "kiln_GBps", 0),
                  f"{r['kiln_pct_copy']:.0f}%" if "kiln_pct_copy" in r else "-",
                  f"{r['inductor_pct_copy']:.0f}%" if "inductor_pct_copy" in r else "-",
-                 f"{r['eager_launches']:.0f}/{r['inductor_launches']:.0f}/"
-                 f"{r['kiln_launches']:.0f}",
-                 f"{r['kiln_compile_s']:.1f}", f"{r['inductor_compile_s']:.1f}"]
+                 "/".join(_ms(r, f"{n}_launches", 0) for n in ("eager", "inductor", "kiln")),
+                 _ms(r, "kiln_compile_s", 1), _ms(r, "inductor_compile_s", 1)]
         if tuned:
-            cells.insert(4, f"{r.get('kiln_default_ms', float('nan')):.3f}")
+            cells.insert(4, _ms(r, "kiln_default_ms"))
         print("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if "kiln_cudagraphs_ms" in r or "kiln_cudagraphs_error" in r:
+            print(f"{r['workload']}: Kiln {r.get('mode')} with KILN_CUDAGRAPHS=1 (a "
+                  f"diagnostic, not Kiln's mode): {_ms(r, 'kiln_cudagraphs_ms')} ms, "
+                  f"{_ms(r, 'kiln_cudagraphs/inductor', 2)}x Inductor "
+                  f"{r.get('kiln_cudagraphs_error', '')}")
+        if r.get("gemm_problems"):
+            print(f"{r['workload']}: Kiln's GEMM problems so far in its process "
+                  f"{r['gemm_problems']} ({r['gemm_benchmarked']} benchmarked, "
+                  f"{r['gemm_cached']} cached, {r['gemm_untuned']} untuned)")
+
+
+def _ms(row: dict[str, Any], key: str, digits: int = 3) -> str:
+    value = row.get(key)
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 DYNAMIC_LENGTHS = (128, 512, 1024, 2048)
@@ -593,9 +699,18 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--max-autotune", nargs="?", const="max-autotune", default=None,
                         metavar="MODE", help="compile with this torch.compile mode")
+    parser.add_argument("--side", "--max-autotune-side", default="both",
+                        choices=("both", "kiln", "inductor"),
+                        help="compile and time only this compiler's rows")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="print the table of --side runs' JSON files")
     parser.add_argument("--dynamic", action="store_true",
                         help="the decoder with a dynamic sequence length only")
     ns = parser.parse_args()
+    if ns.merge:
+        merged, copy_gbs = merge(ns.merge)
+        print_table(merged, copy_gbs)
+        return
     global MODE
     MODE = ns.max_autotune
     torch.manual_seed(0)
@@ -612,17 +727,18 @@ def main() -> None:
         if ns.only and not any(k.strip() in w.name for k in ns.only.split(",")):
             continue
         try:
-            rows.append(run(w, ns.reps, copy_gbs))
+            rows.append(run(w, ns.reps, copy_gbs, ns.side))
         except Exception as e:  # report and go on: one failure must not hide the rest
             failed.append(f"{w.name}: {type(e).__name__}: {e}")
             print(f"# {w.name}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
         print(f"# done: {w.name}", file=sys.stderr, flush=True)
+        if ns.json:  # after every row: a run cut short keeps what it finished
+            with open(ns.json, "w") as f:
+                json.dump({"copy_GBps": copy_gbs, "side": ns.side, "rows": rows,
+                           "failed": failed}, f, indent=1)
     print(f"# torch {torch.__version__}, triton {_triton_version()}, "
           f"{torch.cuda.get_device_name()}")
     print_table(rows, copy_gbs)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"copy_GBps": copy_gbs, "rows": rows, "failed": failed}, f, indent=1)
     if failed:
         print("FAILED rows:\n  " + "\n  ".join(failed))
         sys.exit(1)

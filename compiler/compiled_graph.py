@@ -87,11 +87,6 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
         namespace[name] = constants[name].to(device)
     code = compile(compiled.wrapper_source, f"<kiln wrapper {compiled.name}>", "exec")
     exec(code, namespace)
-    if device.type == "cuda" and "empty_strided" in namespace:
-        from .runtime.wrapper_runtime import cuda_empty_strided
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        namespace["empty_strided"] = cuda_empty_strided(index)  # read by call() at run time
     call = namespace["call"]
     call._boxed_call = True
     return call  # type: ignore[no-any-return]

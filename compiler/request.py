@@ -220,10 +220,18 @@ def _strided_from_flat(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 
 def fake_tensor_from_meta(meta: TensorMeta, fake_mode: FakeTensorMode) -> torch.Tensor:
-    """A FakeTensor (under ``fake_mode``) with exactly this shape, stride and offset."""
-    with fake_mode:
-        flat = torch.empty(meta.storage_numel, dtype=meta.torch_dtype, device=meta.device_type)
-        return _strided_from_flat(flat, meta)
+    """A FakeTensor (under ``fake_mode``) with exactly this shape, stride and offset.
+
+    Built on the meta device and wrapped, as the mode does for a constructor, rather than
+    dispatched through the mode: two fake dispatches per tensor (empty, as_strided) made
+    decoding every node's value of GPT-2's graph take 0.7 s on the H200 host."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        flat = torch.empty(meta.storage_numel, dtype=meta.torch_dtype, device="meta")
+        strided = _strided_from_flat(flat, meta)
+    converter = fake_mode.fake_tensor_converter
+    return converter.from_meta_and_device(fake_mode, strided, torch.device(meta.device_type))
 
 
 def example_inputs_from_metas(

@@ -46,11 +46,14 @@ class Candidate:
         return {"kind": TEMPLATE, "config": dict(self.config or {})}
 
 
-def candidates(problem: GemmProblem) -> list[Candidate]:
-    """The extern call first (the default's choice), then every template config."""
+def candidates(problem: GemmProblem, target: dict[str, Any] | None = None
+               ) -> list[Candidate]:
+    """The extern call first (the default's choice), then every template config (those
+    that fit ``target``'s shared memory, where it is given)."""
     from .codegen.triton.templates import gemm_configs
 
-    return [Candidate(EXTERN)] + [Candidate(TEMPLATE, c) for c in gemm_configs(problem)]
+    return [Candidate(EXTERN)] + [Candidate(TEMPLATE, c)
+                                  for c in gemm_configs(problem, target)]
 
 
 def pick_winner(problem: GemmProblem, timed: list[tuple[Candidate, float]],

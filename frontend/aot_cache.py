@@ -323,7 +323,8 @@ class AotCache:
         with trace.span("AOT cache lookup", cat="client", nodes=len(gm.graph.nodes)) as span:
             key, served = None, None
             try:
-                key = self._key(gm, example_inputs)
+                with trace.span("AOT cache key", cat="client") as parts:
+                    key = self._key(gm, example_inputs, parts)
                 served = self._serve(key, example_inputs)
             except NotCacheable as e:  # not keyed, or an entry that says: trace it
                 key = None
@@ -345,16 +346,19 @@ class AotCache:
             self.failed("lookup", e)
             return Pending(self, None, example_inputs)
 
-    def _key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    def _key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+             part_ms: dict[str, float] | None = None) -> str:
         if not self.config.aot_cache:
             raise NotCacheable("off", "KILN_AOT_CACHE=0")
         if self.config.cudagraphs:
             raise NotCacheable("cudagraphs", "CUDA graphs wrap the compiled graph")
         target = target_for(input_device(example_inputs))
-        return aot_key(gm, example_inputs, request_options(self.config), target).key
+        return aot_key(gm, example_inputs, request_options(self.config), target, part_ms).key
 
     def _serve(self, key: str, example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
-        artifact = self.client.store.get(key, kind="aot")
+        with trace.span("AOT cache entry", cat="client", key=key[:16]) as found:
+            artifact = self.client.store.get(key, kind="aot")
+            found["hit"] = artifact is not None
         if artifact is None:
             self.client.counters.add(aot_misses=1)
             return None

@@ -44,9 +44,11 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     looked_up = AotCache(config).lookup(gm, example_inputs)
     if callable(looked_up):
         return looked_up
+    from .client import client_for
     from .regions import prestart
 
     prestart(gm, config)  # graph-stage processes start while AOTAutograd traces
+    client_for(config).connect_farm_early()  # and the farm's connection is made
 
     def graph_compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any], name: str) -> Any:
         fn = compile_aten_graph(graph, inputs, config, name)

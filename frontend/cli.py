@@ -130,7 +130,8 @@ CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "far
                    "time_saved_s", "hits_autotuned", "autotune_publishes",
                    "kernels_from_store", "farm_not_up", "aot_hits", "aot_misses",
                    "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
-                   "hot_swaps", "bucket_tunes", "inference_direct")
+                   "hot_swaps", "bucket_tunes", "inference_direct", "gemm_problems",
+                   "gemm_cached", "gemm_benchmarked", "gemm_untuned")
 STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
 
 
@@ -185,6 +186,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"autotuning      {summary['autotune_publishes']} tuned artifacts published; "
           f"{summary['hot_swaps']} switches to tuned kernels in running processes; "
           f"{summary['bucket_tunes']} size buckets tuned")
+    print(f"max-autotune    {summary['gemm_problems']} GEMM problems: "
+          f"{summary['gemm_benchmarked']} benchmarked, {summary['gemm_cached']} choices from "
+          f"the store, {summary['gemm_untuned']} left to the library call untuned")
     print(f"AOT cache       {summary['aot_hits']} Dynamo graphs served with no AOTAutograd "
           f"trace, {summary['aot_traces']} traced ({summary['aot_misses']} misses, "
           f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected); "

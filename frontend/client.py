@@ -179,6 +179,14 @@ class KilnClient:
             with self._lock:
                 self._inflight.pop(key.key, None)
 
+    def connect_farm_early(self) -> None:
+        """Start joining the farm that is up (``frontend.farm.connect_early``), unless
+        this process compiles here or gave the farm up."""
+        if self.farm is not self.local and self.farm_down is None:
+            from .farm import connect_early
+
+            connect_early(self.farm)
+
     def loaded(self, result: CompileResult, *, ok: bool) -> None:
         """Count a graph once it is loaded: a hit saves its recorded compile time; a graph
         that fails to load counts as a load error (and a hit saves nothing)."""
@@ -248,7 +256,8 @@ class KilnClient:
         with trace.span("publish", cat="client", key=key.key[:16]):
             published = self._publish(key, compiled, artifact)
         self.counters.add(graphs=1, misses=1, compiles=1, **{f"compiles_{source}": 1},
-                          **kernels, compile_seconds=wall, publishes=int(published))
+                          **kernels, **gemm_counters(compiled), compile_seconds=wall,
+                          publishes=int(published))
         timings = {"compile_s": wall, "publish_s": time.perf_counter() - start - wall}
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
         if compiled.stats.get("autotune_pending"):
@@ -278,9 +287,10 @@ class KilnClient:
             self.counters.flush()
 
         farm: Any = self.farm
-        if source == "farm" and hasattr(farm, "tuned"):
+        if source == "farm" and hasattr(farm, "tuned"):  # the farm tunes once asked
             timeout = self.config.farm_timeout
-            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish)
+            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish,
+                              hold=True)
         elif source == "local":  # held until the graph's first output
             self.tuner.submit(key.key, lambda: autotune_inprocess(
                 compiled, request.target, self.local.kernels), publish, hold=True)
@@ -387,6 +397,17 @@ class KilnClient:
 
 _clients: dict[tuple[Any, ...], KilnClient] = {}
 _clients_lock = threading.Lock()
+
+
+def gemm_counters(compiled: CompiledGraph) -> dict[str, int]:
+    """Max-autotune's GEMM problems of a compile (``gemm_problems``), and how each was
+    decided: benchmarked, its choice found in the store (``gemm_cached``), or left to the
+    library call with no GPU to measure (``gemm_untuned``)."""
+    selection = compiled.stats.get("gemm_selection")
+    if not isinstance(selection, dict):
+        return {}
+    return {f"gemm_{k}": int(selection.get(k, 0))
+            for k in ("problems", "cached", "benchmarked", "untuned")}
 
 
 def client_for(config: KilnConfig) -> KilnClient:

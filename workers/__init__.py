@@ -3,8 +3,8 @@ de-duplication.
 
 - ``workers.pipeline``: the steps themselves, without Ray (``compile_inprocess`` is the
   ``inprocess`` farm mode, and the client's own fallback);
-- ``workers.actors``: ``CompileWorker`` (graph to kernel sources), ``compile_kernel_task``
-  (one kernel, one config, one target), ``Autotuner`` (``num_gpus=1``);
+- ``workers.actors``: ``CompileWorker`` (graph to kernel sources), ``KernelWorker`` (one
+  kernel, one config, one target at a time), ``Autotuner`` (``num_gpus=1``);
 - ``workers.coordinator``: ``KilnFarm``, the named detached actor every client calls
   (``get_farm_actor()``).
 

@@ -1,9 +1,10 @@
-"""Ray's side of the farm's steps: warm compile actors, kernel-compile tasks, GPU
+"""Ray's side of the farm's steps: warm compile actors, warm kernel workers, GPU
 autotuners. Each is a thin shell over ``workers.pipeline`` / ``workers.autotune``.
 
 Resources: a ``CompileWorker`` reserves no CPU (it runs one graph at a time and is idle
-while its kernels compile), so every CPU of the cluster is free for kernel tasks, the
-part that fans out. An ``Autotuner`` holds one GPU for its lifetime, and no CPU.
+while its kernels compile); the coordinator keeps one ``KernelWorker`` per CPU of the
+cluster and lends each to one kernel compile at a time, the part that fans out. An
+``Autotuner`` holds one GPU for its lifetime, and no CPU.
 """
 
 from __future__ import annotations
@@ -69,27 +70,40 @@ class CompileWorker:
             raise CompileFailure.wrap(e, key) from None
 
 
-@ray.remote(num_cpus=1, max_retries=3)
-def compile_kernel_task(spec: dict[str, Any], config: dict[str, Any],
-                        target: dict[str, Any], traced: bool = False) -> dict[str, Any]:
-    """One kernel, one config, one target: the farm's unit of fan-out (retried if the
-    process running it dies). ``traced``: the result's ``trace`` holds its span."""
-    trace.set_process_name("kernel worker")
-    try:
-        with trace.capture(traced) as events:
-            result = run_kernel_job(spec, config, target)
-        if traced:
-            result["trace"] = events
-        return result
-    except Exception as e:
-        raise CompileFailure.wrap(e, "") from None
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=3)
+class KernelWorker:
+    """Compiles kernels, one job at a time (the coordinator's pool lends it to one), in a
+    process warmed once: imports and Triton's first compile.
 
+    An actor, not a task: Ray's task processes belong to the job that started them, and
+    the job of `kiln farm up` ends once the farm is warm, taking its warm task processes
+    with it, so a farm's first request started new ones (6.3 s on the H200 host) whose
+    kernels each paid Triton's start-up. Actors the coordinator owns live as long as it
+    does. ``num_cpus=0`` as for ``CompileWorker``: the pool, with one worker per CPU of
+    the cluster, is what bounds how many compile at once (and a second coordinator on the
+    same cluster, as in the tests, still finds room). ``max_task_retries``: a compile
+    whose process died runs again on the restarted worker."""
 
-@ray.remote(num_cpus=1)
-def warm_kernel_process() -> int:
-    """Start (and import into) a process for kernel tasks before the first miss."""
-    _warm_compiler()
-    return os.getpid()
+    def warm(self) -> int:
+        _warm_compiler()
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def compile(self, spec: dict[str, Any], config: dict[str, Any], target: dict[str, Any],
+                traced: bool = False) -> dict[str, Any]:
+        """One kernel, one config, one target: the farm's unit of fan-out. ``traced``:
+        the result's ``trace`` holds its span."""
+        trace.set_process_name("kernel worker")
+        try:
+            with trace.capture(traced) as events:
+                result = run_kernel_job(spec, config, target)
+            if traced:
+                result["trace"] = events
+            return result
+        except Exception as e:
+            raise CompileFailure.wrap(e, "") from None
 
 
 @ray.remote(num_gpus=1, num_cpus=0, max_restarts=-1, max_task_retries=1)

@@ -7,10 +7,11 @@ is timed as infinity and never chosen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kiln.compiler.codegen.kernel_spec import KernelSpec
@@ -114,7 +115,8 @@ def _benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     a, b, out = gemm_operands(problem, device)
     extern = torch.bmm if problem.op == "bmm" else torch.mm
     ca, cb = a.to(problem.torch_dtype), b.to(problem.torch_dtype)
-    extern_ms = time_launch(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
+    with library_precision(problem):
+        extern_ms = time_launch(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
     expected = out.float()
     template_ms = []
     for spec, binary in zip(specs, binaries):
@@ -132,6 +134,22 @@ def _benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
     copy = torch.empty_like(out)
     round_trip_ms = time_launch(lambda src, dst: dst.copy_(src), [out, copy])
     return {"extern_ms": extern_ms, "template_ms": template_ms, "round_trip_ms": round_trip_ms}
+
+
+@contextlib.contextmanager
+def library_precision(problem: GemmProblem) -> Iterator[None]:
+    """The library call as the compiled graph makes it: an fp32 product in TF32 exactly
+    where the problem allows it (the user's flag, which the problem records), whatever
+    this process's own flag says; restored after."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = problem.allow_tf32
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
 
 
 def check_product(out: Any, expected: Any, problem: GemmProblem) -> None:

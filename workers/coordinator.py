@@ -7,10 +7,12 @@ is a builder (its own ``KILN_STORE`` and private ``KILN_SIGNING_KEY``), publishe
 signed artifact itself before answering (``workers.publish``). A key already in flight
 is not compiled again, its waiters share the one result; a key finished a moment ago is
 answered from a small recent-results list. For each graph it asks a
-``CompileWorker`` for kernel sources, fans the kernels out as Ray tasks (one per unique
-kernel source, config and target, remembered across graphs and requests, so identical
-kernels compile once), has ``Autotuner`` actors time the candidates where the cluster has
-a GPU of the target's arch, and returns the finished ``CompiledGraph`` as a dict.
+``CompileWorker`` for kernel sources, fans the kernels out over its warm
+``KernelWorker`` actors (one job per unique kernel source, config and target, remembered
+across graphs and requests, so identical kernels compile once), returns the finished
+``CompiledGraph`` as a dict, and then has ``Autotuner`` actors time the candidates in the
+background where the cluster has a GPU of the target's arch (the answer waits neither for
+tuning nor for the autotuners to start, except max-autotune's matmul choices).
 
 The actor's namespace carries a hash of the compiler's versions: a client with another
 Kiln gets (and warms) its own farm instead of one that would refuse its requests.
@@ -39,8 +41,8 @@ from kiln.compiler.request import CompileRequest
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
-from .actors import Autotuner, CompileWorker, compile_kernel_task, warm_kernel_process
-from .gpu_pool import GpuPool, gpu_lane_event
+from .actors import Autotuner, CompileWorker, KernelWorker
+from .gpu_pool import ActorPool, gpu_lane_event
 from .kernel_store import KernelStore
 from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
 from .publish import FarmPublisher
@@ -61,6 +63,8 @@ log = logging.getLogger("kiln.farm")
 
 FARM_NAME = "KilnFarm"
 AUTOTUNER_RECHECK_S = 60.0
+# The longest background tuning of a graph waits for a client to ask for it (``tuned``).
+TUNING_HOLD_S = 10.0
 
 
 def farm_namespace() -> str:
@@ -101,17 +105,24 @@ class KilnFarm:
         self._kernels_store_checked = False
         self._background: set[asyncio.Future[Any]] = set()
         self.kernel_cache_entries = kernel_cache_entries
-        self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()
+        self.tuning: OrderedDict[str, asyncio.Future[dict[str, Any] | None]] = OrderedDict()
         self.tuning_events: list[trace.Event] = []
-        self.gpus = GpuPool()  # one Autotuner actor per GPU of the cluster
+        self.tuning_gates: dict[str, asyncio.Event] = {}
+        self.gpus = ActorPool()  # one Autotuner actor per GPU of the cluster
         self.autotuners_checked = -AUTOTUNER_RECHECK_S
+        self._finding_autotuners: asyncio.Future[None] | None = None
         self.counters: Counter[str] = Counter()
         self.choices: ChoiceCache | None = None
         self.publisher = FarmPublisher()
         self.started = time.time()
+        # One kernel worker per CPU, spread over the cluster's nodes (they reserve none).
+        self.kernel_workers = ActorPool()
+        for _ in range(max(1, cpus)):
+            self.kernel_workers.add(KernelWorker.options(  # type: ignore[attr-defined]
+                scheduling_strategy="SPREAD").remote(), {})
         # Start the workers' processes now: the first miss should not pay for imports.
         self._warming = [w.warm.remote() for w in self.workers]
-        self._warming += [warm_kernel_process.remote() for _ in range(max(1, cpus))]
+        self._warming += [m.actor.warm.remote() for m in self.kernel_workers.members]
 
     # -- introspection ----------------------------------------------------------------
 
@@ -127,8 +138,10 @@ class KilnFarm:
         return None if store is None else store.store.url
 
     async def wait_warm(self) -> int:
-        """Wait until the workers and kernel processes have imported the compiler."""
+        """Wait until the workers and kernel processes have imported the compiler, and
+        the GPU autotuners have started (the first request does not wait for them)."""
         pids = await asyncio.gather(*self._warming)
+        await self._find_autotuners()
         return len(set(pids))
 
     async def stats(self) -> dict[str, Any]:
@@ -143,6 +156,10 @@ class KilnFarm:
 
     async def worker_pids(self) -> list[int]:
         return list(await asyncio.gather(*(w.pid.remote() for w in self.workers)))
+
+    async def kernel_worker_pids(self) -> list[int]:
+        return list(await asyncio.gather(*(m.actor.pid.remote()
+                                           for m in self.kernel_workers.members)))
 
     # -- compiling --------------------------------------------------------------------
 
@@ -185,6 +202,9 @@ class KilnFarm:
         future = self.tuning.get(key)
         if future is None:
             return None
+        gate = self.tuning_gates.get(key)
+        if gate is not None:
+            gate.set()  # asked for: it starts now
         try:
             return await asyncio.shield(future)
         except Exception as e:  # tuning is an optimization: the heuristic artifact stays
@@ -274,10 +294,11 @@ class KilnFarm:
             timeline.extend(worker_events)
         compiled = CompiledGraph.from_dict(sources)
         request = CompileRequest.from_bytes(request_bytes)
-        tuners = await self._autotuners_for(request) if request.options.get(
-            "autotune", True) else []
+        autotune = bool(request.options.get("autotune", True))
         if compiled.stats.get("gemm_pending"):
-            # Max-autotune: choose each matmul's algorithm, then the graph again with them.
+            # Max-autotune: choose each matmul's algorithm (on the GPUs, so this waits for
+            # the autotuners), then the graph again with them.
+            tuners = await self._autotuners_for(request) if autotune else []
             compiled = await self._select(key, request_bytes, compiled, request, tuners, i,
                                           timeline)
         fanned = trace.now_us()
@@ -290,23 +311,41 @@ class KilnFarm:
         if timeline is not None:
             timeline.append(trace.make_event("kernel fan-out", fanned, trace.now_us(),
                                              cat="farm", kernels=len(jobs)))
-        if tuners and any(len(group) > 1 for group in
-                          kernel_jobs(compiled, request.target, autotune=True).values()):
+        if autotune and self._may_autotune(request) and any(
+                len(group) > 1 for group in
+                kernel_jobs(compiled, request.target, autotune=True).values()):
             compiled.stats["autotune_pending"] = True
-            self._start_tuning(key_info, compiled.to_dict(), request, tuners)
+            self._start_tuning(key_info, compiled.to_dict(), request)
         return compiled.to_dict()
 
-    def _start_tuning(self, key: KeyInfo, heuristic: dict[str, Any], request: CompileRequest,
-                      tuners: list[int]) -> None:
-        """Autotune in the background; the first answer does not wait for it."""
+    def _start_tuning(self, key: KeyInfo, heuristic: dict[str, Any], request: CompileRequest
+                      ) -> None:
+        """Autotune in the background; the first answer waits neither for it nor for the
+        autotuners to start. The benchmarks begin once a client asks for the result
+        (``tuned``; a client asks after its graph's first output) or ``TUNING_HOLD_S``
+        later: on a host whose one GPU serves both, they slowed the client's first call
+        (GPT-2 on the H200 host: 1.3 s from the farm's answer to the first output,
+        against 0.45 s in process, where tuning waits for the first call too)."""
         self.counters["autotune_started"] += 1
+        gate = self.tuning_gates[key.key] = asyncio.Event()
         self.tuning[key.key] = asyncio.ensure_future(
-            self._autotune(key, heuristic, request, tuners))
+            self._autotune(key, heuristic, request, gate))
         while len(self.tuning) > self.recent_entries:
             self.tuning.popitem(last=False)
 
     async def _autotune(self, key: KeyInfo, heuristic: dict[str, Any],
-                        request: CompileRequest, tuners: list[int]) -> dict[str, Any]:
+                        request: CompileRequest, gate: asyncio.Event
+                        ) -> dict[str, Any] | None:
+        finding = asyncio.ensure_future(self._autotuners_for(request))
+        try:
+            await asyncio.wait_for(gate.wait(), TUNING_HOLD_S)
+        except TimeoutError:
+            pass  # nobody asked: tune anyway, for the store
+        finally:
+            self.tuning_gates.pop(key.key, None)
+        tuners = await finding
+        if not tuners:
+            return None  # no GPU of the target's arch: the heuristic artifact stays
         compiled = CompiledGraph.from_dict(heuristic)
         compiled.stats.pop("autotune_pending", None)
         start = time.perf_counter()
@@ -327,7 +366,7 @@ class KilnFarm:
                       request: CompileRequest, tuners: list[int], worker: int,
                       timeline: list[trace.Event] | None = None) -> CompiledGraph:
         """Cached choices from the store; for the rest, every template config compiled as
-        a kernel task (CPU workers, all at once) and each problem timed on whichever GPU
+        a kernel job (kernel workers, all at once) and each problem timed on whichever GPU
         autotuner frees first; winners cached for the fleet; the graph again with them."""
         start, began = time.perf_counter(), trace.now_us()
         cache = self._choice_cache()
@@ -441,7 +480,7 @@ class KilnFarm:
         return KernelBinary.from_dict(result)
 
     async def _fetch_or_compile(self, job: KernelJob, traced: bool) -> dict[str, Any]:
-        """The kernel store's binary for the job, else a kernel task's (then stored)."""
+        """The kernel store's binary for the job, else a kernel worker's (then stored)."""
         store = self._kernel_store()
         if store is not None:
             began = trace.now_us()
@@ -455,8 +494,9 @@ class KilnFarm:
                         kernel=job.spec.name, hit=True)]
                 return result
         self.counters["kernel_compiles"] += 1
-        result = await compile_kernel_task.remote(job.spec.to_dict(), job.config, job.target,
-                                                  traced)
+        async with self.kernel_workers.use(self.kernel_workers.everyone()) as worker:
+            result = await worker.actor.compile.remote(job.spec.to_dict(), job.config,
+                                                       job.target, traced)
         if store is not None:
             binary = KernelBinary.from_dict(result)
             self._background.add(asyncio.ensure_future(asyncio.to_thread(store.put, job,
@@ -484,17 +524,33 @@ class KilnFarm:
         """The autotune benchmarks timed so far (each with its GPU), for timelines."""
         return list(self.tuning_events)
 
+    def _may_autotune(self, request: CompileRequest) -> bool:
+        """Whether background tuning can find a GPU for the request (its autotuners may
+        still be starting): a CUDA target, and the cluster has GPUs."""
+        if request.target.get("kind") != "cuda":
+            return False
+        arch = int(request.target.get("arch", -2))
+        return bool(self.gpus.matching(arch)) or ray.cluster_resources().get("GPU", 0) > 0
+
     async def _autotuners_for(self, request: CompileRequest) -> list[int]:
         """The pool's autotuners whose GPU is the request's arch; none for a CPU target
         or farm."""
         target = request.target
         if target.get("kind") != "cuda":
             return []
-        now = time.monotonic()
-        if now - self.autotuners_checked >= AUTOTUNER_RECHECK_S:
-            self.autotuners_checked = now
-            await self._add_autotuners()
+        await self._find_autotuners()
         return self.gpus.matching(int(target.get("arch", -2)))
+
+    async def _find_autotuners(self) -> None:
+        """Start an autotuner for each GPU the cluster has and none serves (checked at
+        most every ``AUTOTUNER_RECHECK_S``); callers meanwhile wait for the one search."""
+        now = time.monotonic()
+        if self._finding_autotuners is None or (
+                self._finding_autotuners.done()
+                and now - self.autotuners_checked >= AUTOTUNER_RECHECK_S):
+            self.autotuners_checked = now
+            self._finding_autotuners = asyncio.ensure_future(self._add_autotuners())
+        await asyncio.shield(self._finding_autotuners)
 
     async def _add_autotuners(self) -> None:
         """One ``Autotuner`` per GPU of the cluster (each holds its GPU for life)."""

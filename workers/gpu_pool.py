@@ -1,10 +1,13 @@
-"""The farm's GPU autotuners as one pool (no Ray here: plain asyncio in the coordinator).
+"""The farm's actors as pools (no Ray here: plain asyncio in the coordinator): its GPU
+autotuners, and its kernel workers.
 
 Every benchmark, a kernel's configs or a matmul's template choices, waits for whichever
 allowed GPU frees first and runs there alone: the work spreads over every GPU the farm
 has, a fast GPU takes more of it than a slow one, and no benchmark is timed while another
 runs on the same GPU. Each run is a span on its GPU's own lane of the compile timeline
 (``gpu_lane_event``), so ``kiln trace summary`` can say how evenly the GPUs were used.
+Kernel compiles take the free kernel worker that has done least the same way: one
+compile per worker process at a time, as many at once as the farm has workers.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from kiln.compiler import trace
 
 
 @dataclass
-class GpuMember:
-    """One ``Autotuner`` actor: its GPU's arch, the process it runs in, the GPU ids Ray
-    gave it, and what it has done (jobs, busy microseconds)."""
+class PoolMember:
+    """One actor (an ``Autotuner``: with its GPU's arch and the GPU ids Ray gave it; a
+    ``KernelWorker``: no arch), the process it runs in, and what it has done (jobs, busy
+    microseconds)."""
 
     index: int
     actor: Any
@@ -33,19 +37,22 @@ class GpuMember:
     busy_us: float = 0.0
 
 
-class GpuPool:
-    """Autotuners by index; ``use(allowed)`` lends the free one that has done least."""
+class ActorPool:
+    """Actors by index; ``use(allowed)`` lends the free one that has done least."""
 
     def __init__(self) -> None:
-        self.members: list[GpuMember] = []
+        self.members: list[PoolMember] = []
         self._changed = asyncio.Condition()
 
-    def add(self, actor: Any, info: dict[str, Any]) -> GpuMember:
-        member = GpuMember(len(self.members), actor, info.get("arch"),
+    def add(self, actor: Any, info: dict[str, Any]) -> PoolMember:
+        member = PoolMember(len(self.members), actor, info.get("arch"),
                            int(info.get("pid") or 0),
                            [str(g) for g in info.get("gpu_ids") or []])
         self.members.append(member)
         return member
+
+    def everyone(self) -> list[int]:
+        return [m.index for m in self.members]
 
     def matching(self, arch: int) -> list[int]:
         """Indices of the autotuners that can time kernels built for ``arch`` (-1: the
@@ -53,10 +60,10 @@ class GpuPool:
         return [m.index for m in self.members if m.arch in (arch, -1)]
 
     @asynccontextmanager
-    async def use(self, allowed: Sequence[int]) -> AsyncIterator[GpuMember]:
+    async def use(self, allowed: Sequence[int]) -> AsyncIterator[PoolMember]:
         """The first of ``allowed`` to be free, held for the block."""
         if not allowed:
-            raise ValueError("no GPU autotuner to benchmark on")
+            raise ValueError("no actor in the pool to run on")
         async with self._changed:
             await self._changed.wait_for(lambda: any(not self.members[i].busy
                                                      for i in allowed))
@@ -79,7 +86,7 @@ class GpuPool:
                  "busy_s": m.busy_us / 1e6} for m in self.members]
 
 
-def gpu_lane_event(member: GpuMember, name: str, start_us: float, end_us: float,
+def gpu_lane_event(member: PoolMember, name: str, start_us: float, end_us: float,
                    **args: Any) -> trace.Event:
     """A span on ``member``'s lane of the timeline: its process (the autotuner's), one
     thread per GPU, and ``gpu`` in its args (what per-GPU busy time is summed by)."""

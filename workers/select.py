@@ -113,7 +113,7 @@ def template_jobs(key: str, problem: GemmProblem, target: dict[str, Any]
     from kiln.compiler.codegen.triton.templates import standalone_spec
 
     out: list[tuple[Candidate, KernelJob | None]] = []
-    for i, cand in enumerate(candidates(problem)):
+    for i, cand in enumerate(candidates(problem, target)):
         if cand.kind == EXTERN:
             out.append((cand, None))
             continue
@@ -150,11 +150,10 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
                      target: dict[str, Any], compile_job: Any, choices: ChoiceCache,
                      extra_options: dict[str, Any] | None = None, autotune: bool = True
                      ) -> CompiledGraph:
-    """The selection in this process: cached choices, else every candidate compiled
-    (threads) and timed here where this process has a GPU of the target's arch (and
-    autotuning is not turned off)."""
+    """The selection in this process: cached choices, else every candidate of every
+    problem compiled at once (``kernel_threads`` threads) and each problem timed here
+    where this process has a GPU of the target's arch (and autotuning is not off)."""
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     from .autotune import benchmark_gemm, fake_autotune, gpu_arch
     from .pipeline import compile_sources
@@ -166,23 +165,39 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
     known, todo = split_known(pending, choices)
     can_time = autotune and (fake_autotune() or gpu_arch() == int(target.get("arch", -1)))
     new: dict[str, dict[str, Any]] = {}
-    for choice, problem in todo.items():
-        if not can_time:
-            new[choice] = untuned_record()
-            continue
-        jobs = template_jobs(choice, problem, target)
-        kernel_jobs = [job for _, job in jobs if job is not None]
-        with ThreadPoolExecutor(min(8, len(kernel_jobs))) as pool:
-            binaries = list(pool.map(lambda job: _try_compile(compile_job, job), kernel_jobs))
-        with trace.span("gemm benchmark", cat="autotune", gpu="local", problem=choice[7:23],
-                        candidates=1 + len(kernel_jobs)):
-            timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs], binaries)
-        new[choice] = decide(problem, [c for c, _ in jobs], timings)
-        choices.put(choice, new[choice])
+    if can_time:
+        jobs = {choice: template_jobs(choice, problem, target)
+                for choice, problem in todo.items()}
+        binaries = _compile_all([job for js in jobs.values() for _, job in js
+                                 if job is not None], compile_job)
+        for choice, problem in todo.items():
+            kernel_jobs = [job for _, job in jobs[choice] if job is not None]
+            with trace.span("gemm benchmark", cat="autotune", gpu="local",
+                            problem=choice[7:23], candidates=1 + len(kernel_jobs)):
+                timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs],
+                                         [binaries[id(j)] for j in kernel_jobs])
+            new[choice] = decide(problem, [c for c, _ in jobs[choice]], timings)
+            choices.put(choice, new[choice])
+    else:
+        new = {choice: untuned_record() for choice in todo}
     options = {**(extra_options or {}), "gemm_choices": {**known, **new}}
     result = compile_sources(request_bytes, key, extra_options=options)
     result.timings["gemm_selection"] = time.perf_counter() - start
     return with_choices(result, selection_stats(known, todo, can_time))
+
+
+def _compile_all(jobs: list[KernelJob], compile_job: Any) -> dict[int, Any]:
+    """Each job's binary (None where it failed), by ``id(job)``: one pool for all the
+    graph's template configs, so the CPUs stay busy across problems."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .pipeline import kernel_threads
+
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(min(kernel_threads(), len(jobs))) as pool:
+        binaries = list(pool.map(lambda job: _try_compile(compile_job, job), jobs))
+    return {id(job): binary for job, binary in zip(jobs, binaries)}
 
 
 def _try_compile(compile_job: Any, job: KernelJob) -> Any:

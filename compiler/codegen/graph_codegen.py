@@ -21,7 +21,7 @@ import torch
 
 from kiln.compiler.runtime.wrapper_runtime import (
     align_input,
-    as_layout,
+    as_layout,{cuda_import}
     empty_strided,
     reinterpret_tensor,
 )
@@ -119,7 +119,7 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
         variants = guarded_variants(sg, kernels, backend)
         if backend == "cpp":  # fresh CPU allocations cost page faults: write in place
             plan_inplace(sg.memory, scheduler)
-        wrapper = WrapperCodegen(sg.memory, graph.name)
+        wrapper = WrapperCodegen(sg.memory, graph.name, device_type)
         for i, node in enumerate(scheduler.nodes):
             if isinstance(node, ExternKernelSchedulerNode):
                 wrapper.extern_call(node)
@@ -135,7 +135,9 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
             wrapper.free(node)
         inputs = list(graph.graph_input_names)
         header = WRAPPER_HEADER.format(name=graph.name, kernels=len(namer.by_source),
-                                       buffers=len(sg.memory.allocations))
+                                       buffers=len(sg.memory.allocations),
+                                       cuda_import="\n    cuda_allocator,"
+                                       if device_type == "cuda" else "")
         source = wrapper.generate(inputs, graph.graph_outputs, header)
     if device_type == "cuda":
         source = _align_inputs(source, wrapper, inputs)

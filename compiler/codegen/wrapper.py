@@ -78,8 +78,12 @@ def value_str(value: Any) -> str:
 class WrapperCodegen:
     """Emit the wrapper for a scheduled graph, one scheduler node at a time."""
 
-    def __init__(self, plan: MemoryPlan, graph_name: str) -> None:
+    def __init__(self, plan: MemoryPlan, graph_name: str, device_type: str = "cpu") -> None:
         self.plan = plan
+        # GPU buffers come from the allocator the call asks for once (``cuda_allocator``):
+        # one C call per buffer.
+        self.device_alloc = device_type == "cuda"
+        self.allocates = False
         self.graph_name = graph_name
         self.lines = IndentedBuffer(1)
         self.kernels: dict[str, KernelSpec] = {}
@@ -116,9 +120,15 @@ class WrapperCodegen:
                     f"{name} = reinterpret_tensor({donor}, {size_str(layout.size)}, "
                     f"{size_str(layout.stride)}, 0); del {donor}  # reuse")
             return
-        self.lines.writeline(
-            f"{name} = empty_strided({size_str(layout.size)}, {size_str(layout.stride)}, "
-            f"device=DEVICE, dtype={layout.dtype})")
+        self.lines.writeline(f"{name} = {self.empty(layout)}")
+
+    def empty(self, layout: Layout) -> str:
+        """A fresh buffer of ``layout``, as the expression that allocates it."""
+        size, stride = size_str(layout.size), size_str(layout.stride)
+        if self.device_alloc:
+            self.allocates = True
+            return f"empty_strided_cuda({size}, {stride}, {layout.dtype})"
+        return f"empty_strided({size}, {stride}, device=DEVICE, dtype={layout.dtype})"
 
     def kernel_call(self, node: BaseSchedulerNode, spec: KernelSpec,
                     arg_buffers: tuple[str, ...],
@@ -164,9 +174,8 @@ class WrapperCodegen:
         rendered += [f"{k}={value_str(v)}" for k, v in buf.kwargs.items()]
         if buf.out_variant is not None:
             layout = buf.get_layout()
-            self.lines.writeline(
-                f"{name} = empty_strided({size_str(layout.size)}, {size_str(layout.stride)}, "
-                f"device=DEVICE, dtype={layout.dtype})")
+            assert isinstance(layout, Layout)
+            self.lines.writeline(f"{name} = {self.empty(layout)}")
             rendered.append(f"out={name}")
             self.lines.writeline(f"{_op_ref(buf.out_variant)}({', '.join(rendered)})")
             return
@@ -217,6 +226,8 @@ class WrapperCodegen:
             if input_names:
                 code.writeline(f"{', '.join(input_names)}, = args")
             code.writeline("args.clear()")
+            if self.allocates:
+                code.writeline("empty_strided_cuda = cuda_allocator(DEVICE)")
             for symbol, source in V.graph.symbol_sources.items():
                 code.writeline(f"{symbol.name} = {source}")
         code.splice(self.lines)

@@ -101,11 +101,12 @@ def addmm(bias: IRNode, a: IRNode, b: IRNode, *, beta: Any = 1, alpha: Any = 1) 
     # A row bias goes into the library call (cuBLASLt adds it in the matmul's epilogue:
     # no extra pass over the output); other forms are a matmul plus a pointwise epilogue
     # that fuses with what follows.
-    tuned = tuned_matmul("mm", a, b, 1, 2)
+    library_bias = beta == 1 and alpha == 1 and len(bias.get_size()) == 1 and \
+        _row_padding(a, b) == 1 and a.get_device().type == "cuda"
+    tuned = tuned_matmul("mm", a, b, 1, 2, library_epilogue=library_bias)
     if tuned is not None:  # max-autotune chose the template: the bias fuses into its store
         return _scaled_epilogue(tuned, bias, beta, alpha)
-    if beta == 1 and alpha == 1 and len(bias.get_size()) == 1 and _row_padding(a, b) == 1 \
-            and a.get_device().type == "cuda":
+    if library_bias:
         return ExternKernel.create(aten.addmm.default, [bias, a, b])
     return _scaled_epilogue(mm(a, b, 1, 2), bias, beta, alpha)
 

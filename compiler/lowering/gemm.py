@@ -23,11 +23,14 @@ _EPILOGUE_OPS = (aten.addmm.default, aten.baddbmm.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-def tuned_matmul(op: str, a: IRNode, b: IRNode, a_arg: int, b_arg: int) -> TensorBox | None:
+def tuned_matmul(op: str, a: IRNode, b: IRNode, a_arg: int, b_arg: int,
+                 library_epilogue: bool = False) -> TensorBox | None:
     """``a @ b`` (``op`` "mm" or "bmm") as a template buffer, or None for the extern call.
 
     ``a_arg`` / ``b_arg`` are the positions of ``a`` and ``b`` among the FX node's
     arguments: a cast that produced them is folded into the template's loads.
+    ``library_epilogue``: the extern call does the node's own pointwise part (a row bias
+    added in cuBLASLt's epilogue), so only pointwise consumers make an epilogue.
     """
     selection = current_selection()
     if selection.mode != "max-autotune" or not selection.templates:
@@ -41,7 +44,8 @@ def tuned_matmul(op: str, a: IRNode, b: IRNode, a_arg: int, b_arg: int) -> Tenso
     problem = GemmProblem(
         op, _batch(ra, op), int(ra.get_size()[-2]), int(rb.get_size()[-1]),
         int(ra.get_size()[-1]), dtype_name(dtype), dtype_name(ra.get_dtype()),
-        dtype_name(rb.get_dtype()), _strides(ra), _strides(rb), _has_epilogue(),
+        dtype_name(rb.get_dtype()), _strides(ra), _strides(rb),
+        _has_epilogue(library_epilogue),
         selection.allow_tf32 and dtype == torch.float32)
     config = selection.choose(problem)
     if config is None:
@@ -93,12 +97,14 @@ def _strides(x: Buffer | ReinterpretView) -> tuple[int, int, int]:
     return (stride[0], stride[1], stride[2]) if len(stride) == 3 else (0, stride[0], stride[1])
 
 
-def _has_epilogue() -> bool:
-    """Whether the product feeds only pointwise work (which a template's store absorbs)."""
+def _has_epilogue(library_epilogue: bool) -> bool:
+    """Whether pointwise work follows the product that a template's store absorbs and
+    the extern call leaves to a kernel of its own: the node's own (addmm's scaled or 2-D
+    bias), or consumers that are all pointwise."""
     node = V.graph.current_node
     if node is None:
         return False
-    if node.target in _EPILOGUE_OPS:
+    if node.target in _EPILOGUE_OPS and not library_epilogue:
         return True
     return _feeds_pointwise(node)
 
@@ -110,5 +116,9 @@ def _feeds_pointwise(node: torch.fx.Node) -> bool:
 
 
 def _is_pointwise(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and torch.Tag.pointwise in tags
+    """A pointwise op, or a dtype cast (16-bit activations run in fp32 after one)."""
+    if node.op != "call_function":
+        return False
+    if node.target in _CASTS:
+        return not set(node.kwargs) - {"dtype"}
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())

@@ -249,10 +249,10 @@ class CudaGraphRunner:
         aot_cache.served_graph``): a call at an address set that has its own recording is
         replayed right here; any other goes to ``slow`` (which calls this runner with the
         grad and autocast handling a plain or recording call needs; a replay needs none)."""
-        direct, pointers = self.direct, _pointers
+        direct, data_ptr = self.direct, _DATA_PTR
 
         def replay_or_call(*inputs: Any) -> Any:
-            now = pointers(inputs)
+            now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
             rec = direct.get(now)
             if rec is None:
                 return slow(*inputs)

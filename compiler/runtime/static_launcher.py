@@ -164,18 +164,23 @@ class StaticCudaKernel:
         gx, gy, gz = self.grid
         warps, shared, tys, scratch = self.num_warps, self.shared, self.arg_tys, self.scratch
         assert stream is not None
-        if scratch:
-            def run_with_scratch(*args: Any) -> None:
-                launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
-            return run_with_scratch
         if self._stream_device is not None:  # the stream read with no Python call between
             import torch
 
             get_stream, device = torch._C._cuda_getCurrentRawStream, self._stream_device
+            if scratch:  # (Triton 3.4 and later: every kernel takes its scratch slots)
+                def run_on_current_with_scratch(*args: Any) -> None:
+                    launch(function, gx, gy, gz, warps, shared, tys, args + scratch,
+                           get_stream(device))
+                return run_on_current_with_scratch
 
             def run_on_current(*args: Any) -> None:
                 launch(function, gx, gy, gz, warps, shared, tys, args, get_stream(device))
             return run_on_current
+        if scratch:
+            def run_with_scratch(*args: Any) -> None:
+                launch(function, gx, gy, gz, warps, shared, tys, args + scratch, stream())
+            return run_with_scratch
 
         def run(*args: Any) -> None:
             launch(function, gx, gy, gz, warps, shared, tys, args, stream())

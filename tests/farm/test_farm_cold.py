@@ -1,15 +1,17 @@
 """The compile timeline through a real farm: one traced request brings back the spans of
 the coordinator, the compile worker's passes and each kernel compile with the process
-that ran it, and the critical path runs through the farm's work. And the farm's kernels
-shared through its store by content key."""
+that ran it, and the critical path runs through the farm's work. The farm's kernels
+shared through its store by content key. A farm warmed by a process that then left (as
+`kiln farm up` does) compiles its first request's kernels in the processes it warmed."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from farm_helpers import cuda_request, farm_stats
+from farm_helpers import RayHead, cuda_request, farm_stats, python_env, run_python
 
 from kiln.compiler import trace
 from kiln.frontend.client import KilnClient
@@ -82,3 +84,67 @@ def test_the_farm_finds_kernels_in_its_store_by_content_key(farm: RayFarm) -> No
     assert after.get("kernel_compiles", 0) == before.get("kernel_compiles", 0)
     for name, binary in compiled.binaries.items():
         assert again.binaries[name].binary == binary.binary
+
+
+WARM_AND_LEAVE = """
+import json, ray
+from kiln.frontend.farm import use_auth_token
+from kiln.workers.coordinator import get_farm_actor
+use_auth_token()
+ray.init(address="{ADDRESS}", log_to_driver=False)
+actor = get_farm_actor(1, name="KilnFarmWarmedByAnother")
+ray.get(actor.wait_warm.remote(), timeout=300)
+print(json.dumps({{"pids": ray.get(actor.kernel_worker_pids.remote())}}))
+ray.shutdown()
+"""
+
+
+def test_a_farm_warmed_by_a_process_that_left_compiles_in_its_warm_kernel_workers(
+        farm: RayFarm, ray_cluster: RayHead, recording: None) -> None:
+    """`kiln farm up` warms the farm from a driver that then exits, ending its Ray job:
+    Ray's task processes of that job went with it, so the first request used to start
+    new processes (6.3 s on the H200 host) and pay Triton's start-up in each kernel.
+    The kernel workers are actors of the coordinator: they stay, warm."""
+    import ray
+
+    from kiln.workers.coordinator import farm_namespace
+
+    warmed = run_python(WARM_AND_LEAVE.format(ADDRESS=ray_cluster.address), python_env(),
+                        timeout=400)["pids"]
+    assert len(warmed) == 2  # one per CPU of the session's cluster
+    left = RayFarm(farm.address)
+    left._actor = ray.get_actor("KilnFarmWarmedByAnother", namespace=farm_namespace())
+    try:
+        request = cuda_request(shapes=((8, 88), (88, 88)), options={"tag": "warmed"})
+        compiled = left.compile(compute_key(request).key, request)
+        kernels = [e for e in trace.events() if e["name"] == "kernel compile"]
+        assert len(kernels) == len(compiled.binaries) > 0
+        assert {e["pid"] for e in kernels} <= set(warmed)
+        assert sorted(ray.get(left._actor.kernel_worker_pids.remote())) == sorted(warmed)
+    finally:
+        ray.kill(left._actor)
+
+
+CONNECT_EARLY = """
+import json, sys, threading
+from farm_helpers import cuda_request
+from kiln.frontend.client import KilnClient
+from kiln.frontend.config import KilnConfig
+client = KilnClient(KilnConfig.resolve())
+assert "ray" not in sys.modules
+client.connect_farm_early()  # what the backend does before AOTAutograd's trace
+connecting = [t for t in threading.enumerate() if t.name == "kiln-farm-connect"]
+for thread in connecting:
+    thread.join(120)
+joined = client.farm._actor is not None
+result = client.compile(cuda_request(shapes=((8, 40), (40, 40)), options={"tag": "early"}))
+print(json.dumps({"threads": len(connecting), "joined": joined, "source": result.source}))
+"""
+
+
+def test_the_client_joins_the_farm_in_the_background_before_its_first_miss(
+        farm: RayFarm, ray_cluster: RayHead, tmp_path: Path) -> None:
+    env = python_env(KILN_FARM=ray_cluster.address, KILN_STORE=str(tmp_path / "store"),
+                     XDG_CACHE_HOME=str(tmp_path / "client-cache"))
+    out = run_python(CONNECT_EARLY, env, timeout=300)
+    assert out == {"threads": 1, "joined": True, "source": "farm", "_stderr": out["_stderr"]}

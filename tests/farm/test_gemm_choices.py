@@ -6,6 +6,9 @@ compiles, the fan-out, the store and the bookkeeping are real."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from farm_helpers import RayHead, python_env, run_python
@@ -37,6 +40,9 @@ def model_a(x, w, b):
 
 def model_b(x, w, b):
     return torch.tanh(torch.addmm(b, x, w)) * 3
+
+def model_c(x, w, b):  # two problems: 64x96x128, then 64x128x96
+    return torch.relu(x @ w + b) @ w.t()
 
 config = KilnConfig.resolve().with_mode("max-autotune")
 request = cuda_request({NAME}, shapes=((64, 128), (128, 96), (96,)),
@@ -81,12 +87,26 @@ def _drop_graph_artifacts(store: Path) -> int:
     return dropped
 
 
+def _gemm_stats(env: dict[str, str]) -> dict[str, int]:
+    """`kiln stats --json`'s max-autotune counters (every process so far)."""
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads(proc.stdout)
+    return {k: stats[f"gemm_{k}"] for k in ("problems", "benchmarked", "cached", "untuned")}
+
+
 def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
     env = python_env(KILN_FARM="inprocess", KILN_TEST_FAKE_AUTOTUNE="1",
                      KILN_STORE=str(tmp_path / "store"), KILN_LOCAL_CACHE="off",
-                     XDG_CACHE_HOME=str(tmp_path / "client"))
+                     XDG_CACHE_HOME=str(tmp_path / "client"),
+                     KILN_STATS_FILE=str(tmp_path / "stats.json"))
     first = run_python(CLIENT.replace("{NAME}", "model_a"), env)
+    assert _gemm_stats(env) == {"problems": 1, "benchmarked": 1, "cached": 0, "untuned": 0}
     second = run_python(CLIENT.replace("{NAME}", "model_b"), env)
+    # The second process, another model with the same GEMM shape: no benchmark, as
+    # `kiln stats` counts them over both processes.
+    assert _gemm_stats(env) == {"problems": 2, "benchmarked": 1, "cached": 1, "untuned": 0}
     assert first["source"] == second["source"] == "local"
     _check_pair(first, second, tmp_path / "store")
     # A second process with the first model, its graph no longer stored: it compiles the
@@ -96,6 +116,25 @@ def test_inprocess_choices_are_cached_in_the_store(tmp_path: Path) -> None:
     assert again["source"] == "local"
     assert again["selection"] == {"problems": 1, "cached": 1, "benchmarked": 0, "untuned": 0}
     assert again["choices"] == first["choices"]
+
+
+def test_inprocess_selection_of_several_problems(tmp_path: Path) -> None:
+    """Every problem's configs compile in one pool, then each problem is timed."""
+    env = python_env(KILN_FARM="inprocess", KILN_TEST_FAKE_AUTOTUNE="1",
+                     KILN_STORE=str(tmp_path / "store"), KILN_LOCAL_CACHE="off",
+                     XDG_CACHE_HOME=str(tmp_path / "client"), KILN_KERNEL_THREADS="2",
+                     KILN_STATS_FILE=str(tmp_path / "stats.json"))
+    out = run_python(CLIENT.replace("{NAME}", "model_c"), env)
+    assert out["selection"] == {"problems": 2, "cached": 0, "benchmarked": 2, "untuned": 0}
+    sizes = set()
+    for choice in out["choices"].values():
+        p = GemmProblem.from_dict(choice["problem"])
+        sizes.add((p.m, p.n, p.k))
+        assert choice["kind"] == "template" and choice["config"] == gemm_configs(p)[0]
+        assert len(choice["timings"]) == 1 + len(gemm_configs(p))
+    assert sizes == {(64, 96, 128), (64, 128, 96)}
+    assert len([k for k in out["kernels"] if k.startswith("triton_tem_fused_mm")]) == 2
+    assert _gemm_stats(env) == {"problems": 2, "benchmarked": 2, "cached": 0, "untuned": 0}
 
 
 def _check_farm_timeline(path: Path, choice: dict) -> None:  # type: ignore[type-arg]
@@ -125,7 +164,8 @@ def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
                         "XDG_CACHE_HOME": str(tmp_path / "workers")})
     try:
         env = python_env(KILN_FARM=head.address, KILN_STORE=str(store),
-                         KILN_LOCAL_CACHE="off", XDG_CACHE_HOME=str(tmp_path / "client"))
+                         KILN_LOCAL_CACHE="off", XDG_CACHE_HOME=str(tmp_path / "client"),
+                         KILN_STATS_FILE=str(tmp_path / "stats.json"))
         first = run_python(CLIENT.replace("{NAME}", "model_a"), env | {
             "KILN_TRACE": str(tmp_path / "first.json")}, timeout=400)
         # A new coordinator: the second model finds the choice in the store, not in memory.
@@ -139,5 +179,6 @@ def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
     finally:
         head.stop()
     assert first["source"] == second["source"] == "farm"
+    assert _gemm_stats(env) == {"problems": 2, "benchmarked": 1, "cached": 1, "untuned": 0}
     _check_pair(first, second, store)
     _check_farm_timeline(tmp_path / "first.json", next(iter(first["choices"].values())))

@@ -1,12 +1,18 @@
 """Regional compilation through a real farm: the distinct regions of a 6-block graph are
 submitted at once, each compiled once by the farm's workers, and the stitched result
-matches eager."""
+matches eager. With two compile workers, a deep graph's regions compile on both at once,
+and its kernels in several kernel processes (the timeline names each span's process)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
+import pytest
 import torch
 from farm_helpers import farm_stats
 
+from kiln.compiler import trace
 from kiln.frontend.client import KilnClient
 from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
@@ -35,3 +41,66 @@ def test_distinct_regions_compile_once_each_on_the_farm(farm: RayFarm) -> None:
     assert c["compiles_farm"] == 3 and c.get("compiles_local", 0) == 0
     assert after["requests"] - before["requests"] == 3
     assert after["graph_compiles"] - before["graph_compiles"] == 3
+
+
+@pytest.fixture(scope="module")
+def two_worker_farm(farm: RayFarm) -> Iterator[RayFarm]:
+    """A second coordinator on the session's cluster, with two compile workers (the
+    session's has one: its cluster has 2 CPUs, and a farm starts one per two CPUs)."""
+    import ray
+
+    from kiln.workers.coordinator import get_farm_actor
+
+    two = RayFarm(farm.address, graph_workers=2)
+    two._actor = get_farm_actor(2, name="KilnFarmTwoWorkers")
+    ray.get(two._actor.wait_warm.remote(), timeout=240)
+    assert ray.get(two._actor.ping.remote())["graph_workers"] == 2
+    yield two
+    ray.kill(two._actor)
+
+
+@pytest.fixture
+def recording() -> Iterator[None]:
+    trace.clear()
+    trace.enable()
+    trace.set_process_name("client")
+    yield
+    trace.enable(False)
+    trace.clear()
+
+
+def _overlap(a: trace.Event, b: trace.Event) -> bool:
+    return float(a["ts"]) < float(b["ts"]) + float(b["dur"]) and \
+        float(b["ts"]) < float(a["ts"]) + float(a["dur"])
+
+
+def test_a_deep_graph_spreads_over_compile_workers_and_kernel_processes(
+        two_worker_farm: RayFarm, recording: None) -> None:
+    torch.manual_seed(11)
+    model = Stack(d=40, layers=8).eval()  # sizes no other test compiles: fresh kernels
+    gm, args = aten_graph(model, torch.randn(6, 8))
+    config = KilnConfig.resolve({"regions": "on", "region_nodes": 15})
+    client = KilnClient(config, farm=two_worker_farm)
+    fn = compile_regional(client, gm, args, config, "inference_deep",
+                          build_request(gm, args, config))
+    assert fn is not None
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        (out,) = fn([x, *[p.detach() for p in model.parameters()]])
+        torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+    c = client.counters.snapshot()
+    assert (c["regions"], c["regions_distinct"], c["compiles_farm"]) == (8, 3, 3)
+    events = trace.events()
+    stages = [e for e in events if e["name"] == "graph stage"]
+    assert len(stages) == 3  # each distinct region once
+    assert {e["args"]["process"] for e in stages} == {"compile worker"}
+    assert len({e["pid"] for e in stages}) == 2, "the regions did not use both workers"
+    assert any(_overlap(a, b) for a in stages for b in stages
+               if a["pid"] != b["pid"]), "no two regions compiled at once"
+    kernels = [e for e in events if e["name"] == "kernel compile"]
+    assert kernels and all(e["pid"] != os.getpid() for e in kernels)
+    assert {e["args"]["process"] for e in kernels} == {"kernel worker"}
+    assert len({e["pid"] for e in kernels}) >= 2, "kernels compiled in one process"
+    # One round trip per distinct region: nothing went back and forth per kernel.
+    waits = [e for e in events if e["name"] == "farm compile (client waits)"]
+    assert len(waits) == 3

@@ -56,7 +56,7 @@ def test_column_sum_splits_by_sm_count(dtype: torch.dtype) -> None:
     stage1, stage2 = compiled.kernels
     # 96 columns are 2 programs of 64: split until 2 x 132 SMs have work or the chunks
     # reach the minimum of 32 rows: 128 parts.
-    assert "buf0 = empty_strided((128, 96), (96, 1)" in compiled.wrapper_source
+    assert "buf0 = empty_strided_cuda((128, 96), (96, 1)" in compiled.wrapper_source
     assert stage1.xnumel == 128 * 96 and stage1.rnumel == 32 and stage2.rnumel == 128
     assert "tmp1 = tmp0 * " in stage1.source or "* tmp" in stage1.source  # producer fused
     out = _run(compiled, [x])[0]
@@ -70,8 +70,8 @@ def test_fewer_sms_split_less() -> None:
         "kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_count": 16})
     # 132 SMs: 8 column blocks split until 2 x 132 programs or chunks of 32 rows; 16
     # SMs: one part per SM (128 rows each), what a row-column kernel would run.
-    assert "empty_strided((64, 512)" in many.wrapper_source
-    assert "empty_strided((16, 512)" in few.wrapper_source
+    assert "empty_strided_cuda((64, 512)" in many.wrapper_source
+    assert "empty_strided_cuda((16, 512)" in few.wrapper_source
 
 
 def _close_to_truth(outs: list[torch.Tensor], fn: Callable[..., Any], args: list[torch.Tensor],
@@ -117,7 +117,7 @@ def test_layer_norm_backward_is_one_row_column_kernel(dtype: torch.dtype) -> Non
     assert compiled.kernels[1].source.count("tl.store(") == 2  # weight and bias
     # mean and rstd stay in registers: the column stage reads them where the row
     # reduction made them, in the same iteration
-    assert "empty_strided((1024,)" not in compiled.wrapper_source
+    assert "empty_strided_cuda((1024,)" not in compiled.wrapper_source
     row = compiled.kernels[0].source
     assert row.count("tl.store(") == 3 and row.count("tl.sum(") == 6  # 4 by rows, 2 columns
     _close_to_truth(_run(compiled, args), _ln_backward, args, dtype)

@@ -61,7 +61,8 @@ def test_golden_fused_epilogue() -> None:
         "% 16:",
         "arg0_1 = align_input(arg0_1)", "arg1_1 = align_input(arg1_1)",
         "arg2_1 = align_input(arg2_1)", "arg3_1 = align_input(arg3_1)",
-        "buf1 = empty_strided((256, 192), (192, 1), device=DEVICE, dtype=torch.float16)",
+        "empty_strided_cuda = cuda_allocator(DEVICE)",
+        "buf1 = empty_strided_cuda((256, 192), (192, 1), torch.float16)",
         "triton_tem_fused_mm_add_erf_mul_0.run(arg0_1, arg1_1, arg2_1, arg3_1, buf1)",
         "del arg0_1", "del arg1_1", "del arg2_1", "del arg3_1", "return (buf1, )",
     ]

@@ -45,11 +45,11 @@ def _body(compiled: CompiledGraph) -> list[str]:
 def test_matmul_with_unaligned_width_pads_the_weight() -> None:
     compiled = _compile(lambda a, b: a @ b, _fake((2048, 1024), (1024, 1001)))
     body = _body(compiled)
-    assert "buf0 = empty_strided((1024, 1008), (1008, 1), device=DEVICE, dtype=torch.float16)" \
+    assert "buf0 = empty_strided_cuda((1024, 1008), (1008, 1), torch.float16)" \
         in body
     assert "buf1 = torch.mm(arg0_1, buf0)" in body
     # The padded product is returned as eager lays it out: one copy of its first 1001 columns.
-    assert "buf2 = empty_strided((2048, 1001), (1001, 1), device=DEVICE, dtype=torch.float16)" \
+    assert "buf2 = empty_strided_cuda((2048, 1001), (1001, 1), torch.float16)" \
         in body
     assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0",
                                                   "triton_poi_fused_copy_1"]
@@ -67,10 +67,10 @@ def test_channels_last_convolution() -> None:
     fn = lambda x, w, b: F.conv2d(x, w, b, padding=1).relu()  # noqa: E731
     compiled = _compile(fn, _fake((8, 16, 32, 32), (32, 16, 3, 3), (32,)))
     body = _body(compiled)
-    assert "buf0 = empty_strided((8, 16, 32, 32), (16384, 1, 512, 16), device=DEVICE, " \
-           "dtype=torch.float16)" in body
-    assert "buf1 = empty_strided((32, 16, 3, 3), (144, 1, 48, 16), device=DEVICE, " \
-           "dtype=torch.float16)" in body
+    assert "buf0 = empty_strided_cuda((8, 16, 32, 32), (16384, 1, 512, 16), " \
+           "torch.float16)" in body
+    assert "buf1 = empty_strided_cuda((32, 16, 3, 3), (144, 1, 48, 16), " \
+           "torch.float16)" in body
     conv = body.index("buf2 = torch.convolution(buf0, buf1, None, [1, 1], "
                       "[1, 1], [1, 1], False, [0, 0], 1)")
     assert body[conv + 1] == "buf2 = as_layout(buf2, (8, 32, 32, 32), (32768, 1, 1024, 32))"
@@ -106,8 +106,9 @@ def test_embedding_backward_scatter_kernel_golden_and_cubin() -> None:
     fn = lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 30000, -1, False)  # noqa
     compiled = _compile(fn, [g, i])
     body = _body(compiled)
-    assert body[:4] == [
-        "buf0 = empty_strided((30000, 512), (512, 1), device=DEVICE, dtype=torch.float32)",
+    assert body[:5] == [
+        "empty_strided_cuda = cuda_allocator(DEVICE)",  # once per call: one C call a buffer
+        "buf0 = empty_strided_cuda((30000, 512), (512, 1), torch.float32)",
         "triton_poi_fused_copy_0.run(buf0)",
         "buf1 = buf0  # written in place",
         "triton_poi_fused_scatter_add_1.run(arg0_1, arg1_1, buf1)"]

@@ -12,19 +12,19 @@ import time
 import pytest
 
 from kiln.frontend.trace import format_summary, gpu_usage, spans_from_events, summarize
-from kiln.workers.gpu_pool import GpuPool, gpu_lane_event
+from kiln.workers.gpu_pool import ActorPool, gpu_lane_event
 
 HOLD_S = 0.05
 
 
-def _pool(gpus: int, arch: int = 90) -> GpuPool:
-    pool = GpuPool()
+def _pool(gpus: int, arch: int = 90) -> ActorPool:
+    pool = ActorPool()
     for i in range(gpus):
         pool.add(object(), {"arch": arch, "pid": 1000 + i, "gpu_ids": [str(i)]})
     return pool
 
 
-async def _run(pool: GpuPool, jobs: int) -> tuple[list[dict], int, float]:  # type: ignore[type-arg]
+async def _run(pool: ActorPool, jobs: int) -> tuple[list[dict], int, float]:  # type: ignore[type-arg]
     running: dict[int, int] = {}
     most = 0
     events = []
@@ -64,7 +64,7 @@ def test_sixteen_benchmarks_spread_over_four_gpus_one_at_a_time() -> None:
 
 
 def test_only_gpus_of_the_targets_arch_are_used() -> None:
-    pool = GpuPool()
+    pool = ActorPool()
     pool.add(object(), {"arch": 80, "pid": 1})
     pool.add(object(), {"arch": 90, "pid": 2})
     pool.add(object(), {"arch": -1, "pid": 3})  # the tests' fake benchmark: any arch
@@ -79,10 +79,10 @@ def test_only_gpus_of_the_targets_arch_are_used() -> None:
 
 def test_no_matching_gpu_is_an_error_not_a_hang() -> None:
     async def none() -> None:
-        async with GpuPool().use([]):
+        async with ActorPool().use([]):
             pass
 
-    with pytest.raises(ValueError, match="no GPU autotuner"):
+    with pytest.raises(ValueError, match="no actor in the pool"):
         asyncio.run(none())
 
 

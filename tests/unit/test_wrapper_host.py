@@ -18,7 +18,7 @@ from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.compiler.runtime.wrapper_runtime import cuda_empty_strided
+from kiln.compiler.runtime.wrapper_runtime import cuda_allocator
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")
@@ -93,18 +93,49 @@ def test_cuda_allocator_is_the_fast_one_on_the_current_device_only() -> None:
         made.append((size, stride, dtype))
         return torch.empty_strided(size, stride, dtype=dtype)
 
-    allocate = cuda_empty_strided(1, fast=fast, current=lambda: device[0])
-    cpu = torch.device("cpu")
+    cuda1 = torch.device("cuda", 1)
     # Another device is current: torch.empty_strided on the graph's own device.
-    out = allocate((2, 3), (1, 2), device=cpu, dtype=torch.float16)
+    slow = cuda_allocator(cuda1, fast=fast, current=lambda: device[0])
+    assert slow is not fast
+    with FakeTensorMode():
+        out = slow((2, 3), (1, 2), torch.float16)
     assert made == [] and out.stride() == (1, 2) and out.dtype == torch.float16
-    device[0] = 1
-    out = allocate((2, 3), (1, 2), device=cpu, dtype=torch.float16)
-    assert made == [((2, 3), (1, 2), torch.float16)] and out.stride() == (1, 2)
+    assert out.device == cuda1
+    device[0] = 1  # the graph's device is current: torch's C helper itself, no Python frame
+    assert cuda_allocator(cuda1, fast=fast, current=lambda: device[0]) is fast
+    # A CPU device (the harness here): torch.empty_strided there.
+    out = cuda_allocator(torch.device("cpu"), fast=fast)((2, 3), (1, 2), torch.float16)
+    assert made == [] and out.stride() == (1, 2) and out.device.type == "cpu"
 
 
+def test_gpu_wrapper_asks_for_its_allocator_once_per_call() -> None:
+    """Every buffer of a GPU graph (kernel outputs and extern ``out=`` buffers) comes from
+    one allocator the call asks for once, called with positional arguments (torch's C++
+    helper takes no keywords); the wrapper gives eager's result over CPU tensors."""
+    fn = lambda x, w: ((x @ w).relu() @ w.t()).sigmoid()  # noqa: E731
+    compiled = _compile(fn, (32, 16), (16, 24))
+    source = compiled.wrapper_source
+    assert source.count("cuda_allocator(DEVICE)") == 1, source
+    assert "device=DEVICE" not in source and source.count("empty_strided_cuda((") == 2, source
+    relu, sigmoid = compiled.kernels
+    assert "relu" in relu.name and "sigmoid" in sigmoid.name
+    kernels = {relu.name: _Kernel(lambda a, out: torch.clamp(a, min=0, out=out)),
+               sigmoid.name: _Kernel(lambda a, out: torch.sigmoid(a, out=out))}
+    x, w = torch.randn(32, 16), torch.randn(16, 24)
+    asked: list[torch.device] = []
+    call = _call(compiled, kernels)
+    real = call.__globals__["cuda_allocator"]
+    call.__globals__["cuda_allocator"] = lambda d: asked.append(d) or real(d)
+    (out,) = call([x, w])
+    assert asked == [torch.device("cpu")]
+    torch.testing.assert_close(out, fn(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scratch", [False, True])
 def test_static_launch_reads_the_current_stream_directly(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, scratch: bool) -> None:
+    """Also for kernels with scratch slots (every kernel of Triton 3.4 and later: the
+    H200 host's encoder step launched 146 of them per step through an extra lambda)."""
     from kiln.compiler.kernel_compile import KernelBinary
     from kiln.compiler.runtime.static_launcher import StaticCudaKernel
     from tests.unit.test_static_launcher import RecordingLauncher
@@ -122,10 +153,14 @@ def test_static_launch_reads_the_current_stream_directly(
     (spec,) = compiled.kernels
     binary = KernelBinary(name=spec.name, config={}, target={"arch": 90},
                           binary=b"\x7fELF-not-a-real-cubin",
-                          metadata={"name": spec.name, "num_warps": 4, "shared": 0})
+                          metadata={"name": spec.name, "num_warps": 4, "shared": 0,
+                                    **({"global_scratch_size": 0, "profile_scratch_size": 0}
+                                       if scratch else {})})
     impl = RecordingLauncher()
     kernel = StaticCudaKernel(spec, binary, (1, 1, 1), impl=impl, device=3)
     kernel.run("in", "out")
     kernel.run("in", "out")
-    assert kernel.run.__name__ == "run_on_current"
+    assert kernel.run.__name__ == "run_on_current" + ("_with_scratch" if scratch else "")
     assert [launch[-1] for launch in impl.launches] == [70, 71] and asked == [3, 3]
+    tail = (None, None) if scratch else ()
+    assert all(launch[-2] == ("in", "out", *tail) for launch in impl.launches)

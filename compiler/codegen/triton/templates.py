@@ -57,10 +57,38 @@ _PERSISTENT_CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8))
 NUM_SMS = 132
 MIN_BLOCK = 16
 GROUP_M = 8
+# Shared memory one program may use, by GPU arch (bytes; the opt-in maximum per block).
+SHARED_MEMORY_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
+                       100: 232448, 120: 101376}
 
 
-def gemm_configs(problem: GemmProblem) -> list[dict[str, Any]]:
-    """Distinct tile configs for ``problem``, blocks clipped to its sizes."""
+def gemm_configs(problem: GemmProblem, target: dict[str, Any] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Distinct tile configs for ``problem``, blocks clipped to its sizes; on a ``target``
+    of known shared memory, only those whose tiles fit in it (a config that does not fit
+    fails to launch: compiling and benchmarking it is wasted time)."""
+    limit = SHARED_MEMORY_BYTES.get(int((target or {}).get("arch", -1)))
+    return [cfg for cfg in _all_configs(problem)
+            if limit is None or shared_memory_estimate(problem, cfg) <= limit]
+
+
+def shared_memory_estimate(problem: GemmProblem, config: dict[str, Any]) -> int:
+    """Bytes of shared memory a config needs, as Triton lays it out on Hopper (checked
+    against the cubins' figures in tests/unit/test_gemm_selection.py): ``num_stages``
+    tiles of ``a`` and ``b`` for the tensor-core (wgmma) path, one fewer for an fp32
+    product in IEEE precision; a persistent kernel also stages its epilogue (32 KiB);
+    1 KiB for barriers."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    a_item = dtype_from_name(problem.a_dtype).itemsize
+    b_item = dtype_from_name(problem.b_dtype).itemsize
+    stages = int(config["num_stages"])
+    if problem.dtype == "float32" and not problem.allow_tf32:
+        stages = max(1, stages - 1)
+    epilogue = 32 * 1024 if config.get("NUM_SMS") else 0
+    return stages * (bm * bk * a_item + bk * bn * b_item) + epilogue + 1024
+
+
+def _all_configs(problem: GemmProblem) -> list[dict[str, Any]]:
     table = _FP32_CONFIGS if problem.dtype == "float32" else _HALF_CONFIGS
     out: list[dict[str, Any]] = []
     for bm, bn, bk, stages, warps in table:

@@ -1,0 +1,114 @@
+"""What max-autotune weighs for a matmul (no GPU): template configs that cannot fit the
+target's shared memory are never compiled (the estimate checked against the figures of
+Triton's own sm_90 cubins), the library call is timed in the problem's TF32 precision,
+and an addmm whose row bias cuBLASLt adds in its epilogue is charged no round trip
+unless pointwise work follows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kiln.compiler.codegen.triton.templates import (
+    SHARED_MEMORY_BYTES,
+    gemm_configs,
+    shared_memory_estimate,
+    standalone_spec,
+)
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
+from kiln.compiler.ir.template import GemmProblem
+from kiln.compiler.kernel_compile import compile_kernel
+from kiln.compiler.runtime.kernel_files import interpreter_active
+from kiln.compiler.select_algorithm import Candidate, candidates
+from kiln.workers.autotune import library_precision
+from tests.targets import SM90
+
+pytestmark = pytest.mark.skipif(interpreter_active(),
+                                reason="Triton was imported for its interpreter")
+
+
+def problem(dtype: str = "float16", tf32: bool = False) -> GemmProblem:
+    return GemmProblem("mm", 1, 4096, 4096, 1024, dtype, dtype, dtype, (0, 1024, 1),
+                       (0, 4096, 1), True, tf32)
+
+
+def config(bm: int, bn: int, bk: int, stages: int, warps: int, **flags: int
+           ) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, **flags}
+
+
+@pytest.mark.parametrize("p, cfg", [
+    (problem(), config(64, 64, 128, 5, 4)),  # wgmma: num_stages buffers
+    (problem("float32"), config(128, 128, 32, 3, 8)),  # fp32 IEEE: one fewer
+    (problem("float32", tf32=True), config(128, 128, 32, 3, 8)),
+    (problem(), config(128, 128, 64, 4, 8, TMA=1, NUM_SMS=132)),  # persistent epilogue
+], ids=["fp16", "fp32", "tf32", "fp16-tma-persistent"])
+def test_estimate_bounds_what_triton_allocates(p: GemmProblem, cfg: dict[str, int]) -> None:
+    binary = compile_kernel(standalone_spec(p, cfg, "tem_smem"), cfg, SM90)
+    shared = int(binary.metadata["shared"])
+    assert shared <= shared_memory_estimate(p, cfg) <= shared + 2048, shared
+
+
+def test_configs_that_do_not_fit_are_pruned_before_compiling() -> None:
+    # Inductor's configs that failed to launch on the H200 (fp32, IEEE): "Required:
+    # 262144 Hardware limit: 232448"; the estimate says so before any compile.
+    assert shared_memory_estimate(problem("float32"), config(64, 64, 128, 5, 4)) > 232448
+    assert shared_memory_estimate(problem("float32"), config(128, 128, 64, 5, 8)) > 232448
+    for p in (problem(), problem("float32"), problem("float32", tf32=True)):
+        every = gemm_configs(p)
+        assert gemm_configs(p, SM90) == every  # Kiln's own tables fit Hopper
+        small = gemm_configs(p, {**SM90, "arch": 86})  # 99 KiB per block
+        assert small == [c for c in every if shared_memory_estimate(p, c) <= 101376]
+        assert small and all(shared_memory_estimate(p, c) <= SHARED_MEMORY_BYTES[86]
+                             for c in small)
+        assert gemm_configs(p, {**SM90, "arch": 75}) == every  # unknown: nothing pruned
+    p = problem()
+    assert len(gemm_configs(p, {**SM90, "arch": 86})) < len(gemm_configs(p))
+    cands = candidates(p, {**SM90, "arch": 86})
+    assert cands[0] == Candidate("extern")
+    assert [c.config for c in cands[1:]] == gemm_configs(p, {**SM90, "arch": 86})
+
+
+def test_library_call_is_timed_in_the_problems_precision() -> None:
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        for process_flag in (False, True):
+            matmul.allow_tf32 = process_flag
+            for wanted in (False, True):
+                with library_precision(problem("float32", tf32=wanted)):
+                    assert matmul.allow_tf32 is wanted
+                assert matmul.allow_tf32 is process_flag
+    finally:
+        matmul.allow_tf32 = before
+
+
+def _pending(fn, *shapes: tuple[int, ...]) -> list[GemmProblem]:  # type: ignore[no-untyped-def]
+    gm = trace_aten(fn, [torch.randn(s, dtype=torch.float16) for s in shapes])
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=torch.float16, device="cuda") for s in shapes]
+    first = compile_graph(gm, args, {"max_autotune": True}, name="sel", compile_kernels=False)
+    return [GemmProblem.from_dict(p) for p in first.stats["gemm_pending"].values()]
+
+
+def test_row_bias_in_the_library_call_is_no_epilogue() -> None:
+    shapes = ((256, 128), (128, 192), (192,))
+    # The product goes on to another matmul: cuBLASLt adds the bias, nothing to fuse.
+    chained = _pending(lambda x, w, b: torch.addmm(b, x, w) @ w.t(), *shapes)
+    assert {(p.m, p.n, p.k, p.epilogue) for p in chained} >= {(256, 192, 128, False)}
+    # Pointwise work follows: the library call would write and re-read the product.
+    act = _pending(lambda x, w, b: torch.relu(torch.addmm(b, x, w)), *shapes)
+    assert [p.epilogue for p in act] == [True]
+    # A 16-bit activation computed in fp32: the cast is pointwise work too.
+    gelu = _pending(lambda x, w, b: torch.nn.functional.gelu(torch.addmm(b, x, w).float()),
+                    *shapes)
+    assert [p.epilogue for p in gelu] == [True]
+    # A scaled bias or a 2-D one is a kernel of its own after the library call.
+    scaled = _pending(lambda x, w, b: torch.addmm(b, x, w, beta=0.5) @ w.t(), *shapes)
+    assert (256, 192, 128, True) in {(p.m, p.n, p.k, p.epilogue) for p in scaled}
+    full = _pending(lambda x, w, b: torch.addmm(b, x, w) @ w.t(), (256, 128), (128, 192),
+                    (256, 192))
+    assert (256, 192, 128, True) in {(p.m, p.n, p.k, p.epilogue) for p in full}
