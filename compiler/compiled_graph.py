@@ -164,14 +164,12 @@ def _one_launcher(spec: KernelSpec, device: torch.device, config: dict[str, Any]
 
 def _static_launcher(spec: KernelSpec, binary: KernelBinary, device: int | None = None
                      ) -> Any:
-    """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch),
-    or None where it cannot take this kernel."""
+    """torch's static CUDA launcher for the cubin (no C compiler, loaded on first launch;
+    a kernel with dynamic sizes computes its grid from each launch's ``xnumel``), or None
+    where it cannot take this kernel."""
     from .runtime.static_launcher import StaticCudaKernel, StaticLaunchUnsupported
     from .runtime.triton_launcher import TritonLauncher, launch_grid
 
-    if spec.size_args:  # dynamic shapes: the grid follows each launch's xnumel
-        log.debug("kiln: kernel %s has a dynamic grid: Triton's launcher", spec.name)
-        return None
     try:
         return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
                                 fallback=lambda: TritonLauncher(spec, binary.config, "binary",

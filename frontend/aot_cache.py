@@ -159,7 +159,7 @@ def meta_problem(meta: Any) -> str | None:
            for i in getattr(meta, "input_info", [None])):
         return "input_mutation"
     if any(getattr(o, "output_type", None) is not OutputType.non_alias
-           or getattr(o, "requires_grad", True) or getattr(o, "dynamic_dims", None)
+           or getattr(o, "requires_grad", True)
            for o in getattr(meta, "output_info", [None])):
         return "output_alias_or_grad"
     if getattr(meta, "num_intermediate_bases", 1) or getattr(meta, "tokens", None) \
@@ -179,6 +179,19 @@ def meta_problem(meta: Any) -> str | None:
     return None
 
 
+DynamicOutputs = tuple[tuple[int, frozenset[int]], ...]
+
+
+def dynamic_outputs(meta: Any) -> DynamicOutputs:
+    """The outputs with symbolic sizes and their dimensions: AOTAutograd's runtime marks
+    those dimensions on each output it returns (Dynamo then treats them as dynamic where
+    the output is an input of another compiled frame), so a graph called without that
+    runtime marks them itself (:func:`served_graph`)."""
+    return tuple((i, frozenset(o.dynamic_dims))
+                 for i, o in enumerate(getattr(meta, "output_info", None) or [])
+                 if getattr(o, "dynamic_dims", None))
+
+
 @dataclass
 class _Made:
     """One ATen graph AOTAutograd handed to Kiln for a Dynamo graph: why AOTAutograd's
@@ -191,6 +204,7 @@ class _Made:
     num_inputs: int = 0
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     fn: Callable[..., Any] | None = None
+    dynamic: DynamicOutputs = ()
 
 
 class Pending:
@@ -245,7 +259,10 @@ class Pending:
             problem = "regions"  # a stitched plan, not one graph: traced on a warm start
         elif runtime != "training" and name not in self.results:
             problem = "eager_graph"
-        made = _Made(name, problem, runtime, len(inputs), fn=fn)
+        dynamic = dynamic_outputs(meta)
+        if problem is None and dynamic:  # a served entry would not mark them
+            problem = "dynamic_outputs"
+        made = _Made(name, problem, runtime, len(inputs), fn=fn, dynamic=dynamic)
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
@@ -261,7 +278,7 @@ class Pending:
         if made.runtime is not None or fn is None or not getattr(fn, "_boxed_call", False):
             return None  # (served_graph passes the inputs as one list)
         self.cache.client.counters.add(inference_direct=1)
-        return served_graph(fn, self.disable_amp)
+        return served_graph(fn, self.disable_amp, made.dynamic)
 
     @contextmanager
     def listening(self) -> Iterator[None]:
@@ -340,11 +357,12 @@ class AotCache:
             flush_trace()
             return served
         self.client.counters.add(aot_traces=1)
+        traced = _traced_inputs(gm, example_inputs)
         try:
-            return Pending(self, key, example_inputs)
+            return Pending(self, key, traced)
         except Exception as e:
             self.failed("lookup", e)
-            return Pending(self, None, example_inputs)
+            return Pending(self, None, traced)
 
     def _key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
              part_ms: dict[str, float] | None = None) -> str:
@@ -412,16 +430,48 @@ class AotCache:
         self.client.counters.add(aot_publishes=int(published))
 
 
+def _traced_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+                   ) -> Sequence[Any]:
+    """Dynamo's inputs as it traced them: its fake tensors where a size is symbolic (the
+    example inputs are the real tensors, whose sizes are this call's), else the inputs."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return example_inputs
+    traced = []
+    for node, x in zip(placeholders, example_inputs):
+        val = node.meta.get("example_value", node.meta.get("val"))
+        symbolic = isinstance(val, torch.Tensor) and not all(
+            isinstance(v, int) for v in (*val.shape, *val.stride(), val.storage_offset()))
+        traced.append(val if symbolic else x)
+    return traced
+
+
 def _input_wires(inputs: Sequence[Any]) -> list[Any]:
-    return [TensorMeta.from_tensor(x).to_wire() if isinstance(x, torch.Tensor) else None
-            for x in inputs]
+    """What a graph depends on about its inputs, to compare the inputs of AOTAutograd's
+    graph with Dynamo's: ``TensorMeta`` wires of tensors with static sizes (as requests
+    record them); sizes as Dynamo's expressions for the others (and SymInt inputs),
+    which compare equal only under the same shape environment's symbols."""
+    return [_input_wire(x) for x in inputs]
 
 
-def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callable[..., Any]:
+def _input_wire(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        return ["symint", str(x.node.expr)]
+    if not isinstance(x, torch.Tensor):
+        return None
+    sizes = (*x.shape, *x.stride(), x.storage_offset())
+    if all(isinstance(v, int) for v in sizes):
+        return TensorMeta.from_tensor(x).to_wire()
+    return ["symbolic", [str(v) for v in sizes], str(x.dtype), x.device.type]
+
+
+def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool,
+                 dynamic: DynamicOutputs = ()) -> Callable[..., Any]:
     """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
     extern calls must not record autograd), autocast off when it was on at trace time
-    (the graph is already cast), the inputs passed as one list. A CUDA-graph runner
-    (``served``) replays a recording before any of that: a replay runs no op."""
+    (the graph is already cast), the inputs passed as one list, and the symbolic
+    dimensions of ``dynamic`` outputs marked on them. A CUDA-graph runner (``served``)
+    replays a recording before any of that: a replay runs no op."""
     def forward(*args: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad:
@@ -437,4 +487,21 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool) -> Callabl
 
     served = getattr(call, "served", None)  # a CUDA-graph runner replays without the above
     entry = served(forward) if callable(served) else forward
+    if dynamic:
+        entry = _marking_dynamic(entry, dynamic)
     return torch._dynamo.disable(entry)  # type: ignore[no-any-return]
+
+
+# The attribute through which AOTAutograd's runtime tells Dynamo an output's dynamic dims.
+_DYNAMIC_DIMS = "_dynamo_propagated_dynamic_indices"
+
+
+def _marking_dynamic(entry: Callable[..., Any], dynamic: DynamicOutputs) -> Callable[..., Any]:
+    def forward(*args: Any) -> Any:
+        out = entry(*args)
+        for i, dims in dynamic:
+            t = out[i]
+            setattr(t, _DYNAMIC_DIMS, set(dims) | getattr(t, _DYNAMIC_DIMS, set()))
+        return out
+
+    return forward

@@ -192,11 +192,12 @@ class TracedGraph:
 
 def trace_requests(model: Callable[..., Any], inputs: Sequence[Any], config: KilnConfig,
                    target: dict[str, Any], *, versions: dict[str, Any] | None = None,
-                   runtime: dict[str, Any] | None = None, train: bool = False
-                   ) -> list[TracedGraph]:
+                   runtime: dict[str, Any] | None = None, train: bool = False,
+                   dynamic: bool = False) -> list[TracedGraph]:
     """Run ``model(*inputs)`` through ``torch.compile`` on the kiln backend's path and
     return the request of every ATen graph, keyed for ``target`` (and ``versions``).
-    Nothing compiles: each graph runs as traced, on the (fake) inputs."""
+    Nothing compiles: each graph runs as traced, on the (fake) inputs. ``dynamic``:
+    traced with ``dynamic=True`` (every size symbolic but those of parameters)."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._guards import detect_fake_mode
 
@@ -237,7 +238,7 @@ def trace_requests(model: Callable[..., Any], inputs: Sequence[Any], config: Kil
         return aot_kiln(gm, example_inputs, graph_compiler, device_model=device_model)
 
     torch._dynamo.reset()  # a fresh compile per shape set: no recompile limit
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     if train:
         out = compiled(*inputs)
         flat = out if isinstance(out, (list, tuple)) else [out]

@@ -11,6 +11,7 @@ background.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ _BUCKET_RE = re.compile(r"([0-9]{1,12})x([0-9]{1,12})")
 _CONFIG_INTS = (*CONSTEXPR_KEYS, "num_warps", "num_stages", "num_ctas", ALIGN_KEY)
 MAX_BUCKETS = 64  # per kernel, in a stored artifact
 MAX_BLOCK = 2**20
+MAX_REMEMBERED = 4096  # size sets a launcher remembers its choice for
 
 
 def pow2_ceil(n: int) -> int:
@@ -128,8 +130,12 @@ class BucketedLauncher:
     (and ``on_new(kernel, bucket, arg_bytes, sizes)`` once per unseen bucket).
 
     Launchers compiled with ``ALIGN`` run only launches whose symbolic size arguments
-    are all multiples of 16 (a few bit tests per launch); any other launch runs the
-    generic variant of the same config, from ``generic`` (built on first need)."""
+    are all multiples of 16; any other launch runs the generic variant of the same
+    config, from ``generic`` (built on first need).
+
+    The choice (bucket, variant, report) is made once per distinct set of size
+    arguments and remembered: a launch at sizes seen before costs one tuple of its
+    size arguments and one dict lookup before the chosen launcher runs."""
 
     def __init__(self, spec: KernelSpec, default: Any, by_bucket: dict[str, Any],
                  on_new: NewBucket | None = None,
@@ -143,43 +149,53 @@ class BucketedLauncher:
         self.on_new = on_new
         self.generic = generic
         self.symbolic = symbolic_positions(spec) if generic is not None else ()
-        self.unaligned: dict[int, Callable[..., None]] = {}  # bucket index -> generic run
+        self.unaligned: dict[int, Any] = {}  # bucket index -> its generic launcher
         self.generic_by_name: dict[str | None, Any] = {}
         self.seen: set[int] = set(self.by_index)
+        # The size arguments that decide the choice: the numels and the symbolic sizes.
+        keys = {self.x_at, *symbolic_positions(spec)} | (
+            {self.r_at} if self.r_at is not None else set())
+        self.sizes_of = operator.itemgetter(*sorted(keys))
+        self.chosen: dict[Any, Callable[..., None]] = {}  # sizes -> the launch to run
         self.run = self._runner()  # type: ignore[method-assign]
 
     def launcher_for(self, xnumel: int, rnumel: int = 1) -> Any:
         return self.by_index.get(bucket_index(xnumel, rnumel), self.default)
 
     def _runner(self) -> Callable[..., None]:
-        """The launch closure: the bucket's key from the numels, one dict lookup (on
-        the host path of every launch, so everything else is looked up once here)."""
-        x_at, r_at, seen, report = self.x_at, self.r_at, self.seen, self._report
-        runs = {index: launcher.run for index, launcher in self.by_index.items()}
-        default = self.default.run
-        symbolic, unaligned, generic = self.symbolic, self.unaligned, self._generic_run
+        """The launch closure: on the host path of every launch, so everything but the
+        remembered choice's lookup is bound here."""
+        chosen, sizes_of, choose = self.chosen, self.sizes_of, self._choose
 
         def run(*args: Any) -> None:
-            x = args[x_at]
-            r = 1 if r_at is None else args[r_at]
-            index = ((x - 1).bit_length() if x > 1 else 0) << 8 | \
-                ((r - 1).bit_length() if r > 1 else 0)
-            launch: Callable[..., None] | None
-            for at in symbolic:
-                if args[at] & 15:  # the ALIGN variants do not hold: the generic ones
-                    launch = unaligned.get(index) or generic(index)
-                    break
-            else:
-                launch = runs.get(index)
+            launch = chosen.get(sizes_of(args))
             if launch is None:
-                launch = default
-            if index not in seen:
-                report(index, x, r, args)
-            launch(*args)
+                choose(args)
+            else:
+                launch(*args)
 
         return run
 
-    def _generic_run(self, index: int) -> Callable[..., None]:
+    def _choose(self, args: tuple[Any, ...]) -> None:
+        """Launch at sizes not seen before: pick the bucket's launcher (or the generic
+        variant, or the heuristic one), report a new bucket, launch, and remember the
+        launcher's ``run`` (read after the launch: a static launcher binds its fast
+        closure on its first launch)."""
+        x = args[self.x_at]
+        r = 1 if self.r_at is None else args[self.r_at]
+        index = bucket_index(x, r)
+        if any(args[at] & 15 for at in self.symbolic):  # the ALIGN variants do not hold
+            launcher = self.unaligned.get(index) or self._generic(index)
+        else:
+            launcher = self.by_index.get(index, self.default)
+        if index not in self.seen:
+            self._report(index, x, r, args)
+        launcher.run(*args)
+        if len(self.chosen) >= MAX_REMEMBERED:
+            self.chosen.clear()
+        self.chosen[self.sizes_of(args)] = launcher.run
+
+    def _generic(self, index: int) -> Any:
         """The generic variant for a bucket's launches (its config's, or the heuristic
         config's where the bucket has none), built once."""
         assert self.generic is not None
@@ -189,8 +205,8 @@ class BucketedLauncher:
             launcher = self.generic_by_name[name] = self.generic(name)
         if launcher is None:  # that config is generic: its own launcher serves
             launcher = self.by_index[index] if name is not None else self.default
-        self.unaligned[index] = launcher.run
-        return launcher.run  # type: ignore[no-any-return]
+        self.unaligned[index] = launcher
+        return launcher
 
     def run(self, *args: Any) -> None:  # replaced by ``_runner``'s closure
         raise NotImplementedError

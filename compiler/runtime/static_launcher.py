@@ -104,6 +104,17 @@ def cubin_path(binary: bytes) -> Path:
     return path
 
 
+def dynamic_grid(spec: KernelSpec, config: dict[str, Any]) -> tuple[int | None, int]:
+    """Where a kernel with dynamic sizes finds ``xnumel`` among its arguments, and its
+    ``XBLOCK`` (None: a fixed grid). A fixed number of programs (row-column kernels)
+    or a template has no per-launch grid here."""
+    if not spec.size_args:
+        return None, 1
+    if spec.programs or spec.tile_shape:
+        raise StaticLaunchUnsupported("a dynamic kernel with a fixed program count")
+    return list(spec.signature).index("xnumel"), int(config["XBLOCK"])
+
+
 def _raw_stream(device: int) -> Callable[[], int]:
     """The current stream of ``device`` (the kernel's: it was loaded into that device's
     context), read on every launch: a capture or a ``torch.cuda.stream`` block changes it."""
@@ -114,7 +125,10 @@ def _raw_stream(device: int) -> Callable[[], int]:
 
 
 class StaticCudaKernel:
-    """``run(*args)`` launches the cubin over its grid; loaded on the first launch."""
+    """``run(*args)`` launches the cubin over its grid; loaded on the first launch.
+
+    A kernel with dynamic sizes (``spec.size_args``) has no fixed grid: each launch runs
+    one program per ``XBLOCK`` elements of its ``xnumel`` argument."""
 
     def __init__(self, spec: KernelSpec, binary: KernelBinary, grid: tuple[int, int, int],
                  impl: Any = None, stream: Callable[[], int] | None = None,
@@ -129,6 +143,7 @@ class StaticCudaKernel:
         self.num_warps = int(meta["num_warps"])
         self.shared = int(meta.get("shared", 0) or 0)
         self.grid = grid
+        self.xnumel_at, self.xblock = dynamic_grid(spec, binary.config)
         self.binary = binary.binary
         self.function: Any = None
         self.module: Any = None
@@ -160,6 +175,8 @@ class StaticCudaKernel:
     def _bound_run(self) -> Callable[..., None]:
         """The launch with everything but the arguments and the stream bound once: the
         wrapper calls it for every kernel of every call (host time per launch)."""
+        if self.xnumel_at is not None:
+            return self._bound_dynamic_run()
         launch, function, stream = self.impl._launch_kernel, self.function, self.stream
         gx, gy, gz = self.grid
         warps, shared, tys, scratch = self.num_warps, self.shared, self.arg_tys, self.scratch
@@ -186,6 +203,26 @@ class StaticCudaKernel:
             launch(function, gx, gy, gz, warps, shared, tys, args, stream())
         return run
 
+    def _bound_dynamic_run(self) -> Callable[..., None]:
+        """The bound launch of a kernel with dynamic sizes: the grid from ``xnumel``."""
+        launch, function, stream = self.impl._launch_kernel, self.function, self.stream
+        warps, shared, tys, scratch = self.num_warps, self.shared, self.arg_tys, self.scratch
+        at, xblock = self.xnumel_at, self.xblock
+        assert stream is not None and at is not None
+        if self._stream_device is None:  # a stream given by the caller
+            def run_on_stream(*args: Any) -> None:
+                launch(function, -(-args[at] // xblock) or 1, 1, 1, warps, shared, tys,
+                       args + scratch, stream())
+            return run_on_stream
+        import torch
+
+        get_stream, device = torch._C._cuda_getCurrentRawStream, self._stream_device
+
+        def run_dynamic(*args: Any) -> None:
+            launch(function, -(-args[at] // xblock) or 1, 1, 1, warps, shared, tys,
+                   args + scratch, get_stream(device))
+        return run_dynamic
+
     def run(self, *args: Any) -> None:
         if self.function is None:
             if self._instead is not None:
@@ -203,5 +240,7 @@ class StaticCudaKernel:
                 return
         assert self.stream is not None
         gx, gy, gz = self.grid
+        if self.xnumel_at is not None:
+            gx, gy, gz = -(-args[self.xnumel_at] // self.xblock) or 1, 1, 1
         self.impl._launch_kernel(self.function, gx, gy, gz, self.num_warps, self.shared,
                                  self.arg_tys, (*args, *self.scratch), self.stream())

@@ -150,3 +150,40 @@ def test_inference_direct_off_keeps_aots_runtime(monkeypatch: pytest.MonkeyPatch
     with torch.no_grad():
         _check_same(fn(x, w), _nested(x, w))
     assert _direct() == 0
+
+
+def _two_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (x @ w).relu()
+    return h.sum(-1) * 2, h + x.mean()
+
+
+def _dynamic_calls(options: dict[str, Any]) -> list[tuple[torch.Tensor, ...]]:
+    torch._dynamo.reset()
+    fn = torch.compile(_two_outputs, backend="kiln", dynamic=True, options=options)
+    caught = _no_fallback()
+    outs = []
+    with torch.no_grad():
+        for n, m in ((8, 24), (13, 24), (32, 7), (5, 40)):
+            x, w = torch.randn(n, 16), torch.randn(16, m)
+            got = fn(x, w)
+            _check_same(got, _two_outputs(x, w))
+            outs.append(got)
+    caught.__exit__(None, None, None)
+    return outs
+
+
+def test_graph_with_symbolic_sizes_is_called_directly() -> None:
+    """``dynamic=True``: SymInt inputs and tensors with symbolic sizes, one graph for every
+    size, called with no AOT runtime wrapper; each output carries the dimensions that are
+    dynamic for Dynamo exactly as AOTAutograd's runtime marks them (a later compiled frame
+    that takes it treats them as dynamic)."""
+    outs = _dynamic_calls({})
+    counters = process_counters()
+    assert _direct() == 1 and counters.get("compiles") == 1, counters
+    marks = [[getattr(t, "_dynamo_propagated_dynamic_indices", None) for t in out]
+             for out in outs]
+    assert marks == [[{0}, {0, 1}]] * 4, marks
+    aot = _dynamic_calls({"inference_direct": False})
+    assert _direct() == 1  # (no second direct graph)
+    assert [[getattr(t, "_dynamo_propagated_dynamic_indices", None) for t in out]
+            for out in aot] == marks

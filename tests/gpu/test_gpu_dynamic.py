@@ -107,6 +107,8 @@ def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu(kiln_isolated: No
     counters = client_for(KilnConfig.resolve()).counters.snapshot()
     assert counters.get("compiles") == 1, counters
     assert counters.get("hot_swaps", 0) >= 1 and counters.get("bucket_tunes", 0) >= 3, counters
+    # Called with no AOTAutograd runtime wrapper, as a static inference graph is.
+    assert counters.get("inference_direct") == 1, counters
     from kiln.frontend import compile as kiln_compile
 
     kiln_compile.observers.pop()
@@ -128,3 +130,9 @@ def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu(kiln_isolated: No
     (loaded,) = [o for o in gc.get_objects() if mine(o) and o is not graph]
     bucketed = [v for v in loaded.call.__globals__.values() if isinstance(v, BucketedLauncher)]
     assert bucketed and any(len(b.by_bucket) >= 3 for b in bucketed)
+    # Through torch's static launcher (no Triton launcher in Python), chosen once per size.
+    from kiln.compiler.runtime.static_launcher import StaticCudaKernel
+
+    assert all(isinstance(b.default, StaticCudaKernel) for b in bucketed)
+    assert all(isinstance(x, StaticCudaKernel) for b in bucketed for x in b.by_bucket.values())
+    assert {run.__name__ for b in bucketed for run in b.chosen.values()} == {"run_dynamic"}
