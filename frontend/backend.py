@@ -8,10 +8,13 @@ warning naming the graph and the stage; the backend never raises into the user's
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +38,42 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  mode: str | None = None, options: dict[str, Any] | None = None
                  ) -> Callable[..., Any]:
     """``torch.compile(model, backend="kiln", options={...})``."""
+    with older_objects_frozen():
+        return _compile_frame(gm, example_inputs, mode, options)
+
+
+_freeze_depth = 0
+_freeze_lock = threading.Lock()
+
+
+@contextmanager
+def older_objects_frozen() -> Iterator[None]:
+    """While the outermost compile runs, Python's garbage collector leaves alone the
+    objects that existed before it (``gc.freeze``); what the compile makes is collected as
+    usual. A full collection of a process holding a model, torch and Dynamo's state took
+    0.9 and 1.2 s, twice, in HF GPT-2's cold compile on the CPU machine (on the H200 host
+    one landed in the AOT cache key: its 0.32 s). The objects go back to the collector
+    (``gc.unfreeze``) when the compile returns. Nothing is done where the program froze
+    objects itself or turned the collector off."""
+    global _freeze_depth
+    with _freeze_lock:
+        outermost = _freeze_depth == 0 and gc.isenabled() and gc.get_freeze_count() == 0
+        if outermost or _freeze_depth:
+            _freeze_depth += 1
+        if outermost:
+            gc.freeze()
+    try:
+        yield
+    finally:
+        with _freeze_lock:
+            if _freeze_depth:
+                _freeze_depth -= 1
+                if _freeze_depth == 0:
+                    gc.unfreeze()
+
+
+def _compile_frame(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                   mode: str | None, options: dict[str, Any] | None) -> Callable[..., Any]:
     from .aot_cache import AotCache
 
     config = KilnConfig.resolve(options).with_mode(mode)

@@ -20,6 +20,7 @@ farm of the process uses it. ``farm_cluster`` starts and stops `kiln farm up`'s 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -53,6 +54,8 @@ RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 # Every process of the cluster and every driver joining it needs it (Ray 2.60).
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK = "127.0.0.1"
+GET_SLICE_S = 0.25  # how often a client waiting on the farm checks that it is not exiting
+EXIT_CALLS_WAIT_S = 5.0  # at exit: the longest Kiln waits for its Ray calls to end
 
 
 class FarmUnavailable(RuntimeError):
@@ -297,21 +300,36 @@ def use_auth_token() -> None:
 
 
 class _KilnRay:
-    """The Ray connection Kiln opened in this process, and the farms using it.
+    """The Ray connection Kiln opened in this process, the farms using it, and Kiln's Ray
+    calls in flight.
 
     A process has one Ray connection. Kiln leaves it (``ray.shutdown``) only when it
     opened it itself (never the user's own ``ray.init``), that same connection is still
     the live one (its job id), and the last farm using it has let go: other clients of
-    the process may share it."""
+    the process may share it.
+
+    At exit Kiln leaves in order (``at_exit``, an atexit hook registered after Ray's, so
+    it runs first): background work (autotuning asks the farm) finishes or is given up,
+    no new Ray call starts and those in flight end, the handles go, and only then the
+    connection; Ray's own hook finds nothing of Kiln's left to touch the stopped core
+    worker, which would abort the process (or leave a ``ray.get`` waiting forever)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.job: str | None = None  # the job id of the connection Kiln opened
         self.joined: str | None = None  # its address ("embedded": a Ray of its own)
         self.users: weakref.WeakSet[RayFarm] = weakref.WeakSet()  # the farms on it
+        self.farms: weakref.WeakSet[RayFarm] = weakref.WeakSet()  # every connected one
+        self.calls = threading.Condition()  # guards in_flight and closing
+        self.in_flight = 0
+        self.closing = False
 
     @staticmethod
     def current_job(ray: Any) -> str | None:
+        """The live connection's job id; None when not connected (not asked then: Ray
+        would connect to whatever cluster it finds to answer)."""
+        if not ray.is_initialized():
+            return None
         try:
             return str(ray.get_runtime_context().get_job_id())
         except Exception:  # not connected, or an older Ray
@@ -324,27 +342,88 @@ class _KilnRay:
                 self.joined = farm._init_ray(ray)
                 self.job = self.current_job(ray)
                 self.users.clear()
+            # Last in the atexit list, after whatever Ray registered: runs before it.
+            atexit.unregister(self.at_exit)
+            atexit.register(self.at_exit)
+            self.farms.add(farm)
             if self.job is not None and self.job == self.current_job(ray):
                 self.users.add(farm)
                 farm.joined = self.joined
 
     def detach(self, farm: RayFarm) -> None:
         with self.lock:
+            self.farms.discard(farm)
             if farm not in self.users:
                 return
             self.users.discard(farm)
             if self.users:
                 log.debug("kiln farm: %d other farm(s) still use Ray", len(self.users))
                 return
-            import ray
+            self._leave()
 
-            if self.job != self.current_job(ray):
-                return  # the user closed Kiln's connection and opened their own
-            self.job = None
+    def _leave(self) -> None:
+        """``ray.shutdown`` if Kiln's connection is the live one (under the lock)."""
+        import ray
+
+        if self.job is None or self.job != self.current_job(ray):
+            return  # the user's connection, or they closed Kiln's and opened their own
+        self.job = None
+        try:
+            ray.shutdown()
+        except Exception as e:  # leaving is best effort
+            log.debug("kiln farm: leaving Ray failed: %s", e)
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Around each of Kiln's Ray calls: refused (``FarmUnavailable``) once the
+        process is leaving Ray at exit; counted, so that exit waits for it to end."""
+        with self.calls:
+            if self.closing:
+                raise FarmUnavailable("this process is exiting: it has left the farm")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.calls:
+                self.in_flight -= 1
+                self.calls.notify_all()
+
+    def at_exit(self) -> None:
+        """Leave Ray in order at interpreter exit (see the class docstring)."""
+        from kiln.frontend.tuning import wait_at_exit
+
+        wait_at_exit()  # tuning still running, up to KILN_AUTOTUNE_EXIT_WAIT
+        with self.calls:
+            self.closing = True
+            # A waiting call notices ``closing`` within GET_SLICE_S.
+            if not self.calls.wait_for(lambda: self.in_flight == 0, EXIT_CALLS_WAIT_S):
+                log.warning("kiln farm: %d Ray call(s) still running at exit",
+                            self.in_flight)
+        for farm in list(self.farms):
+            farm.drop_handles()
+        if self.lock.acquire(timeout=EXIT_CALLS_WAIT_S):  # not behind a hung ray.init
             try:
-                ray.shutdown()
-            except Exception as e:  # leaving is best effort
-                log.debug("kiln farm: leaving Ray failed: %s", e)
+                self._leave()
+            finally:
+                self.lock.release()
+
+
+def ray_get(ray: Any, ref: Any, timeout: float | None) -> Any:
+    """``ray.get(ref, timeout=timeout)`` waiting in slices of GET_SLICE_S, so that a
+    call waiting when the process exits sees it (``FarmUnavailable``) instead of
+    waiting on a connection that is being closed. Raises Ray's ``GetTimeoutError``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:g}s")
+        ready, _ = ray.wait([ref], timeout=GET_SLICE_S if left is None
+                            else min(GET_SLICE_S, left))
+        if ready:
+            return ray.get(ref)
+        if _kiln_ray.closing:
+            raise FarmUnavailable("this process is exiting: it stopped waiting for the "
+                                  "farm (KILN_AUTOTUNE_EXIT_WAIT ran out)")
 
 
 _kiln_ray = _KilnRay()
@@ -375,10 +454,24 @@ class RayFarm:
 
     def actor(self) -> Any:
         """The coordinator, connecting (and starting embedded Ray) on first use."""
-        with self._lock:
+        with _kiln_ray.call(), self._lock:
             if self._actor is None:
                 self._actor = self._connect()
             return self._actor
+
+    def _ask(self, method: str, *args: Any, timeout: float | None) -> Any:
+        """Call the coordinator's ``method`` and wait for its answer (one of Kiln's Ray
+        calls: see ``_KilnRay.call``)."""
+        import ray
+
+        with _kiln_ray.call():
+            ref = getattr(self.actor(), method).remote(*args)
+            return ray_get(ray, ref, timeout)
+
+    def drop_handles(self) -> None:
+        """Forget the coordinator's handle (before the connection is left; not behind
+        ``_lock``, which a connect that hangs may hold)."""
+        self._actor = None
 
     def _connect(self) -> Any:
         try:
@@ -397,7 +490,9 @@ class RayFarm:
         start = time.perf_counter()
         actor = get_farm_actor(self.graph_workers)
         try:
-            ray.get(actor.ping.remote(), timeout=self.connect_timeout)
+            ray_get(ray, actor.ping.remote(), self.connect_timeout)
+        except FarmUnavailable:
+            raise
         except Exception as e:
             raise FarmUnavailable(f"the farm's coordinator did not start: {e}") from e
         log.debug("kiln farm: coordinator ready in %.2fs", time.perf_counter() - start)
@@ -456,13 +551,13 @@ class RayFarm:
                 delay: float = 0.0) -> CompiledGraph:
         import ray
 
-        actor = self.actor()
+        self.actor()  # connecting is not part of the wait
         traced = trace.recording()
         with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
             # The farm recomputes the key from the bytes; ours only checks that we agree.
-            ref = actor.compile.remote(request.to_bytes(), delay, key, traced)
             try:
-                answer = ray.get(ref, timeout=timeout)
+                answer = self._ask("compile", request.to_bytes(), delay, key, traced,
+                                   timeout=timeout)
             except ray.exceptions.GetTimeoutError:
                 raise FarmTimeout(
                     f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
@@ -480,9 +575,9 @@ class RayFarm:
         import ray
 
         try:
-            result = ray.get(self.actor().tuned.remote(key), timeout=timeout)
+            result = self._ask("tuned", key, timeout=timeout)
             if trace.recording():
-                trace.merge(ray.get(self.actor().tuning_trace.remote(), timeout=timeout))
+                trace.merge(self._ask("tuning_trace", timeout=timeout))
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
@@ -503,12 +598,10 @@ class RayFarm:
 
     def stats(self) -> dict[str, Any]:
         """The coordinator's counters, every one of ``FARM_COUNTERS`` present."""
-        import ray
-
         from kiln.workers import FARM_COUNTERS
 
         try:
-            stats = ray.get(self.actor().stats.remote(), timeout=self.connect_timeout)
+            stats = self._ask("stats", timeout=self.connect_timeout)
         except FarmUnavailable:
             raise
         except Exception as e:

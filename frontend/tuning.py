@@ -7,8 +7,10 @@ up on their next lookup. ``kiln stats`` counts ``autotune_publishes``, ``hits_au
 and ``hot_swaps``.
 
 Tuning threads are daemons; at exit the process waits up to ``KILN_AUTOTUNE_EXIT_WAIT``
-seconds (default 120) for tuning still running, so that short jobs publish what they
-tuned. No GPU of the target's arch means nothing runs here (CPU graphs never tune).
+seconds (default 120), once for all tuners (``wait_at_exit``), for tuning still running,
+so that short jobs publish what they tuned. A process that joined a farm waits before it
+leaves Ray (``frontend.farm`` calls ``wait_at_exit`` first), since its tuning asks the
+farm. No GPU of the target's arch means nothing runs here (CPU graphs never tune).
 
 Tuning in this process waits for the graph's first output (``hold``): its candidate
 compiles would otherwise take the CPUs and the GIL from the rest of the first call
@@ -23,6 +25,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 from kiln.compiler import trace
@@ -51,7 +54,7 @@ class BackgroundTuner:
         self._threads: list[threading.Thread] = []
         self._gates: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
-        atexit.register(self.wait, None)
+        _tuners.add(self)
 
     def submit(self, key: str, tune: Tune, publish: Publish,
                label: str = "background autotune", hold: bool = False) -> None:
@@ -115,6 +118,25 @@ class BackgroundTuner:
         for thread in threads:
             thread.join(max(0.0, deadline - _now()))
         return self.pending() == 0
+
+
+_tuners: weakref.WeakSet[BackgroundTuner] = weakref.WeakSet()
+_exit_waited = threading.Event()
+
+
+def wait_at_exit() -> None:
+    """At exit: wait, once, up to ``KILN_AUTOTUNE_EXIT_WAIT`` seconds in all for every
+    tuner's work. The farm's exit hook calls it before leaving Ray (its own hook runs
+    before Ray's); this module's hook covers a process that never joined one."""
+    if _exit_waited.is_set():
+        return
+    _exit_waited.set()
+    deadline = _now() + exit_wait_s()
+    for tuner in list(_tuners):
+        tuner.wait(max(0.0, deadline - _now()))
+
+
+atexit.register(wait_at_exit)
 
 
 def _now() -> float:
