@@ -47,6 +47,7 @@ first calls, while Kiln still runs heuristic configs and tunes in the background
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -85,6 +86,10 @@ class Workload:
     mode: str | None = None  # torch.compile mode for Kiln and Inductor ("reduce-overhead")
     params: list[torch.nn.Parameter] = field(default_factory=list)  # gradients compared
     results: dict[str, Any] = field(default_factory=dict)
+    # The outputs and gradients (as ``_results`` orders them) computed in float64 for the
+    # given inputs: a low-precision tensor outside the tolerance passes when Kiln's is as
+    # close to float64 as eager's (a sum that cancels is ill-conditioned in bf16).
+    reference: Callable[[list[Any]], list[torch.Tensor]] | None = None
 
     def stepped(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as a training loop calls it (see the module docstring); others as is."""
@@ -277,11 +282,20 @@ def encoder_workloads() -> list[Workload]:
         loss.backward()
         return loss
 
+    def reference(args: list[Any]) -> list[torch.Tensor]:
+        """The step in float64 without autocast: the loss, then every gradient."""
+        exact = copy.deepcopy(train).double()
+        with torch.enable_grad():
+            loss = F.cross_entropy(exact(*args).double(), labels)
+            loss.backward()
+        return [loss.detach()] + [p.grad.detach() if p.grad is not None
+                                  else torch.zeros_like(p) for p in exact.parameters()]
+
     infer = Encoder(layers=12, seq=512).cuda().half().eval()
     return [
         Workload("encoder training step 4 layers 8x256 bf16 autocast", train_step,
                  lambda: _encoder_inputs(8, 256), train=True,
-                 params=list(train.parameters())),
+                 params=list(train.parameters()), reference=reference),
         Workload("encoder fwd 12 layers 8x512 fp16", infer, lambda: _encoder_inputs(8, 512)),
     ]
 
@@ -414,13 +428,20 @@ def _results(w: Workload, fn: Callable[..., Any], args: list[Any]) -> list[torch
     return outs + grads
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm of the difference over the norm of ``b`` (NaN when either has one)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
 def check_against_eager(w: Workload, fn: Callable[..., Any], args: list[Any]) -> float:
     """Largest relative error (norm of the difference over the norm of eager's) over the
-    outputs and gradients; raises when one is off by more than the dtype allows."""
+    outputs and gradients; raises when one is off by more than the dtype allows, unless
+    the workload has a float64 reference that Kiln's tensor is as close to as eager's
+    (within 2x, as torch._dynamo's accuracy checks allow)."""
     got, want = _results(w, fn, args), _results(w, w.fn, args)
     if len(got) != len(want) or not want:
         raise RuntimeError(f"kiln returned {len(got)} tensors, eager {len(want)}")
-    worst = 0.0
+    worst, exact = 0.0, None
     for i, (a, b) in enumerate(zip(got, want)):
         if a.shape != b.shape or a.dtype != b.dtype:
             raise RuntimeError(f"tensor {i}: kiln {a.dtype}{list(a.shape)}, "
@@ -429,9 +450,19 @@ def check_against_eager(w: Workload, fn: Callable[..., Any], args: list[Any]) ->
             if not torch.equal(a, b):
                 raise RuntimeError(f"tensor {i}: integers differ")
             continue
-        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+        err = _rel(a, b)
         low = b.dtype in (torch.float16, torch.bfloat16) or w.name.find("autocast") >= 0
-        if not err <= (3e-2 if low else 1e-3):  # also catches NaN
+        tol = 3e-2 if low else 1e-3
+        if not err <= tol and low and w.reference is not None:  # (NaN stays a failure)
+            exact = exact if exact is not None else w.reference(args)
+            kiln64, eager64 = _rel(a, exact[i]), _rel(b, exact[i])
+            print(f"# {w.name}: tensor {i} of {len(want)}: relative error {err:.2e} to eager;"
+                  f" to float64 kiln {kiln64:.2e}, eager {eager64:.2e}", file=sys.stderr)
+            if kiln64 <= 2 * eager64 + tol / 10:
+                continue
+            raise RuntimeError(f"tensor {i} of {len(want)}: relative error {err:.2e} to eager, "
+                               f"{kiln64:.2e} to float64 (eager's: {eager64:.2e})")
+        if not err <= tol:  # also catches NaN
             raise RuntimeError(f"tensor {i} of {len(want)}: relative error {err:.2e}")
         worst = max(worst, err)
     return worst
