@@ -40,6 +40,7 @@ if "kiln.compiler" not in sys.modules:
 
 from farm_helpers import BUCKET, RayHead, free_port  # noqa: E402
 
+from kiln.compiler import trace  # noqa: E402
 from kiln.compiler.versions import versions  # noqa: E402
 from kiln.frontend.client import reset_clients  # noqa: E402
 from kiln.frontend.farm import RayFarm  # noqa: E402
@@ -111,3 +112,14 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]
     reset_clients()
     yield cache
     reset_clients()
+
+
+@pytest.fixture
+def recording() -> Iterator[None]:
+    """This process's timeline recorded (as "client") for the test, then cleared."""
+    trace.clear()
+    trace.enable()
+    trace.set_process_name("client")
+    yield
+    trace.enable(False)
+    trace.clear()

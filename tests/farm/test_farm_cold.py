@@ -7,10 +7,8 @@ shared through its store by content key. A farm warmed by a process that then le
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from farm_helpers import RayHead, cuda_request, farm_stats, python_env, run_python
 
 from kiln.compiler import trace
@@ -19,16 +17,6 @@ from kiln.frontend.config import KilnConfig
 from kiln.frontend.farm import InProcessFarm, RayFarm
 from kiln.frontend.keys import compute_key
 from kiln.frontend.trace import Span, critical_path
-
-
-@pytest.fixture
-def recording() -> Iterator[None]:
-    trace.clear()
-    trace.enable()
-    trace.set_process_name("client")
-    yield
-    trace.enable(False)
-    trace.clear()
 
 
 def test_a_traced_farm_compile_carries_every_process_spans(farm: RayFarm,

@@ -59,16 +59,6 @@ def two_worker_farm(farm: RayFarm) -> Iterator[RayFarm]:
     ray.kill(two._actor)
 
 
-@pytest.fixture
-def recording() -> Iterator[None]:
-    trace.clear()
-    trace.enable()
-    trace.set_process_name("client")
-    yield
-    trace.enable(False)
-    trace.clear()
-
-
 def _overlap(a: trace.Event, b: trace.Event) -> bool:
     return float(a["ts"]) < float(b["ts"]) + float(b["dur"]) and \
         float(b["ts"]) < float(a["ts"]) + float(a["dur"])
