@@ -49,6 +49,7 @@ import torch
 from kiln.artifact_store import Artifact
 from kiln.compiler import trace
 from kiln.compiler.request import SerializationError, TensorMeta, decode_constant, encode_constant
+from kiln.compiler.symwire import is_static
 
 from .client import CompileResult, KilnClient, client_for
 from .compile import (
@@ -440,8 +441,7 @@ def _traced_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     traced = []
     for node, x in zip(placeholders, example_inputs):
         val = node.meta.get("example_value", node.meta.get("val"))
-        symbolic = isinstance(val, torch.Tensor) and not all(
-            isinstance(v, int) for v in (*val.shape, *val.stride(), val.storage_offset()))
+        symbolic = isinstance(val, torch.Tensor) and not is_static(_layout(val))
         traced.append(val if symbolic else x)
     return traced
 
@@ -454,13 +454,18 @@ def _input_wires(inputs: Sequence[Any]) -> list[Any]:
     return [_input_wire(x) for x in inputs]
 
 
+def _layout(x: torch.Tensor) -> tuple[Any, ...]:
+    """Sizes, strides and storage offset: ints, or SymInts where Dynamo traced symbols."""
+    return (*x.shape, *x.stride(), x.storage_offset())
+
+
 def _input_wire(x: Any) -> Any:
     if isinstance(x, torch.SymInt):
         return ["symint", str(x.node.expr)]
     if not isinstance(x, torch.Tensor):
         return None
-    sizes = (*x.shape, *x.stride(), x.storage_offset())
-    if all(isinstance(v, int) for v in sizes):
+    sizes = _layout(x)
+    if is_static(sizes):
         return TensorMeta.from_tensor(x).to_wire()
     return ["symbolic", [str(v) for v in sizes], str(x.dtype), x.device.type]
 

@@ -148,12 +148,13 @@ class BucketedLauncher:
         self.names = {index_of(name): name for name in by_bucket}
         self.on_new = on_new
         self.generic = generic
-        self.symbolic = symbolic_positions(spec) if generic is not None else ()
+        symbolic = symbolic_positions(spec)
+        self.symbolic = symbolic if generic is not None else ()
         self.unaligned: dict[int, Any] = {}  # bucket index -> its generic launcher
         self.generic_by_name: dict[str | None, Any] = {}
         self.seen: set[int] = set(self.by_index)
         # The size arguments that decide the choice: the numels and the symbolic sizes.
-        keys = {self.x_at, *symbolic_positions(spec)} | (
+        keys = {self.x_at, *symbolic} | (
             {self.r_at} if self.r_at is not None else set())
         self.sizes_of = operator.itemgetter(*sorted(keys))
         self.chosen: dict[Any, Callable[..., None]] = {}  # sizes -> the launch to run
