@@ -33,13 +33,16 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
+
+if TYPE_CHECKING:
+    from .farm_process import ProcessFarm
 
 log = logging.getLogger("kiln.farm")
 
@@ -429,6 +432,21 @@ def ray_get(ray: Any, ref: Any, timeout: float | None) -> Any:
 _kiln_ray = _KilnRay()
 
 
+@contextmanager
+def farm_waits(key: str) -> Iterator[None]:
+    """The client's wait for the farm's answer, on the timeline."""
+    with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+        yield
+
+
+def answer_to_graph(answer: dict[str, Any]) -> CompiledGraph:
+    """The compiled graph of the coordinator's answer (its timeline merged here)."""
+    trace.merge(answer.pop("trace", None))
+    compiled = CompiledGraph.from_dict(answer["compiled"])
+    compiled.published_to = str(answer.get("published") or "")
+    return compiled
+
+
 class RayFarm:
     """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
 
@@ -549,40 +567,49 @@ class RayFarm:
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0) -> CompiledGraph:
+        self.actor()  # connecting is not part of the wait
+        with farm_waits(key):
+            answer = self.compile_raw(key, request.to_bytes(), delay, trace.recording(),
+                                      timeout)
+        return answer_to_graph(answer)
+
+    def compile_raw(self, key: str, request: bytes, delay: float, traced: bool,
+                    timeout: float | None) -> dict[str, Any]:
+        """The coordinator's answer to a compile (also what a client's farm process,
+        ``frontend.farm_process``, relays); errors as ``compile`` raises them."""
         import ray
 
-        self.actor()  # connecting is not part of the wait
-        traced = trace.recording()
-        with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
-            # The farm recomputes the key from the bytes; ours only checks that we agree.
-            try:
-                answer = self._ask("compile", request.to_bytes(), delay, key, traced,
-                                   timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise FarmTimeout(
-                    f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
-                    "compiling it for later clients") from None
-            except ray.exceptions.RayError as e:
-                raise self._classify(e, key) from None
-        trace.merge(answer.pop("trace", None))
-        compiled = CompiledGraph.from_dict(answer["compiled"])
-        compiled.published_to = str(answer.get("published") or "")
-        return compiled
+        # The farm recomputes the key from the bytes; ours only checks that we agree.
+        try:
+            return dict(self._ask("compile", request, delay, key, traced, timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise FarmTimeout(
+                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                "compiling it for later clients") from None
+        except ray.exceptions.RayError as e:
+            raise self._classify(e, key) from None
 
     def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
         """The graph the farm autotuned in the background after answering ``compile``
         (None if it tuned nothing); waits for it. The farm publishes it too."""
+        result = self.tuned_raw(key, timeout, trace.recording())
+        return None if result is None else CompiledGraph.from_dict(result)
+
+    def tuned_raw(self, key: str, timeout: float | None, traced: bool
+                  ) -> dict[str, Any] | None:
+        """``tuned``'s answer as the coordinator gives it (its timeline merged here when
+        ``traced``)."""
         import ray
 
         try:
             result = self._ask("tuned", key, timeout=timeout)
-            if trace.recording():
+            if traced:
                 trace.merge(self._ask("tuning_trace", timeout=timeout))
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
-        return None if result is None else CompiledGraph.from_dict(result)
+        return result
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
@@ -650,7 +677,7 @@ class LocalFarm:
     a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
 
     def __init__(self) -> None:
-        self._ray: RayFarm | None = None
+        self._ray: RayFarm | ProcessFarm | None = None
         self._checked = -LOCAL_RECHECK_S
         self._address: str | None = None
         self._lock = threading.Lock()
@@ -676,13 +703,13 @@ class LocalFarm:
                 self._address = found if found and probe(found) is None else None
             return self._address
 
-    def ray_farm(self) -> RayFarm:
+    def ray_farm(self) -> RayFarm | ProcessFarm:
         address = self.address()
         if address is None:
             raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
         with self._lock:
             if self._ray is None:
-                self._ray = RayFarm(address)
+                self._ray = remote_farm(address)
             return self._ray
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
@@ -699,20 +726,34 @@ class LocalFarm:
             ray_farm.release()
 
 
+def remote_farm(address: str) -> RayFarm | ProcessFarm:
+    """The farm at a Ray address: through a child process (``frontend.farm_process``:
+    this one never imports Ray) unless ``KILN_FARM_PROCESS=0`` or Ray is connected here."""
+    from .farm_process import ProcessFarm, wanted
+
+    return ProcessFarm(address) if wanted() else RayFarm(address)
+
+
 def connect_early(farm: Farm) -> threading.Thread | None:
-    """Join the farm that is up, in a background thread, while Dynamo's graph goes
-    through AOTAutograd, so that the first miss finds the connection made (joining Ray
-    and finding the coordinator took 0.9 s of GPT-2's cold start on the H200 host). It
-    never starts a farm (no farm up, embedded Ray: nothing to do) and never raises: a
-    connection that fails here fails again, and is reported, on the miss itself."""
-    ray_farm: RayFarm | None = None
+    """Join the farm that is up in the background, so that the first miss finds the
+    connection made (joining Ray and finding the coordinator took 0.9 s of GPT-2's
+    cold start on the H200 host): a ``ProcessFarm`` starts its child, a ``RayFarm``
+    connects on a thread (the thread is returned). It never starts a farm (no farm up,
+    embedded Ray: nothing to do) and never raises: a connection that fails here fails
+    again, and is reported, on the miss itself."""
+    from .farm_process import ProcessFarm
+
+    remote: RayFarm | ProcessFarm | None = None
     if isinstance(farm, LocalFarm) and farm.address() is not None:
-        ray_farm = farm.ray_farm()
-    elif isinstance(farm, RayFarm) and farm.address is not None:
-        ray_farm = farm
-    if ray_farm is None or ray_farm._actor is not None:
+        remote = farm.ray_farm()
+    elif isinstance(farm, (RayFarm, ProcessFarm)) and farm.address is not None:
+        remote = farm
+    if isinstance(remote, ProcessFarm):
+        remote.start()
         return None
-    thread = threading.Thread(target=_connect_quietly, args=(ray_farm,), daemon=True,
+    if remote is None or remote._actor is not None:
+        return None
+    thread = threading.Thread(target=_connect_quietly, args=(remote,), daemon=True,
                               name="kiln-farm-connect")
     thread.start()
     return thread
@@ -741,5 +782,5 @@ def farm_for(mode: str) -> Farm:
             elif mode.lower() == EMBEDDED:
                 _farms[mode] = RayFarm(None)
             else:
-                _farms[mode] = RayFarm(mode)
+                _farms[mode] = remote_farm(mode)
         return _farms[mode]
