@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
 from kiln.compiler import trace
-from kiln.compiler.compiled_graph import CompiledGraph
-from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: a client's farm process imports no torch
+    from kiln.compiler.compiled_graph import CompiledGraph
+    from kiln.compiler.request import CompileRequest
+    from kiln.workers.pipeline import KernelCache
+
     from .farm_process import ProcessFarm
 
 log = logging.getLogger("kiln.farm")
@@ -90,6 +91,7 @@ class InProcessFarm:
     description = "this process"
 
     def __init__(self, kernels: KernelCache | None = None) -> None:
+        from kiln.workers.pipeline import KernelCache
         from kiln.workers.select import MemoryChoiceCache
 
         self.kernels = kernels or KernelCache()
@@ -108,6 +110,8 @@ class InProcessFarm:
                 delay: float = 0.0, debug_options: dict[str, Any] | None = None
                 ) -> CompiledGraph:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
+        from kiln.workers.pipeline import CompileFailure, compile_inprocess
+
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
                                      extra_options=debug_options, choices=self.choices,
@@ -441,6 +445,8 @@ def farm_waits(key: str) -> Iterator[None]:
 
 def answer_to_graph(answer: dict[str, Any]) -> CompiledGraph:
     """The compiled graph of the coordinator's answer (its timeline merged here)."""
+    from kiln.compiler.compiled_graph import CompiledGraph
+
     trace.merge(answer.pop("trace", None))
     compiled = CompiledGraph.from_dict(answer["compiled"])
     compiled.published_to = str(answer.get("published") or "")
@@ -452,11 +458,14 @@ class RayFarm:
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  graph_workers: int | None = None, connect_timeout: float = 120.0,
-                 num_gpus: int | None = None) -> None:
+                 num_gpus: int | None = None, namespace: str | None = None) -> None:
         """``num_cpus`` / ``num_gpus``: the resources of an embedded Ray (``num_gpus``
         None: Ray counts this machine's; on a machine without GPUs a number makes fake
-        ones, which the tests' fake benchmark uses)."""
+        ones, which the tests' fake benchmark uses). ``namespace``: the farm's Ray
+        namespace (``workers.names``), given by a client's farm process: a coordinator
+        that runs is then found by name, without importing the compiler (or torch)."""
         self.address = address
+        self.namespace = namespace
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.graph_workers = graph_workers
@@ -494,8 +503,6 @@ class RayFarm:
     def _connect(self) -> Any:
         try:
             import ray
-
-            from kiln.workers.coordinator import get_farm_actor
         except ImportError as e:
             raise FarmUnavailable(f"Ray is not installed here ({e}); pip install ray") from e
 
@@ -506,7 +513,11 @@ class RayFarm:
                                       f"{reason}")
         _kiln_ray.attach(self, ray)
         start = time.perf_counter()
-        actor = get_farm_actor(self.graph_workers)
+        actor = self._running_coordinator(ray)
+        if actor is None:
+            from kiln.workers.coordinator import get_farm_actor
+
+            actor = get_farm_actor(self.graph_workers)
         try:
             ray_get(ray, actor.ping.remote(), self.connect_timeout)
         except FarmUnavailable:
@@ -515,6 +526,17 @@ class RayFarm:
             raise FarmUnavailable(f"the farm's coordinator did not start: {e}") from e
         log.debug("kiln farm: coordinator ready in %.2fs", time.perf_counter() - start)
         return actor
+
+    def _running_coordinator(self, ray: Any) -> Any:
+        """The coordinator by name in ``namespace``, if it was given and one runs."""
+        if self.namespace is None:
+            return None
+        from kiln.workers.names import FARM_NAME
+
+        try:
+            return ray.get_actor(FARM_NAME, namespace=self.namespace)
+        except ValueError:  # none yet: created (from the compiler's classes) as usual
+            return None
 
     def _init_ray(self, ray: Any) -> str:
         """Connect this process to Ray; the address joined ("embedded": a new Ray)."""
@@ -592,6 +614,8 @@ class RayFarm:
     def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
         """The graph the farm autotuned in the background after answering ``compile``
         (None if it tuned nothing); waits for it. The farm publishes it too."""
+        from kiln.compiler.compiled_graph import CompiledGraph
+
         result = self.tuned_raw(key, timeout, trace.recording())
         return None if result is None else CompiledGraph.from_dict(result)
 
@@ -613,7 +637,7 @@ class RayFarm:
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
-        from kiln.workers.pipeline import FarmKeyMismatch, FarmVersionMismatch
+        from kiln.workers.pipeline import CompileFailure, FarmKeyMismatch, FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):

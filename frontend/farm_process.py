@@ -36,12 +36,10 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.artifact_store import user_cache_dir
 from kiln.compiler import trace
-from kiln.compiler.compiled_graph import CompiledGraph
-from kiln.compiler.request import CompileRequest
 
 from .farm import (
     FarmUnavailable,
@@ -49,6 +47,10 @@ from .farm import (
     answer_to_graph,
     farm_waits,
 )
+
+if TYPE_CHECKING:  # the child imports no torch: it starts in a fraction of a second
+    from kiln.compiler.compiled_graph import CompiledGraph
+    from kiln.compiler.request import CompileRequest
 
 log = logging.getLogger("kiln.farm")
 ENV = "KILN_FARM_PROCESS"
@@ -127,8 +129,12 @@ class ProcessFarm:
         folder = user_cache_dir() / "logs"
         folder.mkdir(parents=True, exist_ok=True)
         self._log = folder / f"farm-process-{os.getpid()}.log"
+        from kiln.compiler.versions import versions
+        from kiln.workers.names import namespace_for
+
         command = [sys.executable, "-m", "kiln.frontend.farm_process", str(theirs.fileno()),
-                   self.address] + (["--trace"] if trace.recording() else [])
+                   self.address, namespace_for(versions())]
+        command += ["--trace"] if trace.recording() else []
         with self._log.open("ab") as sink:
             self._proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),),
                                           stdin=subprocess.DEVNULL, stdout=sink,
@@ -184,6 +190,8 @@ class ProcessFarm:
         return answer_to_graph(answer)
 
     def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        from kiln.compiler.compiled_graph import CompiledGraph
+
         result = self.call("tuned_raw", key, timeout, trace.recording())
         return None if result is None else CompiledGraph.from_dict(result)
 
@@ -209,10 +217,10 @@ _live: set[ProcessFarm] = set()
 def _at_exit() -> None:
     """Background tuning asks the farm: let it finish (``KILN_AUTOTUNE_EXIT_WAIT``)
     before the children are let go. Registered after ``tuning``'s hook: runs first."""
-    from .tuning import wait_at_exit
-
     if not _live:
         return
+    from .tuning import wait_at_exit
+
     wait_at_exit()
     for farm in list(_live):
         farm.release()
@@ -225,10 +233,10 @@ atexit.register(_at_exit)
 # The child's side.
 
 
-def serve(sock: socket.socket, address: str) -> None:
+def serve(sock: socket.socket, address: str, namespace: str) -> None:
     """Join the farm at ``address`` now, then run the parent's calls (each on a thread of
     its own, as they wait on the farm) until the parent closes its end."""
-    farm = RayFarm(address)
+    farm = RayFarm(address, namespace=namespace)
     threading.Thread(target=_join, args=(farm,), daemon=True).start()
     lock = threading.Lock()
     while (message := receive(sock)) is not None:
@@ -275,12 +283,12 @@ def _drain_events() -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    fd, address = int(argv[0]), argv[1]
-    if "--trace" in argv[2:]:
+    fd, address, namespace = int(argv[0]), argv[1], argv[2]
+    if "--trace" in argv[3:]:
         trace.enable(True)
         trace.set_process_name("client's farm process")
     sock = socket.socket(fileno=fd)
-    serve(sock, address)
+    serve(sock, address, namespace)
     return 0
 
 

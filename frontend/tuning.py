@@ -32,9 +32,12 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kiln.compiler import trace
-from kiln.compiler.compiled_graph import CompiledGraph
+
+if TYPE_CHECKING:  # not imported by a client's farm process, which has no torch
+    from kiln.compiler.compiled_graph import CompiledGraph
 
 log = logging.getLogger("kiln.tuning")
 EXIT_WAIT_ENV = "KILN_AUTOTUNE_EXIT_WAIT"
@@ -50,7 +53,7 @@ def exit_wait_s() -> float:
 
 
 Tune = Callable[[], "CompiledGraph | None"]
-Publish = Callable[[CompiledGraph], None]
+Publish = Callable[["CompiledGraph"], None]
 
 
 class BackgroundTuner:
