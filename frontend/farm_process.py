@@ -113,6 +113,7 @@ class ProcessFarm:
         self._log: Path | None = None
         self._calls: dict[int, Future[Any]] = {}
         self._next_id = 0
+        self._ended: socket.socket | None = None  # the connection whose child has ended
 
     @property
     def description(self) -> str:
@@ -135,11 +136,16 @@ class ProcessFarm:
         command = [sys.executable, "-m", "kiln.frontend.farm_process", str(theirs.fileno()),
                    self.address, namespace_for(versions())]
         command += ["--trace"] if trace.recording() else []
-        with self._log.open("ab") as sink:
-            self._proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),),
-                                          stdin=subprocess.DEVNULL, stdout=sink,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-        theirs.close()
+        try:
+            with self._log.open("ab") as sink:
+                self._proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),),
+                                              stdin=subprocess.DEVNULL, stdout=sink,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            ours.close()
+            raise FarmUnavailable(f"the farm's child process did not start: {e}") from e
+        finally:
+            theirs.close()
         self._sock = ours
         self.joined = self.address
         threading.Thread(target=self._read, args=(ours,), daemon=True,
@@ -155,10 +161,12 @@ class ProcessFarm:
             if future is not None:  # merged by the caller's thread (background or not)
                 future.set_result((ok, value, events))
         with self._lock:
-            calls, self._calls = list(self._calls.values()), {}
+            calls, self._calls, self._ended = list(self._calls.values()), {}, sock
         for future in calls:
-            future.set_exception(FarmUnavailable(
-                f"the farm's child process ended (its log: {self._log})"))
+            future.set_exception(self._gone())
+
+    def _gone(self) -> FarmUnavailable:
+        return FarmUnavailable(f"the farm's child process ended (its log: {self._log})")
 
     def call(self, method: str, *args: Any) -> Any:
         """``method`` of the child's ``RayFarm`` conversation; waits for the answer."""
@@ -166,10 +174,11 @@ class ProcessFarm:
         future: Future[Any] = Future()
         with self._lock:
             sock = self._sock
+            if sock is None or sock is self._ended:
+                raise self._gone()
             call_id, self._next_id = self._next_id, self._next_id + 1
             self._calls[call_id] = future
         try:
-            assert sock is not None
             send(sock, self._send_lock, (call_id, method, args))
         except OSError as e:
             with self._lock:

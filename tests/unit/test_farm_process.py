@@ -75,3 +75,17 @@ def test_an_unreachable_farm_is_named_through_the_child_which_exits_when_let_go(
     with pytest.raises(FarmUnavailable):  # let go: a later call starts a child again
         farm.stats()
     farm.release()
+
+
+def test_a_child_that_dies_fails_the_next_call_at_once() -> None:
+    farm = ProcessFarm(f"127.0.0.1:{_free_port()}")
+    farm.start()
+    child = farm._proc
+    assert child is not None
+    child.kill()
+    child.wait(timeout=30)
+    start = time.monotonic()
+    with pytest.raises(FarmUnavailable, match="child process"):
+        farm.stats()
+    assert time.monotonic() - start < 5
+    farm.release()
