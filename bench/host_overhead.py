@@ -28,20 +28,24 @@ Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in tu
     dynamo floor, dynamic=None  the floor compiled with torch.compile's default ``dynamic``
 
 Columns: host µs per call (the best of 5 runs of ``--calls``/5 calls, each timed with
-perf_counter up to a synchronize: on a host-bound graph this is the wall time per call)
-and, on CUDA, the median wall µs of one call between CUDA events (``gpu_bench``'s
-measure). ``dynamic=False`` (as ``gpu_bench`` compiles) makes Dynamo patch its config on
-every call, and ``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two
-calls to every frame: both are in the "dynamo floor" row, for Kiln and Inductor alike.
+perf_counter up to a synchronize: on a host-bound graph this is the wall time per call;
+on CPU the calling thread's CPU time, less disturbed by other processes) and, on CUDA,
+the median wall µs of one call between CUDA events (``gpu_bench``'s measure).
+``dynamic=False`` (as ``gpu_bench`` compiles) makes Dynamo patch its config on every
+call (the row "dynamo floor, dynamic=None" shows its cost), and
+``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two calls to every
+frame: both are in the "dynamo floor" row, for Kiln and Inductor alike.
 Every Kiln row is compared with eager first and fails on ``KilnFallbackWarning``.
 ``--profile`` prints the functions with the most own time in Kiln's default and
 reduce-overhead calls.
 
 After the table, one line per workload reads the reduce-overhead row against the floor:
 the host µs Kiln's reduce-overhead call adds to Dynamo's (on CUDA also the µs between
-events), and on CUDA the host µs of one CUDA-graph launch alone (torch's replay of a
-one-kernel graph in a loop, no Dynamo, no Kiln): what is left above the floor once
-Kiln's Python is gone.
+events). For a function (the seed), the floor and Kiln's reduce-overhead call are also
+timed in alternating blocks (a loaded host slows both alike) and their Python frames and
+C calls per call counted (deterministic). On CUDA the line ends with the host µs of one
+CUDA-graph launch alone (torch's replay of a one-kernel graph in a loop, no Dynamo, no
+Kiln): what is left above the floor once Kiln's Python is gone.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import Block, seed_fn  # noqa: E402
 
 SETS = 4
+CLOCK = time.perf_counter  # time.thread_time on CPU (see the module docstring)
 
 
 def workloads(device: str) -> dict[str, tuple[Callable[..., Any], Callable[[], list[Any]]]]:
@@ -182,11 +187,11 @@ def host_us(fn: Callable[..., Any], sets: list[list[Any]], calls: int, sync: Cal
     n = max(calls // blocks, len(sets))
     best = float("inf")
     for _ in range(blocks):
-        start = time.perf_counter()
+        start = CLOCK()
         for i in range(n):
             fn(*sets[i % len(sets)])
         sync()
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        best = min(best, (CLOCK() - start) / n * 1e6)
     return best
 
 
@@ -213,7 +218,29 @@ def paired_us(fn: Callable[..., Any], rows: dict[str, dict[str, Any]], sets: lis
         for _ in range(blocks):
             for name, f in compiled.items():
                 best[name] = min(best[name], host_us(f, sets, calls // blocks, sync, 1))
-    return {f"{name} (paired)": us for name, us in best.items()}
+        found = {f"{name} (paired)": us for name, us in best.items()}
+        for name, f in compiled.items():
+            found[f"{name} (python calls)"], found[f"{name} (c calls)"] = calls_per_call(f, sets)
+    return found
+
+
+def calls_per_call(fn: Callable[..., Any], sets: list[list[Any]], n: int = 400
+                   ) -> tuple[float, float]:
+    """Python frames and C function calls per call (counted, not timed: the same on a
+    loaded host)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(note)
+    try:
+        for i in range(n):
+            fn(*sets[i % len(sets)])
+    finally:
+        sys.setprofile(None)
+    return counts["call"] / n, counts["c_call"] / n
 
 
 def event_us(fn: Callable[..., Any], sets: list[list[Any]], reps: int = 200) -> float:
@@ -354,7 +381,10 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             if f"{ro} (paired)" in r:
                 line += (f"; timed in alternating blocks: {r[f'{ro} (paired)']:.1f} against "
                          f"{r['dynamo floor (paired)']:.1f} "
-                         f"(+{r[f'{ro} (paired)'] - r['dynamo floor (paired)']:.1f})")
+                         f"({r[f'{ro} (paired)'] - r['dynamo floor (paired)']:+.1f}); "
+                         f"Python frames per call {r[f'{ro} (python calls)']:.0f} against "
+                         f"{r['dynamo floor (python calls)']:.0f}, C calls "
+                         f"{r[f'{ro} (c calls)']:.0f} against {r['dynamo floor (c calls)']:.0f}")
             if "graph launch alone" in r:
                 line += f"; one CUDA-graph launch alone {r['graph launch alone']:.1f} us host"
             lines.append(line)
@@ -363,7 +393,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     names = [k for k in rows[0] if k != "workload" and not k.endswith(" events")
-             and not k.endswith(" (paired)") and k != "graph launch alone"]
+             and not k.endswith(("(paired)", "calls)")) and k != "graph launch alone"]
     print("| workload | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for r in rows:
@@ -384,6 +414,8 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.device == "cpu":
+        global CLOCK
+        CLOCK = time.thread_time
         torch.set_num_threads(1)  # a tiny graph: threads only add noise
     rows = run(args.device, args.calls, [o for o in args.only.split(",") if o],
                args.profile)
