@@ -3,7 +3,11 @@ user's call and the kernels (Dynamo's frame and guards, AOTAutograd's runtime wr
 Kiln's wrapper, the CUDA-graph runner), for Kiln and Inductor, on one device.
 
     python3 bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--profile]
-                                   [--only seed,block] [--json OUT]
+                                   [--only seed,block] [--rows "kiln;kiln reduce-overhead"]
+                                   [--json OUT]
+
+(``--rows``: the rows below to run, by exact name, separated by ";"; eager and the dynamo
+floor always run.)
 
 Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in turn (as
 ``bench/gpu_bench.py`` does), except ``same inputs`` (one set every call):
@@ -281,7 +285,8 @@ def profile(fn: Callable[..., Any], sets: list[list[Any]], title: str, top: int 
               f"x{calls / 2000:<4.0f} {os.path.basename(path)}:{line}({func})", file=sys.stderr)
 
 
-def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[dict[str, Any]]:
+def run(device: str, calls: int, only: list[str], want_profile: bool, wanted: list[str]
+        ) -> list[dict[str, Any]]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = []
     with torch.no_grad():
@@ -294,6 +299,8 @@ def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[di
             if device == "cuda":
                 row["eager events"] = event_us(fn, sets)
             for vname, kwargs, same in variants(device):
+                if wanted and vname not in wanted and vname != "dynamo floor":
+                    continue
                 profiled = want_profile and vname in ("kiln", "kiln reduce-overhead",
                                                       NOOP_REPLAY)
                 row.update(measure(fn, vname, kwargs, sets[:1] if same else sets, calls,
@@ -410,6 +417,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--only", default="")
+    parser.add_argument("--rows", default="")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -418,7 +426,7 @@ def main() -> int:
         CLOCK = time.thread_time
         torch.set_num_threads(1)  # a tiny graph: threads only add noise
     rows = run(args.device, args.calls, [o for o in args.only.split(",") if o],
-               args.profile)
+               args.profile, [r.strip() for r in args.rows.split(";") if r.strip()])
     print_table(rows)
     for line in summary(rows):
         print(line)
