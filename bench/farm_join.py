@@ -35,16 +35,41 @@ from kiln.compiler.decompositions import kiln_decompositions
 
 case = sys.argv[1]
 layers = int(sys.argv[2])
-model = torch.nn.TransformerEncoder(
-    torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), layers).eval()
+
+
+class Block(torch.nn.Module):  # a GPT-2 layer's shape: attention and MLP, pre-norm
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], -1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / 16.0, -1)
+        x = x + self.proj(att @ v)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block() for _ in range(layers)])
+
+    def forward(self, x):
+        return (self.blocks(x),)  # AOTAutograd's graphs return tuples
+
+
+model = Stack()
 x = torch.randn(2, 64, 256)
-gm = torch.fx.symbolic_trace(lambda t: model.layers[0](t))  # warm torch's first trace
+
 
 def trace_once():
     graph = torch.fx.symbolic_trace(model)
     compiled = aot_autograd(fw_compiler=lambda g, _: g, decompositions=kiln_decompositions())
     with torch.no_grad():
         compiled(graph, [x])
+
 
 def join_in_thread():
     from kiln.frontend.farm import LocalFarm, connect_early
