@@ -30,6 +30,8 @@ Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in tu
                                 Dynamo's call and ``cudaGraphLaunch`` (asserted to have
                                 gone through the replay on every timed call)
     dynamo floor, dynamic=None  the floor compiled with torch.compile's default ``dynamic``
+    kiln reduce-overhead, dynamic=None
+                                (GPU only) the same for Kiln's reduce-overhead row
 
 Columns: host µs per call (the best of 5 runs of ``--calls``/5 calls, each timed with
 perf_counter up to a synchronize: on a host-bound graph this is the wall time per call;
@@ -111,7 +113,9 @@ def variants(device: str) -> list[tuple[str, dict[str, Any], bool]]:
                  ("kiln reduce-overhead, copy",  # (torch.compile takes mode or options)
                   {"backend": "kiln", "options": {"cudagraphs": True,
                                                   "inference_direct": False}}, False),
-                 ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True)]
+                 ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True),
+                 ("kiln reduce-overhead, dynamic=None",
+                  {"backend": "kiln", "dynamic": None, **ro}, False)]
     else:
         rows.append((NOOP_REPLAY, {"backend": "kiln", "mode": "reduce-overhead"}, False))
     return rows
