@@ -51,7 +51,9 @@ events). For a function (the seed), the floor and Kiln's reduce-overhead call ar
 timed in alternating blocks (a loaded host slows both alike) and their Python frames and
 C calls per call counted (deterministic). On CUDA the line ends with the host µs of one
 CUDA-graph launch alone (torch's replay of a one-kernel graph in a loop, no Dynamo, no
-Kiln): what is left above the floor once Kiln's Python is gone.
+Kiln): what is left above the floor once Kiln's Python is gone; in brackets the same
+launch through the driver's ``cuGraphLaunch`` called with ctypes (where torch gives the
+executable graph's handle): how much of it is torch's binding.
 """
 
 from __future__ import annotations
