@@ -210,11 +210,17 @@ def paired_us(fn: Callable[..., Any], rows: dict[str, dict[str, Any]], sets: lis
     """Host µs per call of ``rows`` (name: torch.compile kwargs) of one function, timed in
     alternating blocks so that a loaded host slows them alike (the best block each). Each
     row compiles its own copy of the function's code (Dynamo keeps a cache per code
-    object). Kiln rows are checked against eager first; a stand-in replay (CPU) is made a
-    no-op after its check."""
+    object). Kiln rows are checked against eager first and fail on a fallback to eager or
+    to plain launches; a stand-in replay (CPU) is made a no-op after its check."""
+    from kiln import KilnFallbackWarning
+    from kiln.compiler.runtime.cudagraphs import KilnCudaGraphWarning
+
     torch._dynamo.reset()
     compiled = {}
-    with NoopReplay() if NOOP_REPLAY in rows else contextlib.nullcontext() as stand_in:
+    with warnings.catch_warnings(), \
+            NoopReplay() if NOOP_REPLAY in rows else contextlib.nullcontext() as stand_in:
+        warnings.simplefilter("error", KilnFallbackWarning)
+        warnings.simplefilter("error", KilnCudaGraphWarning)  # the replay path or nothing
         for name, kwargs in rows.items():
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
             compiled[name] = torch.compile(copy, **{"dynamic": False, **kwargs})
