@@ -315,6 +315,7 @@ def _kiln_frames(fn: Any, sets: list[list[Any]], calls: int) -> tuple[int, list[
         if event == "call":
             frames.append(frame.f_code)
 
+    collecting = gc.isenabled()
     gc.disable()  # (a collection's callbacks would count as frames of the call)
     sys.setprofile(note)
     try:
@@ -322,7 +323,8 @@ def _kiln_frames(fn: Any, sets: list[list[Any]], calls: int) -> tuple[int, list[
             fn(*sets[i % len(sets)])
     finally:
         sys.setprofile(None)
-        gc.enable()
+        if collecting:
+            gc.enable()
     ours = sorted({c.co_name for c in frames if c.co_filename.startswith(packages)})
     return len(frames) // calls, ours
 
