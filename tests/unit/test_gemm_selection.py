@@ -6,6 +6,8 @@ unless pointwise work follows it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -23,6 +25,7 @@ from kiln.compiler.kernel_compile import compile_kernel
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from kiln.compiler.select_algorithm import Candidate, candidates
 from kiln.workers.autotune import library_precision
+from tests.gemm_helpers import aot_graphs, as_fake_cuda, compile_tuned
 from tests.targets import SM90
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
@@ -112,3 +115,48 @@ def test_row_bias_in_the_library_call_is_no_epilogue() -> None:
     full = _pending(lambda x, w, b: torch.addmm(b, x, w) @ w.t(), (256, 128), (128, 192),
                     (256, 192))
     assert (256, 192, 128, True) in {(p.m, p.n, p.k, p.epilogue) for p in full}
+
+
+def test_mlp_step_with_library_choices_is_library_calls_and_minimal_pointwise() -> None:
+    """gpu_bench's fp32 MLP training step (Linear, GELU, Linear, mean-square loss) where
+    max-autotune chose the library call for every matmul (as on the H200, ALLOW_TF32
+    off): the wrapper calls addmm / mm on transposed views of the weights and of the
+    gradients (never a copy), and the kernels besides are only what eager also runs:
+    the GELU and its derivative, the loss and its gradient, the two bias-gradient sums."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                              torch.nn.Linear(256, 64))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = mlp(x).square().mean()
+        loss.backward()
+        return loss
+
+    compiled = {name.split("_")[0]: compile_tuned(
+        lambda: None, as_fake_cuda(inputs), {}, graph=gm, pick=lambda p: {"kind": "extern"})
+        for name, gm, inputs in aot_graphs(step, [torch.randn(512, 64)])}
+    fw, bw = compiled["forward"], compiled["backward"]
+    assert [len(c.stats["gemm_choices"]) for c in (fw, bw)] == [2, 3]
+    assert all(c["kind"] == "extern" for g in (fw, bw) for c in g.stats["gemm_choices"].values())
+    calls = {name: re.findall(r"torch\.(\w+)\((.*)\)$", c.wrapper_source, re.M)
+             for name, c in compiled.items()}
+    assert [op for op, _ in calls["forward"]] == ["addmm", "addmm"]
+    assert [op for op, _ in calls["backward"]] == ["mm", "mm", "mm"]
+    # Every transposed operand is a strided view (reinterpret_tensor with a unit first
+    # stride), read in place by the library: forward both weights, backward the two
+    # weight gradients' left operands.
+    transposed = r"reinterpret_tensor\(\w+, \(\d+, \d+\), \(1, \d+\), 0\)"
+    assert [len(re.findall(transposed, args)) for _, args in calls["forward"]] == [1, 1]
+    assert sorted(len(re.findall(transposed, args)) for _, args in calls["backward"]) == \
+        [0, 1, 1]
+    for c in (fw, bw):
+        assert not re.search(r"\.(clone|contiguous|copy_)\(|extern_kernels", c.wrapper_source)
+    kinds = {name: [k.kind for k in c.kernels] for name, c in compiled.items()}
+    # Forward: the GELU (one pointwise kernel), then the loss's mean (a reduction).
+    assert kinds["forward"].count("pointwise") == 1
+    assert 1 <= len(kinds["forward"]) <= 3
+    # Backward: the loss's gradient and the GELU's derivative (two pointwise kernels),
+    # each bias gradient a column sum (one reduction, or two for a split one).
+    assert kinds["backward"].count("pointwise") == 2
+    assert 4 <= len(kinds["backward"]) <= 6
+    assert all("sum" in k.name for k in bw.kernels if k.kind != "pointwise")
