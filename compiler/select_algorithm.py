@@ -107,3 +107,40 @@ def _evidence(record: dict[str, Any]) -> dict[str, Any]:
     round_trip = record.get("round_trip_ms", 0.0)
     return {"timings": timings if isinstance(timings, list) else [],
             "round_trip_ms": float(round_trip) if isinstance(round_trip, (int, float)) else 0.0}
+
+
+def describe_choice(problem: GemmProblem, record: dict[str, Any]) -> str:
+    """One line for a person: the problem, the winner, and what it beat, e.g.
+    ``mm 4096x4096x1024 float32 (a, b^T) +epilogue: extern 0.671 ms; best template
+    0.812 ms (128x128x32 s3 w8); round trip 0.031 ms``."""
+    p = problem
+    size = f"{p.batch}x{p.m}x{p.n}x{p.k}" if p.op == "bmm" else f"{p.m}x{p.n}x{p.k}"
+    layout = ", ".join(name + ("^T" if stride[2] != 1 else "")
+                       for name, stride in (("a", p.a_stride), ("b", p.b_stride)))
+    flags = (" tf32" if p.allow_tf32 else "") + (" +epilogue" if p.epilogue else "")
+    timings = [t for t in record.get("timings", []) if isinstance(t, dict)]
+    extern = [t["ms"] for t in timings if t.get("kind") == EXTERN and t.get("ms") is not None]
+    templates = sorted(((t["ms"], t.get("config") or {}) for t in timings
+                        if t.get("kind") == TEMPLATE and t.get("ms") is not None),
+                       key=lambda item: item[0])
+    won = record.get("kind", "?")
+    if won == TEMPLATE:
+        won = f"template {_tile(record.get('config') or {})}"
+    parts = [f"{p.op} {size} {p.dtype} ({layout}){flags}: chose {won}"]
+    if extern:
+        parts.append(f"extern {extern[0]:.3f} ms")
+    if templates:
+        parts.append(f"best template {templates[0][0]:.3f} ms ({_tile(templates[0][1])}) "
+                     f"of {len(templates)}")
+    if record.get("round_trip_ms"):
+        parts.append(f"round trip {float(record['round_trip_ms']):.3f} ms")
+    if not timings:
+        parts.append("not benchmarked")
+    return "; ".join(parts)
+
+
+def _tile(config: dict[str, Any]) -> str:
+    tile = "x".join(str(config.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    extra = " tma" if config.get("TMA") else ""
+    extra += " persistent" if config.get("NUM_SMS") else ""
+    return f"{tile} s{config.get('num_stages', '?')} w{config.get('num_warps', '?')}{extra}"

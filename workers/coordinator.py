@@ -38,6 +38,7 @@ from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
+from kiln.compiler.select_algorithm import describe_choice
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
@@ -409,7 +410,9 @@ class KilnFarm:
             event = gpu_lane_event(gpu, "gemm benchmark", began, trace.now_us(),
                                    problem=choice[7:23], candidates=1 + len(kernel_jobs))
         self._record_tuning(event, timeline)
-        return choice, decide(problem, [c for c, _ in jobs], timings)
+        record = decide(problem, [c for c, _ in jobs], timings)
+        log.info("kiln farm: GEMM choice %s", describe_choice(problem, record))
+        return choice, record
 
     def _record_tuning(self, event: trace.Event, timeline: list[trace.Event] | None) -> None:
         """A benchmark's span: in the request's timeline (when traced) and in the farm's

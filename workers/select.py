@@ -24,7 +24,13 @@ from kiln.artifact_store import Artifact, Store
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.ir.template import EXTERN, GemmProblem
-from kiln.compiler.select_algorithm import Candidate, candidates, check_record, pick_winner
+from kiln.compiler.select_algorithm import (
+    Candidate,
+    candidates,
+    check_record,
+    describe_choice,
+    pick_winner,
+)
 
 from .pipeline import KernelJob
 
@@ -177,6 +183,7 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
                 timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs],
                                          [binaries[id(j)] for j in kernel_jobs])
             new[choice] = decide(problem, [c for c, _ in jobs[choice]], timings)
+            log.info("kiln: GEMM choice %s", describe_choice(problem, new[choice]))
             choices.put(choice, new[choice])
     else:
         new = {choice: untuned_record() for choice in todo}

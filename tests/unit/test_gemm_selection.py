@@ -23,7 +23,7 @@ from kiln.compiler.driver import compile_graph
 from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import compile_kernel
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.compiler.select_algorithm import Candidate, candidates
+from kiln.compiler.select_algorithm import Candidate, candidates, describe_choice, pick_winner
 from kiln.workers.autotune import library_precision
 from tests.gemm_helpers import aot_graphs, as_fake_cuda, compile_tuned
 from tests.targets import SM90
@@ -160,3 +160,26 @@ def test_mlp_step_with_library_choices_is_library_calls_and_minimal_pointwise() 
     assert kinds["backward"].count("pointwise") == 2
     assert 4 <= len(kinds["backward"]) <= 6
     assert all("sum" in k.name for k in bw.kernels if k.kind != "pointwise")
+
+
+def test_a_choice_is_described_in_one_line() -> None:
+    """What the selection logs and gpu_bench prints for each problem: the winner, the
+    library call's time, the best template's (and how many ran), the round trip."""
+    p = GemmProblem("mm", 1, 4096, 4096, 1024, "float32", "float32", "float32",
+                    (0, 1, 4096), (0, 1024, 1), True, False)
+    cands = candidates(p)
+    library_wins = pick_winner(p, [(c, 0.7 + 0.1 * i) for i, c in enumerate(cands)], 0.03)
+    line = describe_choice(p, library_wins)
+    assert line.startswith("mm 4096x4096x1024 float32 (a^T, b) +epilogue: chose extern; ")
+    first = gemm_configs(p)[0]
+    tile = f"{first['BLOCK_M']}x{first['BLOCK_N']}x{first['BLOCK_K']}"
+    assert f"extern 0.700 ms; best template 0.800 ms ({tile} " in line
+    assert f"of {len(cands) - 1}; round trip 0.030 ms" in line
+    # The last template is the fastest, even with the extern's round trip forgiven.
+    fast = pick_winner(p, [(c, 1.0 - 0.05 * i) for i, c in enumerate(cands)], 0.03)
+    last = cands[-1].config
+    assert last is not None
+    assert f"chose template {last['BLOCK_M']}x{last['BLOCK_N']}x{last['BLOCK_K']} " \
+        f"s{last['num_stages']} w{last['num_warps']}; extern 1.000 ms" in describe_choice(p, fast)
+    assert describe_choice(p, {"kind": "extern", "timings": []}).endswith(
+        "chose extern; not benchmarked")
