@@ -34,8 +34,11 @@ def _note(name: str, result: Any) -> None:
     from kiln.compiler.ir.template import GemmProblem
     from kiln.compiler.select_algorithm import describe_choice
 
-    choices = result.compiled.stats.get("gemm_choices") or {}
+    try:  # a diagnostic: whatever it meets, the compile it watches goes on
+        choices = result.compiled.stats.get("gemm_choices") or {}
+        lines = {key: describe_choice(GemmProblem.from_dict(record["problem"]), record)
+                 for key, record in choices.items()}
+    except Exception as e:  # noqa: BLE001
+        lines = {name: f"(choices of graph {name} not described: {type(e).__name__}: {e})"}
     with _lock:
-        for key, record in choices.items():
-            if isinstance(record, dict) and isinstance(record.get("problem"), dict):
-                _lines[key] = describe_choice(GemmProblem.from_dict(record["problem"]), record)
+        _lines.update(lines)

@@ -183,3 +183,34 @@ def test_a_choice_is_described_in_one_line() -> None:
         f"s{last['num_stages']} w{last['num_warps']}; extern 1.000 ms" in describe_choice(p, fast)
     assert describe_choice(p, {"kind": "extern", "timings": []}).endswith(
         "chose extern; not benchmarked")
+
+
+def test_gpu_bench_reports_each_graphs_gemm_choices() -> None:
+    """bench/gemm_report.py (gpu_bench's choice lines) as an observer of compiles: one
+    line per problem of the graphs compiled since the last ``take``, and a graph whose
+    choices cannot be read is reported, never raised into the compile."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gemm_report.py"
+    spec = importlib.util.spec_from_file_location("gemm_report", path)
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=torch.float16, device="cuda")
+                for s in ((256, 128), (128, 192), (192,))]
+    compiled = compile_tuned(lambda x, w, b: torch.relu(torch.addmm(b, x, w)) @ w.t(), args,
+                             {}, trace_args=[torch.randn(s, dtype=torch.float16)
+                                             for s in ((256, 128), (128, 192), (192,))])
+    report._note("g", types.SimpleNamespace(compiled=compiled))
+    lines = report.take()
+    assert sorted(line.split(" (")[0] for line in lines) == ["mm 256x128x192 float16",
+                                                               "mm 256x192x128 float16"]
+    assert all(": chose template " in line and line.endswith("not benchmarked")
+               for line in lines)
+    assert report.take() == []
+    compiled.stats["gemm_choices"] = {"k": {"problem": {"op": "mm"}}}
+    report._note("g", types.SimpleNamespace(compiled=compiled))
+    assert report.take() == ["(choices of graph g not described: KeyError: 'batch')"]
