@@ -46,12 +46,35 @@ class Candidate:
         return {"kind": TEMPLATE, "config": dict(self.config or {})}
 
 
+# An fp32 product in IEEE precision (TF32 not allowed) on Hopper: the library call, with no
+# template compiled or timed. Both run it on the FMA units, and cuBLAS's SGEMM beat every
+# Triton config on the H200 (Inductor's max-autotune of gpu_bench's fp32 MLP, 2026-12-02:
+# the best Triton configs at 47-90% of cuBLAS's speed; Kiln's MLP, after timing its 30
+# fp32 configs, ran in the same GPU time as Inductor's all-cuBLAS one: 3.536 / 3.541 ms).
+LIBRARY_ONLY_MIN_ARCH = 90
+
+
+def library_only(problem: GemmProblem, target: dict[str, Any]) -> bool:
+    """Whether ``problem`` on ``target`` goes to the library call without a benchmark."""
+    return (problem.dtype == "float32" and not problem.allow_tf32
+            and target.get("kind") == "cuda"
+            and int(target.get("arch", 0)) >= LIBRARY_ONLY_MIN_ARCH)
+
+
+def library_record() -> dict[str, Any]:
+    """The choice of a ``library_only`` problem (decided by rule: nothing was timed)."""
+    return {"kind": EXTERN, "timings": [], "library_only": True}
+
+
 def candidates(problem: GemmProblem, target: dict[str, Any] | None = None
                ) -> list[Candidate]:
     """The extern call first (the default's choice), then every template config (those
-    that fit ``target``'s shared memory, where it is given)."""
+    that fit ``target``'s shared memory, where it is given; none where the library call
+    wins by rule, ``library_only``)."""
     from .codegen.triton.templates import gemm_configs
 
+    if target is not None and library_only(problem, target):
+        return [Candidate(EXTERN)]
     return [Candidate(EXTERN)] + [Candidate(TEMPLATE, c)
                                   for c in gemm_configs(problem, target)]
 
@@ -134,7 +157,9 @@ def describe_choice(problem: GemmProblem, record: dict[str, Any]) -> str:
                      f"of {len(templates)}")
     if record.get("round_trip_ms"):
         parts.append(f"round trip {float(record['round_trip_ms']):.3f} ms")
-    if not timings:
+    if record.get("library_only"):
+        parts.append("library only (fp32 IEEE: no template is compiled or timed)")
+    elif not timings:
         parts.append("not benchmarked")
     return "; ".join(parts)
 

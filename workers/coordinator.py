@@ -51,7 +51,9 @@ from .select import (
     ChoiceCache,
     MemoryChoiceCache,
     StoreChoiceCache,
+    by_rule,
     decide,
+    decided_by_rule,
     pending_problems,
     selection_stats,
     split_known,
@@ -299,8 +301,7 @@ class KilnFarm:
         if compiled.stats.get("gemm_pending"):
             # Max-autotune: choose each matmul's algorithm (on the GPUs, so this waits for
             # the autotuners), then the graph again with them.
-            tuners = await self._autotuners_for(request) if autotune else []
-            compiled = await self._select(key, request_bytes, compiled, request, tuners, i,
+            compiled = await self._select(key, request_bytes, compiled, request, autotune, i,
                                           timeline)
         fanned = trace.now_us()
         start = time.perf_counter()
@@ -364,14 +365,19 @@ class KilnFarm:
         return tuned
 
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
-                      request: CompileRequest, tuners: list[int], worker: int,
+                      request: CompileRequest, autotune: bool, worker: int,
                       timeline: list[trace.Event] | None = None) -> CompiledGraph:
         """Cached choices from the store; for the rest, every template config compiled as
         a kernel job (kernel workers, all at once) and each problem timed on whichever GPU
         autotuner frees first; winners cached for the fleet; the graph again with them."""
+        pending = pending_problems(compiled)
+        ruled, rest = by_rule(pending, request.target)
+        if not rest:
+            return decided_by_rule(compiled, pending, ruled)
+        tuners = await self._autotuners_for(request) if autotune else []
         start, began = time.perf_counter(), trace.now_us()
         cache = self._choice_cache()
-        known, todo = await asyncio.to_thread(split_known, pending_problems(compiled), cache)
+        known, todo = await asyncio.to_thread(split_known, rest, cache)
         new: dict[str, dict[str, Any]] = {}
         if tuners:
             found = await asyncio.gather(*(
@@ -382,7 +388,7 @@ class KilnFarm:
                 await asyncio.to_thread(cache.put, choice, record)
         else:
             new = {choice: untuned_record() for choice in todo}
-        options = {"gemm_choices": {**known, **new}}
+        options = {"gemm_choices": {**ruled, **known, **new}}
         sources = await self.workers[worker].compile_sources.remote(
             request_bytes, key, 0.0, timeline is not None, options)
         if timeline is not None:

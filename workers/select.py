@@ -3,11 +3,13 @@ still need a choice, the kernel jobs of their template configs, the store-backed
 of choices, and the graph compiled again with the winners.
 
     pending  = compiled.stats["gemm_pending"]         the first pass lowered them extern
+    ruled    = the library call by rule, untimed       (fp32 in IEEE precision on Hopper)
     known    = choices cached under their choice keys  (a second model: all of them)
     todo     -> one KernelJob per template config      (CPU workers compile them)
              -> benchmark(problem, binaries)           (a GPU: extern call, every config)
              -> pick_winner -> cache.put
-    compile_sources(..., gemm_choices=known + new)     the graph with the winners
+    compile_sources(..., gemm_choices=ruled + known + new)   the graph with the winners
+                                                       (no second pass if all are ruled)
 
 The inprocess farm runs these steps in order; the Ray coordinator (``coordinator.py``)
 fans the jobs out as tasks and the benchmarks over its GPU ``Autotuner`` actors.
@@ -29,6 +31,8 @@ from kiln.compiler.select_algorithm import (
     candidates,
     check_record,
     describe_choice,
+    library_only,
+    library_record,
     pick_winner,
 )
 
@@ -98,6 +102,26 @@ def pending_problems(compiled: CompiledGraph) -> dict[str, GemmProblem]:
     return {key: GemmProblem.from_dict(p) for key, p in sorted(pending.items())}
 
 
+def by_rule(pending: dict[str, GemmProblem], target: dict[str, Any]
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, GemmProblem]]:
+    """(choices decided without a benchmark: ``library_only`` problems, the rest)."""
+    ruled = {key: library_record() for key, p in pending.items() if library_only(p, target)}
+    return ruled, {key: p for key, p in pending.items() if key not in ruled}
+
+
+def decided_by_rule(compiled: CompiledGraph, pending: dict[str, GemmProblem],
+                    ruled: dict[str, dict[str, Any]]) -> CompiledGraph:
+    """The first pass itself where every pending problem went to the library by rule: it
+    lowered them to the library call already, so the graph is what a second pass with
+    these choices would make; only its record of the choices changes."""
+    compiled.stats["gemm_choices"] = dict(sorted(
+        {**(compiled.stats.get("gemm_choices") or {}),
+         **{key: {"problem": pending[key].to_dict(), **record}
+            for key, record in ruled.items()}}.items()))
+    compiled.stats["gemm_pending"] = {}
+    return with_choices(compiled, selection_stats({}, {}, True))
+
+
 def split_known(pending: dict[str, GemmProblem], cache: ChoiceCache
                 ) -> tuple[dict[str, dict[str, Any]], dict[str, GemmProblem]]:
     """(choices the cache has, problems still to benchmark)."""
@@ -165,10 +189,11 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
     from .pipeline import compile_sources
 
     pending = pending_problems(compiled)
-    if not pending:
-        return compiled
+    ruled, rest = by_rule(pending, target)
+    if not rest:
+        return decided_by_rule(compiled, pending, ruled) if ruled else compiled
     start = time.perf_counter()
-    known, todo = split_known(pending, choices)
+    known, todo = split_known(rest, choices)
     can_time = autotune and (fake_autotune() or gpu_arch() == int(target.get("arch", -1)))
     new: dict[str, dict[str, Any]] = {}
     if can_time:
@@ -187,7 +212,7 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
             choices.put(choice, new[choice])
     else:
         new = {choice: untuned_record() for choice in todo}
-    options = {**(extra_options or {}), "gemm_choices": {**known, **new}}
+    options = {**(extra_options or {}), "gemm_choices": {**ruled, **known, **new}}
     result = compile_sources(request_bytes, key, extra_options=options)
     result.timings["gemm_selection"] = time.perf_counter() - start
     return with_choices(result, selection_stats(known, todo, can_time))
