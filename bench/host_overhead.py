@@ -3,7 +3,11 @@ user's call and the kernels (Dynamo's frame and guards, AOTAutograd's runtime wr
 Kiln's wrapper, the CUDA-graph runner), for Kiln and Inductor, on one device.
 
     python3 bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--profile]
-                                   [--only seed,block] [--json OUT]
+                                   [--only seed,block] [--rows "kiln;kiln reduce-overhead"]
+                                   [--json OUT]
+
+(``--rows``: the rows below to run, by exact name, separated by ";"; eager and the dynamo
+floor always run.)
 
 Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in turn (as
 ``bench/gpu_bench.py`` does), except ``same inputs`` (one set every call):
@@ -19,28 +23,48 @@ Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in tu
                                 copies its inputs in (``MAX_DIRECT`` = 0: what Kiln did
                                 before recordings per address set)
     kiln reduce-overhead, same inputs
+    kiln reduce-overhead, no-op replay
+                                (CPU only) the same Python path with the CUDA graph stood
+                                in for: a recording's replay is one C call that does no
+                                work, so the row is the host time of everything between
+                                Dynamo's call and ``cudaGraphLaunch`` (asserted to have
+                                gone through the replay on every timed call)
+    dynamo floor, dynamic=None  the floor compiled with torch.compile's default ``dynamic``
 
 Columns: host µs per call (the best of 5 runs of ``--calls``/5 calls, each timed with
-perf_counter up to a synchronize: on a host-bound graph this is the wall time per call)
-and, on CUDA, the median wall µs of one call between CUDA events (``gpu_bench``'s
-measure). ``dynamic=False`` (as ``gpu_bench`` compiles) makes Dynamo patch its config on
-every call, and ``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two
-calls to every frame: both are in the "dynamo floor" row, for Kiln and Inductor alike.
+perf_counter up to a synchronize: on a host-bound graph this is the wall time per call;
+on CPU the calling thread's CPU time, less disturbed by other processes) and, on CUDA,
+the median wall µs of one call between CUDA events (``gpu_bench``'s measure).
+``dynamic=False`` (as ``gpu_bench`` compiles) makes Dynamo patch its config on every
+call (the row "dynamo floor, dynamic=None" shows its cost), and
+``torch._dynamo.config.record_runtime_overhead`` (on by default) adds two calls to every
+frame: both are in the "dynamo floor" row, for Kiln and Inductor alike.
 Every Kiln row is compared with eager first and fails on ``KilnFallbackWarning``.
 ``--profile`` prints the functions with the most own time in Kiln's default and
 reduce-overhead calls.
+
+After the table, one line per workload reads the reduce-overhead row against the floor:
+the host µs Kiln's reduce-overhead call adds to Dynamo's (on CUDA also the µs between
+events). For a function (the seed), the floor and Kiln's reduce-overhead call are also
+timed in alternating blocks (a loaded host slows both alike) and their Python frames and
+C calls per call counted (deterministic). On CUDA the line ends with the host µs of one
+CUDA-graph launch alone (torch's replay of a one-kernel graph in a loop, no Dynamo, no
+Kiln): what is left above the floor once Kiln's Python is gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import json
 import os
 import pstats
 import statistics
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import Block, seed_fn  # noqa: E402
 
 SETS = 4
+CLOCK = time.perf_counter  # time.thread_time on CPU (see the module docstring)
 
 
 def workloads(device: str) -> dict[str, tuple[Callable[..., Any], Callable[[], list[Any]]]]:
@@ -74,6 +99,7 @@ def variants(device: str) -> list[tuple[str, dict[str, Any], bool]]:
     """(row, torch.compile kwargs, same inputs every call)."""
     rows: list[tuple[str, dict[str, Any], bool]] = [
         ("dynamo floor", {"backend": "floor"}, False),
+        ("dynamo floor, dynamic=None", {"backend": "floor", "dynamic": None}, False),
         ("inductor", {"backend": "inductor"}, False),
         ("kiln", {"backend": "kiln"}, False),
         ("kiln, AOT runtime", {"backend": "kiln", "options": {"inference_direct": False}},
@@ -86,7 +112,53 @@ def variants(device: str) -> list[tuple[str, dict[str, Any], bool]]:
                   {"backend": "kiln", "options": {"cudagraphs": True,
                                                   "inference_direct": False}}, False),
                  ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True)]
+    else:
+        rows.append((NOOP_REPLAY, {"backend": "kiln", "mode": "reduce-overhead"}, False))
     return rows
+
+
+NOOP_REPLAY = "kiln reduce-overhead, no-op replay"
+
+
+class NoopReplay:
+    """Kiln's CUDA-graph runner on CPU graphs, with each capture stood in for (while the
+    ``with`` block lasts): a recording's replay runs the graph again into the recording's
+    outputs (so the row can be checked against eager) until :meth:`noop`, from which on a
+    replay is one C call that only notes itself in ``replays``."""
+
+    def __init__(self) -> None:
+        self.replays: list[None] = []
+        self.recordings: list[Any] = []
+
+    def noop(self) -> None:
+        for rec in self.recordings:
+            rec.launch = functools.partial(self.replays.append, None)
+
+    def __enter__(self) -> NoopReplay:
+        from kiln.compiler.runtime import cudagraphs
+
+        def capture(runner: Any, graph_inputs: list[Any]) -> Any:
+            outputs = runner.call([x.clone() for x in graph_inputs])  # runs nothing "now"
+
+            def replay() -> None:
+                for out, fresh in zip(outputs, runner.call(list(graph_inputs))):
+                    out.copy_(fresh)
+
+            rec = cudagraphs._Recording(types.SimpleNamespace(replay=replay),
+                                        list(cudagraphs._pointers(graph_inputs)),
+                                        graph_inputs, outputs)
+            self.recordings.append(rec)
+            return rec
+
+        self._real = cudagraphs.skip_reason, cudagraphs.CudaGraphRunner._capture
+        cudagraphs.skip_reason = lambda device_type, inputs: None
+        cudagraphs.CudaGraphRunner._capture = capture  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from kiln.compiler.runtime import cudagraphs
+
+        cudagraphs.skip_reason, cudagraphs.CudaGraphRunner._capture = self._real  # type: ignore[method-assign]
 
 
 def floor_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -103,10 +175,10 @@ def floor_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callab
 
 def compile_variant(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
     torch._dynamo.reset()
-    kwargs = dict(kwargs)
+    kwargs = {"dynamic": False, **kwargs}
     if kwargs["backend"] == "floor":
         kwargs["backend"] = floor_backend
-    return torch.compile(fn, dynamic=False, **kwargs)
+    return torch.compile(fn, **kwargs)
 
 
 def host_us(fn: Callable[..., Any], sets: list[list[Any]], calls: int, sync: Callable[[], None],
@@ -119,12 +191,60 @@ def host_us(fn: Callable[..., Any], sets: list[list[Any]], calls: int, sync: Cal
     n = max(calls // blocks, len(sets))
     best = float("inf")
     for _ in range(blocks):
-        start = time.perf_counter()
+        start = CLOCK()
         for i in range(n):
             fn(*sets[i % len(sets)])
         sync()
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        best = min(best, (CLOCK() - start) / n * 1e6)
     return best
+
+
+def paired_us(fn: Callable[..., Any], rows: dict[str, dict[str, Any]], sets: list[list[Any]],
+              calls: int, sync: Callable[[], None], blocks: int = 10) -> dict[str, float]:
+    """Host µs per call of ``rows`` (name: torch.compile kwargs) of one function, timed in
+    alternating blocks so that a loaded host slows them alike (the best block each). Each
+    row compiles its own copy of the function's code (Dynamo keeps a cache per code
+    object). Kiln rows are checked against eager first; a stand-in replay (CPU) is made a
+    no-op after its check."""
+    torch._dynamo.reset()
+    compiled = {}
+    with NoopReplay() if NOOP_REPLAY in rows else contextlib.nullcontext() as stand_in:
+        for name, kwargs in rows.items():
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+            compiled[name] = torch.compile(copy, **{"dynamic": False, **kwargs})
+            if kwargs["backend"] == "kiln":
+                check(name, compiled[name], fn, sets)
+            else:
+                compiled[name](*sets[0])
+        if stand_in is not None:
+            stand_in.noop()
+        best = {name: float("inf") for name in rows}
+        for _ in range(blocks):
+            for name, f in compiled.items():
+                best[name] = min(best[name], host_us(f, sets, calls // blocks, sync, 1))
+        found = {f"{name} (paired)": us for name, us in best.items()}
+        for name, f in compiled.items():
+            found[f"{name} (python calls)"], found[f"{name} (c calls)"] = calls_per_call(f, sets)
+    return found
+
+
+def calls_per_call(fn: Callable[..., Any], sets: list[list[Any]], n: int = 400
+                   ) -> tuple[float, float]:
+    """Python frames and C function calls per call (counted, not timed: the same on a
+    loaded host)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(note)
+    try:
+        for i in range(n):
+            fn(*sets[i % len(sets)])
+    finally:
+        sys.setprofile(None)
+    return counts["call"] / n, counts["c_call"] / n
 
 
 def event_us(fn: Callable[..., Any], sets: list[list[Any]], reps: int = 200) -> float:
@@ -165,11 +285,8 @@ def profile(fn: Callable[..., Any], sets: list[list[Any]], title: str, top: int 
               f"x{calls / 2000:<4.0f} {os.path.basename(path)}:{line}({func})", file=sys.stderr)
 
 
-def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[dict[str, Any]]:
-    from kiln import KilnFallbackWarning
-    from kiln.compiler.runtime import cudagraphs
-
-    direct = cudagraphs.MAX_DIRECT
+def run(device: str, calls: int, only: list[str], want_profile: bool, wanted: list[str]
+        ) -> list[dict[str, Any]]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = []
     with torch.no_grad():
@@ -182,25 +299,113 @@ def run(device: str, calls: int, only: list[str], want_profile: bool) -> list[di
             if device == "cuda":
                 row["eager events"] = event_us(fn, sets)
             for vname, kwargs, same in variants(device):
-                used = sets[:1] if same else sets
-                compiled = compile_variant(fn, kwargs)
-                cudagraphs.MAX_DIRECT = 0 if vname.endswith(", copy") else direct
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error", KilnFallbackWarning)
-                    if vname != "dynamo floor":
-                        check(vname, compiled, fn, used)
-                    row[vname] = host_us(compiled, used, calls, sync)
-                    if device == "cuda":
-                        row[f"{vname} events"] = event_us(compiled, used)
-                    if want_profile and vname in ("kiln", "kiln reduce-overhead"):
-                        profile(compiled, used, f"{wname}: {vname}")
+                if wanted and vname not in wanted and vname != "dynamo floor":
+                    continue
+                profiled = want_profile and vname in ("kiln", "kiln reduce-overhead",
+                                                      NOOP_REPLAY)
+                row.update(measure(fn, vname, kwargs, sets[:1] if same else sets, calls,
+                                   sync, device, f"{wname}: {vname}" if profiled else None))
+            if isinstance(fn, types.FunctionType):
+                ro = "kiln reduce-overhead" if device == "cuda" else NOOP_REPLAY
+                row.update(paired_us(fn, {"dynamo floor": {"backend": floor_backend},
+                                          ro: {"backend": "kiln", "mode": "reduce-overhead"}},
+                                     sets, calls, sync))
+            if device == "cuda":
+                row["graph launch alone"] = graph_launch_us(calls)
             out.append(row)
             print(json.dumps(row), file=sys.stderr)
     return out
 
 
+def measure(fn: Callable[..., Any], vname: str, kwargs: dict[str, Any], sets: list[list[Any]],
+            calls: int, sync: Callable[[], None], device: str, profile_title: str | None
+            ) -> dict[str, float]:
+    """One row's host µs per call (and µs between events on CUDA), after its check;
+    its profile when given a title."""
+    from kiln import KilnFallbackWarning
+    from kiln.compiler.runtime import cudagraphs
+
+    direct = cudagraphs.MAX_DIRECT
+    cudagraphs.MAX_DIRECT = 0 if vname.endswith(", copy") else direct
+    found: dict[str, float] = {}
+    try:
+        with warnings.catch_warnings(), NoopReplay() if vname == NOOP_REPLAY else \
+                contextlib.nullcontext() as stand_in:
+            warnings.simplefilter("error", KilnFallbackWarning)
+            compiled = compile_variant(fn, kwargs)
+            if not vname.startswith("dynamo floor"):
+                check(vname, compiled, fn, sets)
+            if stand_in is not None:
+                stand_in.noop()
+                before = len(stand_in.replays)
+            found[vname] = host_us(compiled, sets, calls, sync)
+            if stand_in is not None:
+                timed = 20 + 5 * max(calls // 5, len(sets))  # (host_us's calls)
+                if len(stand_in.replays) - before != timed:
+                    raise RuntimeError(f"{vname}: {len(stand_in.replays) - before} replays "
+                                       f"in {timed} calls: the row did not time the replay")
+            if device == "cuda":
+                found[f"{vname} events"] = event_us(compiled, sets)
+            if profile_title is not None:
+                profile(compiled, sets, profile_title)
+    finally:
+        cudagraphs.MAX_DIRECT = direct
+    return found
+
+
+def graph_launch_us(calls: int) -> float:
+    """Host µs of one CUDA-graph launch (torch's C++ replay, as Kiln's runner calls it) of
+    a one-kernel graph, in a loop: no Dynamo, no Kiln."""
+    from kiln.compiler.runtime.cudagraphs import _Recording, first_replay
+
+    x = torch.zeros(64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x.add_(1)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    rec = _Recording(graph, [], [], None)
+    first_replay(rec)  # (falls back to the Python method where torch's binding refuses)
+    us = host_us(rec.launch, [[]], calls, torch.cuda.synchronize)
+    replays = 1 + 20 + 5 * max(calls // 5, 1)  # (host_us's calls)
+    if x[0].item() != 1 + replays:
+        raise RuntimeError(f"graph launch: {x[0].item() - 1:.0f} replays ran, not {replays}")
+    return us
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per workload: what Kiln's reduce-overhead call adds to Dynamo's floor."""
+    lines = []
+    for r in rows:
+        for ro in ("kiln reduce-overhead", NOOP_REPLAY):
+            if ro not in r:
+                continue
+            line = (f"{r['workload']}: {ro} - dynamo floor = "
+                    f"{r[ro] - r['dynamo floor']:.1f} us host")
+            events = r.get(f"{ro} events")
+            if events is not None:
+                line += (f", {events - r['dynamo floor events']:.1f} us between events; "
+                         f"between events: eager {r['eager events']:.1f} us, {ro} "
+                         f"{events:.1f} ({events / r['eager events']:.2f}x eager)")
+            if f"{ro} (paired)" in r:
+                line += (f"; timed in alternating blocks: {r[f'{ro} (paired)']:.1f} against "
+                         f"{r['dynamo floor (paired)']:.1f} "
+                         f"({r[f'{ro} (paired)'] - r['dynamo floor (paired)']:+.1f}); "
+                         f"Python frames per call {r[f'{ro} (python calls)']:.0f} against "
+                         f"{r['dynamo floor (python calls)']:.0f}, C calls "
+                         f"{r[f'{ro} (c calls)']:.0f} against {r['dynamo floor (c calls)']:.0f}")
+            if "graph launch alone" in r:
+                line += f"; one CUDA-graph launch alone {r['graph launch alone']:.1f} us host"
+            lines.append(line)
+    return lines
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    names = [k for k in rows[0] if k != "workload" and not k.endswith(" events")]
+    names = [k for k in rows[0] if k != "workload" and not k.endswith(" events")
+             and not k.endswith(("(paired)", "calls)")) and k != "graph launch alone"]
     print("| workload | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for r in rows:
@@ -217,14 +422,19 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--only", default="")
+    parser.add_argument("--rows", default="")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.device == "cpu":
+        global CLOCK
+        CLOCK = time.thread_time
         torch.set_num_threads(1)  # a tiny graph: threads only add noise
     rows = run(args.device, args.calls, [o for o in args.only.split(",") if o],
-               args.profile)
+               args.profile, [r.strip() for r in args.rows.split(";") if r.strip()])
     print_table(rows)
+    for line in summary(rows):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -4,6 +4,9 @@ are read in place, when a graph records again, and the one warning where it cann
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
 import warnings
 from typing import Any
 
@@ -290,3 +293,79 @@ def test_first_replay_falls_back_to_the_python_method() -> None:
     cudagraphs.first_replay(rec)
     assert rec.launch == graph.replay and graph.replays == 1
     torch.testing.assert_close(graph.outputs[0], torch.full((2,), 2.0))
+
+
+def _kiln_frames(fn: Any, sets: list[list[Any]], calls: int) -> tuple[int, list[str]]:
+    """Python frames per call of ``fn`` (all of them) and the names of those in Kiln's
+    packages."""
+    import os
+
+    import kiln
+    import kiln.artifact_store
+    import kiln.compiler
+    import kiln.frontend
+    import kiln.workers
+
+    packages = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (
+        kiln, kiln.artifact_store, kiln.compiler, kiln.frontend, kiln.workers))
+    frames: list[Any] = []
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            frames.append(frame.f_code)
+
+    sys.setprofile(note)
+    try:
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    finally:
+        sys.setprofile(None)
+    ours = sorted({c.co_name for c in frames if c.co_filename.startswith(packages)})
+    return len(frames) // calls, ours
+
+
+def test_a_replay_through_dynamo_runs_as_many_python_frames_as_a_ready_output(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mode="reduce-overhead"`` end to end (captures on CPU): a call whose inputs have
+    a recording runs one Kiln frame, the served entry, and as many Python frames in all
+    as a backend that returns a ready output: between Dynamo's call and the replay's C
+    call, Kiln adds nothing Dynamo's floor does not have. Outputs match eager first."""
+    from kiln import KilnFallbackWarning
+
+    recordings: list[Any] = []
+
+    def capture(runner: CudaGraphRunner, graph_inputs: list[Any]) -> Any:
+        recordings.append(_CpuRunner._capture(runner, graph_inputs))  # type: ignore[arg-type]
+        return recordings[-1]
+
+    monkeypatch.setattr(cudagraphs, "skip_reason", lambda device_type, inputs: None)
+    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
+
+    def seed(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ((a + b) * c.relu()).sum(dim=-1)
+
+    def copy_of_seed() -> Any:  # a code object of its own: one Dynamo cache each
+        return types.FunctionType(seed.__code__.replace(), seed.__globals__, "seed",
+                                  None, seed.__closure__)
+
+    def ready(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        out = gm(*example_inputs)
+        return lambda *args: out
+
+    torch._dynamo.reset()
+    sets = [[torch.randn(8, 16) for _ in range(3)] for _ in range(2)]
+    kiln = torch.compile(copy_of_seed(), backend="kiln", mode="reduce-overhead",
+                         dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        for i in range(8):
+            torch.testing.assert_close(kiln(*sets[i % 2]), seed(*sets[i % 2]))
+    assert len(recordings) == 2  # one per input set, read in place (calls 3 and 4)
+    replays: list[None] = []
+    for rec in recordings:
+        rec.launch = functools.partial(replays.append, None)  # a C call, as a replay is
+    floor = torch.compile(copy_of_seed(), backend=ready, dynamic=False)
+    floor(*sets[0])
+    frames, ours = _kiln_frames(kiln, sets, 50)
+    assert len(replays) == 50 and ours == ["replay_or_call"]
+    assert frames == _kiln_frames(floor, sets, 50)[0]
