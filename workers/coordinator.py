@@ -367,9 +367,11 @@ class KilnFarm:
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
                       request: CompileRequest, autotune: bool, worker: int,
                       timeline: list[trace.Event] | None = None) -> CompiledGraph:
-        """Cached choices from the store; for the rest, every template config compiled as
-        a kernel job (kernel workers, all at once) and each problem timed on whichever GPU
-        autotuner frees first; winners cached for the fleet; the graph again with them."""
+        """The library call for problems it wins by rule (``by_rule``: no autotuner is
+        waited for, and no second pass if that is all); cached choices from the store; for
+        the rest, every template config compiled as a kernel job (kernel workers, all at
+        once) and each problem timed on whichever GPU autotuner frees first; winners
+        cached for the fleet; the graph again with them."""
         pending = pending_problems(compiled)
         ruled, rest = by_rule(pending, request.target)
         if not rest:
