@@ -53,7 +53,7 @@ from .select import (
     StoreChoiceCache,
     by_rule,
     decide,
-    decided_by_rule,
+    first_pass_as_chosen,
     pending_problems,
     selection_stats,
     split_known,
@@ -367,19 +367,18 @@ class KilnFarm:
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
                       request: CompileRequest, autotune: bool, worker: int,
                       timeline: list[trace.Event] | None = None) -> CompiledGraph:
-        """The library call for problems it wins by rule (``by_rule``: no autotuner is
-        waited for, and no second pass if that is all); cached choices from the store; for
-        the rest, every template config compiled as a kernel job (kernel workers, all at
-        once) and each problem timed on whichever GPU autotuner frees first; winners
-        cached for the fleet; the graph again with them."""
+        """The library call for problems it wins by rule (``by_rule``); cached choices
+        from the store; for the rest (and only then are the autotuners waited for), every
+        template config compiled as a kernel job (kernel workers, all at once) and each
+        problem timed on whichever GPU autotuner frees first; winners cached for the
+        fleet; the graph again with them, unless every winner is the library call (the
+        first pass is that graph already)."""
+        start, began = time.perf_counter(), trace.now_us()
         pending = pending_problems(compiled)
         ruled, rest = by_rule(pending, request.target)
-        if not rest:
-            return decided_by_rule(compiled, pending, ruled)
-        tuners = await self._autotuners_for(request) if autotune else []
-        start, began = time.perf_counter(), trace.now_us()
         cache = self._choice_cache()
         known, todo = await asyncio.to_thread(split_known, rest, cache)
+        tuners = await self._autotuners_for(request) if autotune and todo else []
         new: dict[str, dict[str, Any]] = {}
         if tuners:
             found = await asyncio.gather(*(
@@ -390,17 +389,21 @@ class KilnFarm:
                 await asyncio.to_thread(cache.put, choice, record)
         else:
             new = {choice: untuned_record() for choice in todo}
-        options = {"gemm_choices": {**ruled, **known, **new}}
-        sources = await self.workers[worker].compile_sources.remote(
-            request_bytes, key, 0.0, timeline is not None, options)
+        chosen = {**ruled, **known, **new}
+        stats = selection_stats(known, todo, bool(tuners))
+        result = first_pass_as_chosen(compiled, pending, chosen, stats)
+        if result is None:  # a template won: the graph again, with the winners
+            sources = await self.workers[worker].compile_sources.remote(
+                request_bytes, key, 0.0, timeline is not None, {"gemm_choices": chosen})
+            if timeline is not None:
+                timeline.extend(sources.pop("trace", None) or [])
+            result = with_choices(CompiledGraph.from_dict(sources), stats)
         if timeline is not None:
-            timeline.extend(sources.pop("trace", None) or [])
             timeline.append(trace.make_event(
                 "gemm selection", began, trace.now_us(), cat="farm", key=key[:16],
                 problems=len(known) + len(todo), benchmarked=len(todo) if tuners else 0))
-        result = CompiledGraph.from_dict(sources)
         result.timings["gemm_selection"] = time.perf_counter() - start
-        return with_choices(result, selection_stats(known, todo, bool(tuners)))
+        return result
 
     async def _tune_gemm(self, choice: str, problem: GemmProblem, target: dict[str, Any],
                          tuners: list[int], timeline: list[trace.Event] | None

@@ -9,7 +9,7 @@ of choices, and the graph compiled again with the winners.
              -> benchmark(problem, binaries)           (a GPU: extern call, every config)
              -> pick_winner -> cache.put
     compile_sources(..., gemm_choices=ruled + known + new)   the graph with the winners
-                                                       (no second pass if all are ruled)
+                               (no second pass where every winner is the library call)
 
 The inprocess farm runs these steps in order; the Ray coordinator (``coordinator.py``)
 fans the jobs out as tasks and the benchmarks over its GPU ``Autotuner`` actors.
@@ -109,17 +109,21 @@ def by_rule(pending: dict[str, GemmProblem], target: dict[str, Any]
     return ruled, {key: p for key, p in pending.items() if key not in ruled}
 
 
-def decided_by_rule(compiled: CompiledGraph, pending: dict[str, GemmProblem],
-                    ruled: dict[str, dict[str, Any]]) -> CompiledGraph:
-    """The first pass itself where every pending problem went to the library by rule: it
-    lowered them to the library call already, so the graph is what a second pass with
-    these choices would make; only its record of the choices changes."""
+def first_pass_as_chosen(compiled: CompiledGraph, pending: dict[str, GemmProblem],
+                         chosen: dict[str, dict[str, Any]], stats: dict[str, int]
+                         ) -> CompiledGraph | None:
+    """The first pass itself where every choice is the library call (ruled, cached or
+    timed): it lowered each pending problem to the library call already, so it is the
+    graph a second pass with these choices would make; only its record of the choices
+    changes. None where a template won: the graph is lowered again."""
+    if any(record.get("kind") != EXTERN for record in chosen.values()):
+        return None
     compiled.stats["gemm_choices"] = dict(sorted(
         {**(compiled.stats.get("gemm_choices") or {}),
          **{key: {"problem": pending[key].to_dict(), **record}
-            for key, record in ruled.items()}}.items()))
+            for key, record in chosen.items()}}.items()))
     compiled.stats["gemm_pending"] = {}
-    return with_choices(compiled, selection_stats({}, {}, True))
+    return with_choices(compiled, stats)
 
 
 def split_known(pending: dict[str, GemmProblem], cache: ChoiceCache
@@ -189,10 +193,10 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
     from .pipeline import compile_sources
 
     pending = pending_problems(compiled)
-    ruled, rest = by_rule(pending, target)
-    if not rest:
-        return decided_by_rule(compiled, pending, ruled) if ruled else compiled
+    if not pending:
+        return compiled
     start = time.perf_counter()
+    ruled, rest = by_rule(pending, target)
     known, todo = split_known(rest, choices)
     can_time = autotune and (fake_autotune() or gpu_arch() == int(target.get("arch", -1)))
     new: dict[str, dict[str, Any]] = {}
@@ -212,10 +216,13 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
             choices.put(choice, new[choice])
     else:
         new = {choice: untuned_record() for choice in todo}
-    options = {**(extra_options or {}), "gemm_choices": {**ruled, **known, **new}}
-    result = compile_sources(request_bytes, key, extra_options=options)
+    chosen, stats = {**ruled, **known, **new}, selection_stats(known, todo, can_time)
+    result = first_pass_as_chosen(compiled, pending, chosen, stats)
+    if result is None:
+        options = {**(extra_options or {}), "gemm_choices": chosen}
+        result = with_choices(compile_sources(request_bytes, key, extra_options=options), stats)
     result.timings["gemm_selection"] = time.perf_counter() - start
-    return with_choices(result, selection_stats(known, todo, can_time))
+    return result
 
 
 def _compile_all(jobs: list[KernelJob], compile_job: Any) -> dict[int, Any]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kiln.compiler import trace
+from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from kiln.compiler.select_algorithm import (
@@ -96,3 +97,32 @@ def test_fp32_mlp_step_compiles_no_template_and_times_nothing(
             "torch.addmm(" in compiled.wrapper_source
         ruled += len(choices)
     assert ruled == 5
+
+
+def test_a_graph_whose_winners_are_all_library_calls_is_lowered_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 matmuls with nothing to time them here (no GPU, no fake): each stays the
+    library call, untuned, and the first pass (which lowered them so) is the artifact: no
+    second graph stage, the choices recorded as a second pass would record them."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("KILN_TEST_FAKE_AUTOTUNE", raising=False)
+    shapes = ((256, 128), (128, 192), (192,))
+    trace_args = [torch.randn(s, dtype=torch.float16) for s in shapes]
+    gm = trace_aten(lambda x, w, b: torch.relu(torch.addmm(b, x, w)) @ w.t(), trace_args)
+    config = KilnConfig.resolve({"farm": "inprocess", "max_autotune": True})
+    request = build_request(gm, as_fake_cuda(trace_args), config, target=dict(SM90))
+    with trace.capture() as events:
+        compiled = compile_inprocess(request.to_bytes(), compute_key(request).key,
+                                     cache=KernelCache())
+    assert [e["name"] for e in events].count("graph stage") == 1
+    assert compiled.stats["gemm_pending"] == {}
+    assert compiled.stats["gemm_selection"] == {"problems": 2, "cached": 0,
+                                                "benchmarked": 0, "untuned": 2}
+    choices = compiled.stats["gemm_choices"]
+    assert len(choices) == 2 and all(c["kind"] == EXTERN and c["untuned"]
+                                     for c in choices.values())
+    assert {(p["m"], p["n"], p["k"]) for p in (c["problem"] for c in choices.values())} == \
+        {(256, 192, 128), (256, 128, 192)}
+    assert compiled.wrapper_source.count("torch.addmm(") + \
+        compiled.wrapper_source.count("torch.mm(") == 2
