@@ -30,7 +30,8 @@ a row still running at the end is stopped, and the table says which (``skip``);
 ``--results`` is written after every row, so a run cut short from outside keeps them.
 Kiln's packages are byte-compiled before the first row (as a wheel install does).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
-farm compile went to the farm, the default compiled here without waiting for a farm),
+farm compile went to the farm, and the client never imported Ray: its farm process did;
+the default compiled here without waiting for a farm),
 fails on KilnFallbackWarning, and compares the output with eager.
 
     python bench/coldstart.py --smoke --device cpu                 # this CPU machine
@@ -130,6 +131,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
                               "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
+        result["ray_in_client"] = "ray" in sys.modules  # a farm's Ray is its farm process's
         result["gemm"] = {k: sum(int(s.get(k, 0)) for s in selections)
                           for k in ("problems", "cached", "benchmarked", "untuned")}
         result["note"] = "; ".join(filter(None, [case.note, aot_note(result["counters"])]))
@@ -327,6 +329,10 @@ class Bench:
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
                 problems += check_gemm(row, self.args.compile_mode)
+                if mode == "kiln_farm" and row.get("ray_in_client") \
+                        and env.get("KILN_FARM_PROCESS", "1") != "0":
+                    problems.append("the client imported Ray: it should reach the farm "
+                                    "through its farm process (KILN_FARM_PROCESS)")
                 row["regions"] = regions_note(row["counters"])
                 if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
                         and not row["regions"]:

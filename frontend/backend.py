@@ -195,10 +195,27 @@ def register_dynamo_spans() -> None:
         callback_handler.register_end_callback(_dynamo_spans.end)
 
 
+def reach_farm_early(config: KilnConfig) -> None:
+    """Before Dynamo starts: a farm that is up is reached through a child process
+    (``frontend.farm_process``), started now so that it has imported Ray and joined by the
+    first miss; it takes no time from this process's tracing. (A farm joined in this
+    process, ``KILN_FARM_PROCESS=0``, is joined when the backend is called.)"""
+    from .farm import INPROCESS, connect_early, farm_for
+    from .farm_process import wanted
+
+    if config.farm.strip().lower() != INPROCESS and wanted():
+        try:
+            connect_early(farm_for(config.farm))
+        except Exception as e:  # the first miss tries again and reports it
+            log.debug("kiln: reaching the farm early failed: %s", e)
+
+
 # torch.compile imports this module when it looks the backend up, before Dynamo starts.
-if trace_path() or KilnConfig.resolve().debug:
+_config_at_import = KilnConfig.resolve()
+if trace_path() or _config_at_import.debug:
     start_recording(True)
     register_dynamo_spans()
+reach_farm_early(_config_at_import)
 
 
 def unsupported_reason(example_inputs: Sequence[Any]) -> str | None:

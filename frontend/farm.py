@@ -33,13 +33,17 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.artifact_store import user_cache_dir
 from kiln.compiler import trace
-from kiln.compiler.compiled_graph import CompiledGraph
-from kiln.compiler.request import CompileRequest
-from kiln.workers.pipeline import CompileFailure, KernelCache, compile_inprocess
+
+if TYPE_CHECKING:  # imported where used: a client's farm process imports no torch
+    from kiln.compiler.compiled_graph import CompiledGraph
+    from kiln.compiler.request import CompileRequest
+    from kiln.workers.pipeline import KernelCache
+
+    from .farm_process import ProcessFarm
 
 log = logging.getLogger("kiln.farm")
 
@@ -87,6 +91,7 @@ class InProcessFarm:
     description = "this process"
 
     def __init__(self, kernels: KernelCache | None = None) -> None:
+        from kiln.workers.pipeline import KernelCache
         from kiln.workers.select import MemoryChoiceCache
 
         self.kernels = kernels or KernelCache()
@@ -105,6 +110,8 @@ class InProcessFarm:
                 delay: float = 0.0, debug_options: dict[str, Any] | None = None
                 ) -> CompiledGraph:
         """``debug_options`` (KILN_DEBUG's folder) reach the compiler, not the key."""
+        from kiln.workers.pipeline import CompileFailure, compile_inprocess
+
         try:
             return compile_inprocess(request.to_bytes(), key, cache=self.kernels, delay=delay,
                                      extra_options=debug_options, choices=self.choices,
@@ -429,16 +436,36 @@ def ray_get(ray: Any, ref: Any, timeout: float | None) -> Any:
 _kiln_ray = _KilnRay()
 
 
+@contextmanager
+def farm_waits(key: str) -> Iterator[None]:
+    """The client's wait for the farm's answer, on the timeline."""
+    with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+        yield
+
+
+def answer_to_graph(answer: dict[str, Any]) -> CompiledGraph:
+    """The compiled graph of the coordinator's answer (its timeline merged here)."""
+    from kiln.compiler.compiled_graph import CompiledGraph
+
+    trace.merge(answer.pop("trace", None))
+    compiled = CompiledGraph.from_dict(answer["compiled"])
+    compiled.published_to = str(answer.get("published") or "")
+    return compiled
+
+
 class RayFarm:
     """A Ray cluster's ``KilnFarm`` coordinator; ``address=None`` is the ``local`` mode."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  graph_workers: int | None = None, connect_timeout: float = 120.0,
-                 num_gpus: int | None = None) -> None:
+                 num_gpus: int | None = None, namespace: str | None = None) -> None:
         """``num_cpus`` / ``num_gpus``: the resources of an embedded Ray (``num_gpus``
         None: Ray counts this machine's; on a machine without GPUs a number makes fake
-        ones, which the tests' fake benchmark uses)."""
+        ones, which the tests' fake benchmark uses). ``namespace``: the farm's Ray
+        namespace (``workers.names``), given by a client's farm process: a coordinator
+        that runs is then found by name, without importing the compiler (or torch)."""
         self.address = address
+        self.namespace = namespace
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.graph_workers = graph_workers
@@ -476,8 +503,6 @@ class RayFarm:
     def _connect(self) -> Any:
         try:
             import ray
-
-            from kiln.workers.coordinator import get_farm_actor
         except ImportError as e:
             raise FarmUnavailable(f"Ray is not installed here ({e}); pip install ray") from e
 
@@ -488,7 +513,11 @@ class RayFarm:
                                       f"{reason}")
         _kiln_ray.attach(self, ray)
         start = time.perf_counter()
-        actor = get_farm_actor(self.graph_workers)
+        actor = self._running_coordinator(ray)
+        if actor is None:
+            from kiln.workers.coordinator import get_farm_actor
+
+            actor = get_farm_actor(self.graph_workers)
         try:
             ray_get(ray, actor.ping.remote(), self.connect_timeout)
         except FarmUnavailable:
@@ -497,6 +526,17 @@ class RayFarm:
             raise FarmUnavailable(f"the farm's coordinator did not start: {e}") from e
         log.debug("kiln farm: coordinator ready in %.2fs", time.perf_counter() - start)
         return actor
+
+    def _running_coordinator(self, ray: Any) -> Any:
+        """The coordinator by name in ``namespace``, if it was given and one runs."""
+        if self.namespace is None:
+            return None
+        from kiln.workers.names import FARM_NAME
+
+        try:
+            return ray.get_actor(FARM_NAME, namespace=self.namespace)
+        except ValueError:  # none yet: created (from the compiler's classes) as usual
+            return None
 
     def _init_ray(self, ray: Any) -> str:
         """Connect this process to Ray; the address joined ("embedded": a new Ray)."""
@@ -549,44 +589,55 @@ class RayFarm:
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
                 delay: float = 0.0) -> CompiledGraph:
+        self.actor()  # connecting is not part of the wait
+        with farm_waits(key):
+            answer = self.compile_raw(key, request.to_bytes(), delay, trace.recording(),
+                                      timeout)
+        return answer_to_graph(answer)
+
+    def compile_raw(self, key: str, request: bytes, delay: float, traced: bool,
+                    timeout: float | None) -> dict[str, Any]:
+        """The coordinator's answer to a compile (also what a client's farm process,
+        ``frontend.farm_process``, relays); errors as ``compile`` raises them."""
         import ray
 
-        self.actor()  # connecting is not part of the wait
-        traced = trace.recording()
-        with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
-            # The farm recomputes the key from the bytes; ours only checks that we agree.
-            try:
-                answer = self._ask("compile", request.to_bytes(), delay, key, traced,
-                                   timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise FarmTimeout(
-                    f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
-                    "compiling it for later clients") from None
-            except ray.exceptions.RayError as e:
-                raise self._classify(e, key) from None
-        trace.merge(answer.pop("trace", None))
-        compiled = CompiledGraph.from_dict(answer["compiled"])
-        compiled.published_to = str(answer.get("published") or "")
-        return compiled
+        # The farm recomputes the key from the bytes; ours only checks that we agree.
+        try:
+            return dict(self._ask("compile", request, delay, key, traced, timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise FarmTimeout(
+                f"no answer within {timeout:g}s (KILN_FARM_TIMEOUT); the farm keeps "
+                "compiling it for later clients") from None
+        except ray.exceptions.RayError as e:
+            raise self._classify(e, key) from None
 
     def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
         """The graph the farm autotuned in the background after answering ``compile``
         (None if it tuned nothing); waits for it. The farm publishes it too."""
+        from kiln.compiler.compiled_graph import CompiledGraph
+
+        result = self.tuned_raw(key, timeout, trace.recording())
+        return None if result is None else CompiledGraph.from_dict(result)
+
+    def tuned_raw(self, key: str, timeout: float | None, traced: bool
+                  ) -> dict[str, Any] | None:
+        """``tuned``'s answer as the coordinator gives it (its timeline merged here when
+        ``traced``)."""
         import ray
 
         try:
             result = self._ask("tuned", key, timeout=timeout)
-            if trace.recording():
+            if traced:
                 trace.merge(self._ask("tuning_trace", timeout=timeout))
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
-        return None if result is None else CompiledGraph.from_dict(result)
+        return result
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
-        from kiln.workers.pipeline import FarmKeyMismatch, FarmVersionMismatch
+        from kiln.workers.pipeline import CompileFailure, FarmKeyMismatch, FarmVersionMismatch
 
         cause = root_cause(error)
         if isinstance(cause, CompileFailure):
@@ -650,7 +701,7 @@ class LocalFarm:
     a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
 
     def __init__(self) -> None:
-        self._ray: RayFarm | None = None
+        self._ray: RayFarm | ProcessFarm | None = None
         self._checked = -LOCAL_RECHECK_S
         self._address: str | None = None
         self._lock = threading.Lock()
@@ -676,13 +727,13 @@ class LocalFarm:
                 self._address = found if found and probe(found) is None else None
             return self._address
 
-    def ray_farm(self) -> RayFarm:
+    def ray_farm(self) -> RayFarm | ProcessFarm:
         address = self.address()
         if address is None:
             raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
         with self._lock:
             if self._ray is None:
-                self._ray = RayFarm(address)
+                self._ray = remote_farm(address)
             return self._ray
 
     def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
@@ -699,20 +750,34 @@ class LocalFarm:
             ray_farm.release()
 
 
+def remote_farm(address: str) -> RayFarm | ProcessFarm:
+    """The farm at a Ray address: through a child process (``frontend.farm_process``:
+    this one never imports Ray) unless ``KILN_FARM_PROCESS=0`` or Ray is connected here."""
+    from .farm_process import ProcessFarm, wanted
+
+    return ProcessFarm(address) if wanted() else RayFarm(address)
+
+
 def connect_early(farm: Farm) -> threading.Thread | None:
-    """Join the farm that is up, in a background thread, while Dynamo's graph goes
-    through AOTAutograd, so that the first miss finds the connection made (joining Ray
-    and finding the coordinator took 0.9 s of GPT-2's cold start on the H200 host). It
-    never starts a farm (no farm up, embedded Ray: nothing to do) and never raises: a
-    connection that fails here fails again, and is reported, on the miss itself."""
-    ray_farm: RayFarm | None = None
+    """Join the farm that is up in the background, so that the first miss finds the
+    connection made (joining Ray and finding the coordinator took 0.9 s of GPT-2's
+    cold start on the H200 host): a ``ProcessFarm`` starts its child, a ``RayFarm``
+    connects on a thread (the thread is returned). It never starts a farm (no farm up,
+    embedded Ray: nothing to do) and never raises: a connection that fails here fails
+    again, and is reported, on the miss itself."""
+    from .farm_process import ProcessFarm
+
+    remote: RayFarm | ProcessFarm | None = None
     if isinstance(farm, LocalFarm) and farm.address() is not None:
-        ray_farm = farm.ray_farm()
-    elif isinstance(farm, RayFarm) and farm.address is not None:
-        ray_farm = farm
-    if ray_farm is None or ray_farm._actor is not None:
+        remote = farm.ray_farm()
+    elif isinstance(farm, (RayFarm, ProcessFarm)) and farm.address is not None:
+        remote = farm
+    if isinstance(remote, ProcessFarm):
+        remote.start()
         return None
-    thread = threading.Thread(target=_connect_quietly, args=(ray_farm,), daemon=True,
+    if remote is None or remote._actor is not None:
+        return None
+    thread = threading.Thread(target=_connect_quietly, args=(remote,), daemon=True,
                               name="kiln-farm-connect")
     thread.start()
     return thread
@@ -741,5 +806,5 @@ def farm_for(mode: str) -> Farm:
             elif mode.lower() == EMBEDDED:
                 _farms[mode] = RayFarm(None)
             else:
-                _farms[mode] = RayFarm(mode)
+                _farms[mode] = remote_farm(mode)
         return _farms[mode]

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
@@ -69,12 +70,18 @@ class SwappableGraph:
         client.on_tuned(key.key, self.tuned)
 
     def __call__(self, args: list[Any]) -> Any:
-        out = self.call(args)
-        if not self.called:  # the first output: this graph's held tuning may start
-            self.called = True
-            self.client.tuner.release(self.key.key)
+        out = self.call(args) if self.called else self._first_call(args)
         if self._pending:  # a kernel launched in a size bucket not tuned yet
             self._schedule()
+        return out
+
+    def _first_call(self, args: list[Any]) -> Any:
+        """The first output (on the timeline: cubins load on their first launch); this
+        graph's held tuning may start after it."""
+        with trace.span("first call of a graph", cat="client", key=self.key.key[:16]):
+            out = self.call(args)
+        self.called = True
+        self.client.tuner.release(self.key.key)
         return out
 
     def _hook(self) -> NewBucket | None:

@@ -7,10 +7,15 @@ up on their next lookup. ``kiln stats`` counts ``autotune_publishes``, ``hits_au
 and ``hot_swaps``.
 
 Tuning threads are daemons; at exit the process waits up to ``KILN_AUTOTUNE_EXIT_WAIT``
-seconds (default 120), once for all tuners (``wait_at_exit``), for tuning still running,
-so that short jobs publish what they tuned. A process that joined a farm waits before it
-leaves Ray (``frontend.farm`` calls ``wait_at_exit`` first), since its tuning asks the
-farm. No GPU of the target's arch means nothing runs here (CPU graphs never tune).
+seconds (default 5), once for all tuners (``wait_at_exit``), for tuning still running,
+so that short jobs publish what they tuned; a user's script never lingers longer. Tuning
+still running then is abandoned: nothing it finishes later is published (a publish
+already started completes: blobs, then the manifest), and the first artifacts stay in the
+store (a farm's tuning goes on, on the farm, which publishes it itself). Benchmarks that
+need the tuned artifact wait for it (``client.wait_for_background``) or set a longer wait.
+A process that uses a farm waits before it lets the farm go (``frontend.farm`` and
+``frontend.farm_process`` call ``wait_at_exit`` first), since its tuning asks the farm.
+No GPU of the target's arch means nothing runs here (CPU graphs never tune).
 
 Tuning in this process waits for the graph's first output (``hold``): its candidate
 compiles would otherwise take the CPUs and the GIL from the rest of the first call
@@ -27,24 +32,28 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kiln.compiler import trace
-from kiln.compiler.compiled_graph import CompiledGraph
+
+if TYPE_CHECKING:  # not imported by a client's farm process, which has no torch
+    from kiln.compiler.compiled_graph import CompiledGraph
 
 log = logging.getLogger("kiln.tuning")
 EXIT_WAIT_ENV = "KILN_AUTOTUNE_EXIT_WAIT"
 HOLD_S = 10.0  # the longest a held tuning waits for its graph's first call
+EXIT_WAIT_S = 5.0  # default of KILN_AUTOTUNE_EXIT_WAIT
 
 
 def exit_wait_s() -> float:
     try:
-        return max(0.0, float(os.environ.get(EXIT_WAIT_ENV, "120")))
+        return max(0.0, float(os.environ.get(EXIT_WAIT_ENV, str(EXIT_WAIT_S))))
     except ValueError:
-        return 120.0
+        return EXIT_WAIT_S
 
 
 Tune = Callable[[], "CompiledGraph | None"]
-Publish = Callable[[CompiledGraph], None]
+Publish = Callable[["CompiledGraph"], None]
 
 
 class BackgroundTuner:
@@ -96,10 +105,17 @@ class BackgroundTuner:
             with trace.background(), trace.span(label, cat="background", key=key[:16]):
                 tuned = tune()
             if tuned is not None and tuned.autotuned:
-                with trace.background():
+                with _publishing, trace.background():
+                    if _abandoned.is_set():
+                        log.debug("kiln: %s of graph %s finished after exit's wait: not "
+                                  "published", label, key[:16])
+                        return
                     publish(tuned)
         except Exception as e:  # an optimization; the first artifact stays
-            log.warning("kiln: %s of graph %s failed: %s", label, key[:16], e)
+            if _abandoned.is_set():  # cut off at exit (the farm's calls refused): expected
+                log.debug("kiln: %s of graph %s abandoned at exit: %s", label, key[:16], e)
+            else:
+                log.warning("kiln: %s of graph %s failed: %s", label, key[:16], e)
 
     def pending(self) -> int:
         with self._lock:
@@ -122,18 +138,32 @@ class BackgroundTuner:
 
 _tuners: weakref.WeakSet[BackgroundTuner] = weakref.WeakSet()
 _exit_waited = threading.Event()
+_abandoned = threading.Event()  # set at exit once the wait ran out: publish nothing more
+_publishing = threading.Lock()  # held while a tuned artifact is published
+PUBLISH_FINISH_S = 10.0  # at exit, the longest a publish already started is waited for
 
 
-def wait_at_exit() -> None:
+def wait_at_exit() -> int:
     """At exit: wait, once, up to ``KILN_AUTOTUNE_EXIT_WAIT`` seconds in all for every
-    tuner's work. The farm's exit hook calls it before leaving Ray (its own hook runs
-    before Ray's); this module's hook covers a process that never joined one."""
+    tuner's work, then abandon what is left (see the module docstring); the number of
+    jobs abandoned. The farm's exit hooks call it before letting the farm go (they run
+    before Ray's); this module's hook covers a process that never used one."""
     if _exit_waited.is_set():
-        return
+        return 0
     _exit_waited.set()
-    deadline = _now() + exit_wait_s()
+    wait = exit_wait_s()
+    deadline = _now() + wait
     for tuner in list(_tuners):
         tuner.wait(max(0.0, deadline - _now()))
+    left = sum(tuner.pending() for tuner in list(_tuners))
+    if left:
+        _abandoned.set()
+        if _publishing.acquire(timeout=PUBLISH_FINISH_S):  # one already started ends
+            _publishing.release()
+        log.info("kiln: %d background autotuning job(s) still running after %g s "
+                 "(KILN_AUTOTUNE_EXIT_WAIT) abandoned at exit; the first artifacts stay",
+                 left, wait)
+    return left
 
 
 atexit.register(wait_at_exit)

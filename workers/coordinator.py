@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import json
 import logging
 import os
 import time
@@ -45,6 +43,7 @@ from kiln.workers import FARM_COUNTERS
 from .actors import Autotuner, CompileWorker, KernelWorker
 from .gpu_pool import ActorPool, gpu_lane_event
 from .kernel_store import KernelStore
+from .names import FARM_NAME, namespace_for
 from .pipeline import CompileFailure, FarmKeyMismatch, KernelJob, fastest, finish, kernel_jobs
 from .publish import FarmPublisher
 from .select import (
@@ -64,7 +63,6 @@ from .select import (
 
 log = logging.getLogger("kiln.farm")
 
-FARM_NAME = "KilnFarm"
 AUTOTUNER_RECHECK_S = 60.0
 # The longest background tuning of a graph waits for a client to ask for it (``tuned``).
 TUNING_HOLD_S = 10.0
@@ -72,8 +70,7 @@ TUNING_HOLD_S = 10.0
 
 def farm_namespace() -> str:
     """The Ray namespace of this Kiln's farm: one per compiler version."""
-    digest = hashlib.sha256(json.dumps(versions(), sort_keys=True).encode()).hexdigest()
-    return f"kiln-{digest[:12]}"
+    return namespace_for(versions())
 
 
 def root_cause(error: BaseException) -> BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from farm_helpers import RayHead, cuda_request, farm_stats, python_env, run_python
 
 from kiln.compiler import trace
@@ -114,7 +115,7 @@ def test_a_farm_warmed_by_a_process_that_left_compiles_in_its_warm_kernel_worker
 
 
 CONNECT_EARLY = """
-import json, sys, threading
+import json, sys, threading, time
 from farm_helpers import cuda_request
 from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
@@ -124,15 +125,25 @@ client.connect_farm_early()  # what the backend does before AOTAutograd's trace
 connecting = [t for t in threading.enumerate() if t.name == "kiln-farm-connect"]
 for thread in connecting:
     thread.join(120)
-joined = client.farm._actor is not None
+farm = client.farm
+if hasattr(farm, "_actor"):  # joined here, on a thread
+    joined = farm._actor is not None
+else:  # the farm process started at once; it joins on its own
+    joined = farm._proc is not None and farm._proc.poll() is None
 result = client.compile(cuda_request(shapes=((8, 40), (40, 40)), options={"tag": "early"}))
-print(json.dumps({"threads": len(connecting), "joined": joined, "source": result.source}))
+print(json.dumps({"threads": len(connecting), "joined": joined, "source": result.source,
+                  "ray_here": "ray" in sys.modules}))
 """
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["farm-process", "thread"])
 def test_the_client_joins_the_farm_in_the_background_before_its_first_miss(
-        farm: RayFarm, ray_cluster: RayHead, tmp_path: Path) -> None:
+        farm: RayFarm, ray_cluster: RayHead, tmp_path: Path, in_process: bool) -> None:
+    """By default a farm process starts (no Ray here at all); with KILN_FARM_PROCESS=0 a
+    thread of the client joins."""
     env = python_env(KILN_FARM=ray_cluster.address, KILN_STORE=str(tmp_path / "store"),
-                     XDG_CACHE_HOME=str(tmp_path / "client-cache"))
+                     XDG_CACHE_HOME=str(tmp_path / "client-cache"),
+                     KILN_FARM_PROCESS="0" if in_process else "1")
     out = run_python(CONNECT_EARLY, env, timeout=300)
-    assert out == {"threads": 1, "joined": True, "source": "farm", "_stderr": out["_stderr"]}
+    assert out == {"threads": int(in_process), "joined": True, "source": "farm",
+                   "ray_here": in_process, "_stderr": out["_stderr"]}

@@ -26,7 +26,7 @@ from kiln.artifact_store import open_store
 FAKE_MS = 300  # per timed candidate: the CUDA graph's tuning takes a few seconds
 
 CLIENT = """
-import json, time, warnings
+import json, sys, time, warnings
 import torch
 from farm_helpers import cuda_request
 from kiln.frontend.backend import KilnFallbackWarning
@@ -51,7 +51,8 @@ cuda = client.compile(cuda_request(shapes=((16, {n}), ({n}, {n}))))
 print(json.dumps({{"counters": client.counters.snapshot(), "cuda_key": cuda.key.key,
                   "cuda_source": cuda.source,
                   "tuning_pending": bool(cuda.compiled.stats.get("autotune_pending")),
-                  "tuner_threads": client.tuner.pending(), "printed_at": time.time()}}))
+                  "tuner_threads": client.tuner.pending(), "printed_at": time.time(),
+                  "ray_imported": "ray" in sys.modules}}))
 """
 
 
@@ -88,6 +89,7 @@ def run_client(env: dict[str, str], n: int) -> tuple[dict[str, object], float]:
     assert counters.get("compiles_local", 0) == 0 and counters.get("farm_fallbacks", 0) == 0
     assert out["cuda_source"] == "farm" and out["tuning_pending"] is True
     assert int(out["tuner_threads"]) >= 1  # type: ignore[call-overload]
+    assert out["ray_imported"] is False  # the farm is reached through a child process
     return out, exit_s
 
 

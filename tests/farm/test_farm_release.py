@@ -15,18 +15,18 @@ from kiln.frontend.config import KilnConfig
 from kiln.frontend.farm import RayFarm
 from kiln.frontend.keys import compute_key
 
-# A client in a fresh process that joins a cluster, compiles one graph there, then finds
-# the cluster's head killed: it must compile the next graphs itself with one warning,
-# leave Ray, and carry on.
+# A client in a fresh process that joins a cluster (through its farm process, so Ray is
+# never imported here), compiles one graph there, then finds the cluster's head killed: it
+# must compile the next graphs itself with one warning, let the farm go, and carry on.
 DEAD_HEAD_CLIENT = """
-import json, os, signal, time, warnings
-import ray
+import json, os, signal, sys, time, warnings
 from farm_helpers import cuda_request
 from kiln.frontend.client import KilnClient, KilnFarmWarning
 from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 first = client.compile(cuda_request(shapes=((4, 8), (8, 8)))).source
-joined = ray.is_initialized()
+joined = client.farm.joined is not None
+child = client.farm._proc
 os.killpg({pgid}, signal.SIGKILL)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -36,7 +36,8 @@ with warnings.catch_warnings(record=True) as caught:
 print(json.dumps({{"first": first, "joined": joined, "later": later,
                   "warnings": [str(w.message) for w in caught
                                if issubclass(w.category, KilnFarmWarning)],
-                  "ray_left": not ray.is_initialized(), "seconds": elapsed}}))
+                  "ray_left": client.farm.joined is None and "ray" not in sys.modules,
+                  "child_exit": child.wait(timeout=60), "seconds": elapsed}}))
 """
 
 
@@ -53,6 +54,7 @@ def test_client_leaves_ray_when_the_farm_dies(tmp_path: Path) -> None:
     assert out["later"] == ["local", "local"]
     assert len(out["warnings"]) == 1 and "cannot compile" in out["warnings"][0]
     assert out["ray_left"], "the client stayed connected to a dead cluster"
+    assert out["child_exit"] == 0, "the farm process did not leave Ray cleanly"
     assert out["seconds"] < 120, out
 
 

@@ -105,7 +105,12 @@ def test_tuning_in_process_waits_for_the_graphs_first_output(
 
     graph = SwappableGraph(build, first.compiled, client, first.key,  # type: ignore[arg-type]
                            request)  # type: ignore[arg-type]
-    assert graph([21]) == [42] and client.tuner.held() == 0
+    from kiln.compiler import trace
+
+    with trace.capture() as events:  # the first call is on the timeline, once
+        assert graph([21]) == [42] and client.tuner.held() == 0
+        assert graph([4]) == [8]
+    assert [e["name"] for e in events].count("first call of a graph") == 1
     assert client.tuner.wait(300)
     assert client.local.kernels.compiles > compiled_before
     assert client.counters.snapshot()["autotune_publishes"] == 1

@@ -1,0 +1,305 @@
+"""The farm's conversation in a child process: a client of a farm never imports Ray.
+
+Joining a Ray cluster in the client's own process (importing Ray, ``ray.init``, finding
+the coordinator) is about a second of Python holding the GIL. Done on a thread while
+AOTAutograd traced, it slowed the trace by more than it cost alone (GPT-2 through a farm
+on the H200 host: AOTAutograd's own time 2.69 s, against 0.98 s in process; on the CPU
+machine 2.29 s against 1.26 s), and done on the miss's path it was on the critical path.
+So a client whose farm is ``kiln farm up``'s (``KILN_FARM=local``) or a Ray address
+starts a child (``python -m kiln.frontend.farm_process``) as soon as torch.compile looks
+the backend up; the child imports Ray, joins and finds the coordinator on its own core
+while Dynamo and AOTAutograd trace here, and then relays this process's calls
+(``compile``, ``tuned``, ``stats``) to the farm through its ``RayFarm``.
+
+Wire: 8-byte big-endian length, then a pickled tuple; (call id, method, args) down and
+(call id, ok, value, trace events) up, over a socketpair the child inherits (no name
+that another process could open). The child is Kiln's own process and relays what Ray
+handed it from the farm, which an in-process ``RayFarm`` unpickles the same way: the
+trust line is the farm's (a builder), as before, and the compiled graph is loaded as
+before. The child exits when this process closes its end (``release``, exit, or death):
+leaving Ray (its teardown takes seconds) is then the child's own affair, not the user's.
+
+``KILN_FARM_PROCESS=0`` joins in this process instead (``RayFarm``), as does a process
+already connected to Ray by its user (``ray.init``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.artifact_store import user_cache_dir
+from kiln.compiler import trace
+
+from .farm import (
+    FarmUnavailable,
+    RayFarm,
+    answer_to_graph,
+    farm_waits,
+)
+
+if TYPE_CHECKING:  # the child imports no torch: it starts in a fraction of a second
+    from kiln.compiler.compiled_graph import CompiledGraph
+    from kiln.compiler.request import CompileRequest
+
+log = logging.getLogger("kiln.farm")
+ENV = "KILN_FARM_PROCESS"
+_HEADER = struct.Struct(">Q")
+
+
+def wanted() -> bool:
+    """Whether a farm with an address is reached through a child process (see the module
+    docstring): ``KILN_FARM_PROCESS`` unset or true, and Ray not already connected here."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    ray = sys.modules.get("ray")
+    return ray is None or not getattr(ray, "is_initialized", lambda: False)()
+
+
+def send(sock: socket.socket, lock: threading.Lock, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def receive(sock: socket.socket) -> Any:
+    """The next message; None when the other end closed."""
+    header = _read_exactly(sock, _HEADER.size)
+    if header is None:
+        return None
+    body = _read_exactly(sock, _HEADER.unpack(header)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------
+# This process's side.
+
+
+class ProcessFarm:
+    """A farm at ``address`` reached through a child process; the same calls as
+    ``RayFarm`` (``compile``, ``tuned``, ``stats``, ``release``)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.joined: str | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Path | None = None
+        self._calls: dict[int, Future[Any]] = {}
+        self._next_id = 0
+        self._ended: socket.socket | None = None  # the connection whose child has ended
+
+    @property
+    def description(self) -> str:
+        return f"the Ray cluster at {self.address}"
+
+    def start(self) -> None:
+        """Start the child (it joins the farm at once); nothing if it runs."""
+        with self._lock:
+            if self._sock is None:
+                self._spawn()
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair()
+        folder = user_cache_dir() / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._log = folder / f"farm-process-{os.getpid()}.log"
+        from kiln.compiler.versions import versions
+        from kiln.workers.names import namespace_for
+
+        command = [sys.executable, "-m", "kiln.frontend.farm_process", str(theirs.fileno()),
+                   self.address, namespace_for(versions())]
+        command += ["--trace"] if trace.recording() else []
+        try:
+            with self._log.open("ab") as sink:
+                self._proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),),
+                                              stdin=subprocess.DEVNULL, stdout=sink,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            ours.close()
+            raise FarmUnavailable(f"the farm's child process did not start: {e}") from e
+        finally:
+            theirs.close()
+        self._sock = ours
+        self.joined = self.address
+        threading.Thread(target=self._read, args=(ours,), daemon=True,
+                         name="kiln-farm-process").start()
+        _live.add(self)
+
+    def _read(self, sock: socket.socket) -> None:
+        """Hand each answer to its caller; on the child's end, fail every call left."""
+        while (message := receive(sock)) is not None:
+            call_id, ok, value, events = message
+            with self._lock:
+                future = self._calls.pop(call_id, None)
+            if future is not None:  # merged by the caller's thread (background or not)
+                future.set_result((ok, value, events))
+        with self._lock:
+            calls, self._calls, self._ended = list(self._calls.values()), {}, sock
+        for future in calls:
+            future.set_exception(self._gone())
+
+    def _gone(self) -> FarmUnavailable:
+        return FarmUnavailable(f"the farm's child process ended (its log: {self._log})")
+
+    def call(self, method: str, *args: Any) -> Any:
+        """``method`` of the child's ``RayFarm`` conversation; waits for the answer."""
+        self.start()
+        future: Future[Any] = Future()
+        with self._lock:
+            sock = self._sock
+            if sock is None or sock is self._ended:
+                raise self._gone()
+            call_id, self._next_id = self._next_id, self._next_id + 1
+            self._calls[call_id] = future
+        try:
+            send(sock, self._send_lock, (call_id, method, args))
+        except OSError as e:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise FarmUnavailable(f"the farm's child process is gone ({e})") from None
+        ok, value, events = future.result()
+        trace.merge(events)
+        if not ok:
+            raise value
+        return value
+
+    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
+                delay: float = 0.0) -> CompiledGraph:
+        self.start()
+        with farm_waits(key):
+            answer = self.call("compile_raw", key, request.to_bytes(), delay,
+                               trace.recording(), timeout)
+        return answer_to_graph(answer)
+
+    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
+        from kiln.compiler.compiled_graph import CompiledGraph
+
+        result = self.call("tuned_raw", key, timeout, trace.recording())
+        return None if result is None else CompiledGraph.from_dict(result)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call("stats"))
+
+    def release(self) -> None:
+        """Let go of the farm: close the child's end (it leaves Ray and exits)."""
+        with self._lock:
+            sock, self._sock, self.joined = self._sock, None, None
+        _live.discard(self)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+_live: set[ProcessFarm] = set()
+
+
+def _at_exit() -> None:
+    """Background tuning asks the farm: let it finish (``KILN_AUTOTUNE_EXIT_WAIT``)
+    before the children are let go. Registered after ``tuning``'s hook: runs first."""
+    if not _live:
+        return
+    from .tuning import wait_at_exit
+
+    wait_at_exit()
+    for farm in list(_live):
+        farm.release()
+
+
+atexit.register(_at_exit)
+
+
+# ---------------------------------------------------------------------------------------
+# The child's side.
+
+
+def serve(sock: socket.socket, address: str, namespace: str) -> None:
+    """Join the farm at ``address`` now, then run the parent's calls (each on a thread of
+    its own, as they wait on the farm) until the parent closes its end."""
+    farm = RayFarm(address, namespace=namespace)
+    threading.Thread(target=_join, args=(farm,), daemon=True).start()
+    lock = threading.Lock()
+    while (message := receive(sock)) is not None:
+        call_id, method, args = message
+        threading.Thread(target=_run, args=(sock, lock, farm, call_id, method, args),
+                         daemon=True).start()
+    farm.release()
+
+
+def _join(farm: RayFarm) -> None:
+    try:  # not on the first output's path: it runs while the parent traces
+        with trace.background(), trace.span("join the farm (child process)", cat="client"):
+            farm.actor()
+    except Exception as e:  # the first call joins again and reports it
+        log.debug("kiln farm process: joining failed: %s", e)
+
+
+def _run(sock: socket.socket, lock: threading.Lock, farm: RayFarm, call_id: int,
+         method: str, args: tuple[Any, ...]) -> None:
+    value: Any
+    if method not in ("compile_raw", "tuned_raw", "stats"):
+        ok, value = False, FarmUnavailable(f"the farm's child process has no call {method!r}")
+    else:
+        try:
+            ok, value = True, getattr(farm, method)(*args)
+        except Exception as e:
+            ok, value = False, e
+    events = _drain_events()
+    try:
+        send(sock, lock, (call_id, ok, value, events))
+    except (pickle.PicklingError, TypeError, AttributeError):
+        send(sock, lock, (call_id, False, FarmUnavailable(f"{type(value).__name__}: "
+                                                          f"{value}"), events))
+    except OSError:
+        pass  # the parent is gone
+
+
+def _drain_events() -> list[Any]:
+    if not trace.recording():
+        return []
+    events = trace.events()
+    trace.clear()
+    return events
+
+
+def main(argv: list[str]) -> int:
+    fd, address, namespace = int(argv[0]), argv[1], argv[2]
+    if "--trace" in argv[3:]:
+        trace.enable(True)
+        trace.set_process_name("client's farm process")
+    sock = socket.socket(fileno=fd)
+    serve(sock, address, namespace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""At exit a process waits for its background tuning only up to KILN_AUTOTUNE_EXIT_WAIT
+(default a few seconds): tuning that finishes within it is published, tuning cut off is
+abandoned (nothing published later, no warning) and the script does not linger. Each
+case runs in a fresh interpreter: the exit hook runs once per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kiln.frontend.tuning import EXIT_WAIT_S
+
+SCRIPT = """
+import json, sys, time, types
+from pathlib import Path
+from kiln.frontend.tuning import BackgroundTuner
+
+marker = Path(sys.argv[1])
+tune_s = float(sys.argv[2])
+
+def tune():
+    time.sleep(tune_s)
+    return types.SimpleNamespace(autotuned=True)
+
+def publish(graph):
+    marker.write_text("published")
+
+BackgroundTuner().submit("k" * 64, tune, publish)
+if len(sys.argv) > 3:  # exit's wait, then outlive the tuning: does it publish late?
+    from kiln.frontend.tuning import wait_at_exit
+    abandoned = wait_at_exit()
+    time.sleep(tune_s + 0.5)
+    print(json.dumps({"abandoned": abandoned, "late": marker.exists()}), flush=True)
+print(json.dumps({"ended_at": time.time()}), flush=True)
+"""
+
+
+def _run(tmp_path: Path, tune_s: float, wait: str | None) -> tuple[float, bool, str]:
+    """Seconds from the script's end to its exit, whether it published, its stderr."""
+    marker = tmp_path / "published"
+    env = {k: v for k, v in os.environ.items() if k != "KILN_AUTOTUNE_EXIT_WAIT"}
+    if wait is not None:
+        env["KILN_AUTOTUNE_EXIT_WAIT"] = wait
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), str(tune_s)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    exited = time.time()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = json.loads(proc.stdout.splitlines()[-1])["ended_at"]
+    time.sleep(max(0.0, tune_s + 0.5 - (exited - ended)))  # a daemon left would be done
+    return exited - ended, marker.exists(), proc.stderr
+
+
+def test_the_default_exit_wait_is_a_few_seconds() -> None:
+    assert 1.0 <= EXIT_WAIT_S <= 10.0
+
+
+def test_tuning_within_the_exit_wait_is_published(tmp_path: Path) -> None:
+    lingered, published, _ = _run(tmp_path, tune_s=0.5, wait=None)
+    assert published and lingered < EXIT_WAIT_S + 5
+
+
+def test_tuning_cut_off_at_exit_is_abandoned_quietly_and_not_published(
+        tmp_path: Path) -> None:
+    lingered, published, stderr = _run(tmp_path, tune_s=3.0, wait="0.5")
+    assert not published
+    assert lingered < 2.5, f"the script lingered {lingered:.1f}s at exit"
+    assert "failed" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_tuning_that_ends_after_the_exit_wait_publishes_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "published"
+    env = {**os.environ, "KILN_AUTOTUNE_EXIT_WAIT": "0.3"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), "1.5", "stay"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[0]) == {"abandoned": 1, "late": False}
+    assert not marker.exists()
