@@ -202,7 +202,6 @@ def child_cold(args: argparse.Namespace) -> dict[str, Any]:
 def child_tune(args: argparse.Namespace) -> dict[str, Any]:
     """Max-autotune of the ladders through an embedded farm with ``--mode`` GPUs."""
     import ray
-    import torch
 
     from kiln.frontend.client import KilnClient
     from kiln.frontend.compile import build_request
@@ -212,9 +211,6 @@ def child_tune(args: argparse.Namespace) -> dict[str, Any]:
     from kiln.frontend.trace import gpu_usage, spans_from_events
 
     size = args.size or ("small" if args.fake_gpus else "full")
-    # The small ladders are fp32: in IEEE precision Hopper's matmuls go to the library by
-    # rule, untimed (compiler.select_algorithm.library_only); in TF32 they are tuned.
-    torch.backends.cuda.matmul.allow_tf32 = True
     config = KilnConfig.resolve({}).with_mode("max-autotune")
     requests = [build_request(gm, metas, config, target=target_dict("cuda"))
                 for gm, metas in build_ladders(args.graphs, args.problems, size)]

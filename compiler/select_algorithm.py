@@ -46,19 +46,27 @@ class Candidate:
         return {"kind": TEMPLATE, "config": dict(self.config or {})}
 
 
-# An fp32 product in IEEE precision (TF32 not allowed) on Hopper: the library call, with no
-# template compiled or timed. Both run it on the FMA units, and cuBLAS's SGEMM beat every
-# Triton config on the H200 (Inductor's max-autotune of gpu_bench's fp32 MLP, 2026-12-02:
-# the best Triton configs at 47-90% of cuBLAS's speed; Kiln's MLP, after timing its 30
-# fp32 configs, ran in the same GPU time as Inductor's all-cuBLAS one: 3.536 / 3.541 ms).
+# A large fp32 product in IEEE precision (TF32 not allowed) on Hopper: the library call,
+# with no template compiled or timed. Both run it on the FMA units, and cuBLAS's SGEMM beat
+# every Triton config on the H200 (Inductor's max-autotune of gpu_bench's fp32 MLP,
+# 2026-12-02, five problems of 2^34 multiply-adds: the best Triton configs at 47-90% of
+# cuBLAS's speed; Kiln's MLP, after timing its 30 fp32 configs, ran in the same GPU time
+# as Inductor's all-cuBLAS one: 3.536 / 3.541 ms). "Large": at 90% of SGEMM's speed (25
+# TMAC/s) a template loses more from 2^30 multiply-adds on than a fused epilogue saves it
+# (a launch, about 5 us), and from K = 512 on more than the product's round trip through
+# memory. Smaller problems are timed as before.
 LIBRARY_ONLY_MIN_ARCH = 90
+LIBRARY_ONLY_MIN_MACS = 2**30
+LIBRARY_ONLY_MIN_K = 512
 
 
 def library_only(problem: GemmProblem, target: dict[str, Any]) -> bool:
     """Whether ``problem`` on ``target`` goes to the library call without a benchmark."""
-    return (problem.dtype == "float32" and not problem.allow_tf32
-            and target.get("kind") == "cuda"
-            and int(target.get("arch", 0)) >= LIBRARY_ONLY_MIN_ARCH)
+    p = problem
+    return (p.dtype == "float32" and not p.allow_tf32 and target.get("kind") == "cuda"
+            and int(target.get("arch", 0)) >= LIBRARY_ONLY_MIN_ARCH
+            and p.batch * p.m * p.n * p.k >= LIBRARY_ONLY_MIN_MACS
+            and p.k >= LIBRARY_ONLY_MIN_K)
 
 
 def library_record() -> dict[str, Any]:

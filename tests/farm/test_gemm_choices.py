@@ -20,7 +20,7 @@ from kiln.frontend.trace import gpu_usage, load_spans
 from kiln.workers.select import StoreChoiceCache
 
 # One model per process: NAME picks it. Both pose the same matmul (64x128 @ 128x96,
-# fp32 in TF32, followed by pointwise work).
+# fp32, followed by pointwise work).
 CLIENT = """
 import json
 import os
@@ -44,7 +44,6 @@ def model_b(x, w, b):
 def model_c(x, w, b):  # two problems: 64x96x128, then 64x128x96
     return torch.relu(x @ w + b) @ w.t()
 
-torch.backends.cuda.matmul.allow_tf32 = True  # fp32 in IEEE precision is ruled, not tuned
 config = KilnConfig.resolve().with_mode("max-autotune")
 request = cuda_request({NAME}, shapes=((64, 128), (128, 96), (96,)),
                        options=request_options(config))

@@ -36,7 +36,6 @@ def ladder(x, *ws):
     return x
 
 shapes = [(16, 8)] + [(8 + i, 9 + i) for i in range({PROBLEMS})]
-torch.backends.cuda.matmul.allow_tf32 = True  # fp32 in IEEE precision is ruled, not tuned
 config = KilnConfig.resolve().with_mode("max-autotune")
 request = cuda_request(ladder, shapes=shapes, options=request_options(config))
 use_auth_token()

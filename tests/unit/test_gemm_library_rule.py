@@ -1,7 +1,7 @@
-"""An fp32 matmul in IEEE precision on Hopper goes to the library call by rule: no template
-config is compiled and nothing is timed, even where a GPU could time it (cuBLAS's SGEMM
-beat every Triton config on the H200). TF32, 16-bit dtypes and other GPUs are tuned as
-before."""
+"""A large fp32 matmul in IEEE precision on Hopper goes to the library call by rule: no
+template config is compiled and nothing is timed, even where a GPU could time it (cuBLAS's
+SGEMM beat every Triton config on the H200). Small ones, TF32, 16-bit dtypes and other
+GPUs are tuned as before; a graph whose winners are all library calls is lowered once."""
 
 from __future__ import annotations
 
@@ -33,17 +33,21 @@ pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")
 
 
-def problem(dtype: str = "float32", tf32: bool = False) -> GemmProblem:
-    return GemmProblem("mm", 1, 4096, 4096, 1024, dtype, dtype, dtype, (0, 1024, 1),
-                       (0, 1, 1024), True, tf32)
+def problem(dtype: str = "float32", tf32: bool = False, m: int = 4096, k: int = 1024
+            ) -> GemmProblem:
+    return GemmProblem("mm", 1, m, 4096, k, dtype, dtype, dtype, (0, k, 1), (0, 1, k), True,
+                       tf32)
 
 
 def test_only_fp32_ieee_on_hopper_is_ruled() -> None:
     ampere = {**SM90, "arch": 80}
     assert library_only(problem(), SM90)
     assert [c.kind for c in candidates(problem(), SM90)] == [EXTERN]
+    assert library_only(problem(m=256, k=1024), SM90)  # 2^30 multiply-adds
     for p, target in ((problem(tf32=True), SM90), (problem("float16"), SM90),
-                      (problem("bfloat16"), SM90), (problem(), ampere)):
+                      (problem("bfloat16"), SM90), (problem(), ampere),
+                      (problem(m=128), SM90),  # 2^29 multiply-adds: an epilogue may pay
+                      (problem(m=65536, k=256), SM90)):  # short K: so may a round trip
         assert not library_only(p, target)
         assert len(candidates(p, target)) > 4
     # Without a target (the tests' forced choices) every template config stays possible.
@@ -57,15 +61,16 @@ def test_only_fp32_ieee_on_hopper_is_ruled() -> None:
 
 def test_fp32_mlp_step_compiles_no_template_and_times_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpu_bench's fp32 MLP training step in max-autotune, in process, where a (fake) GPU
+    """gpu_bench's fp32 MLP training step (smaller: every matmul 2^31 multiply-adds) in
+    max-autotune, in process, where a (fake) GPU
     could time candidates: its 2 forward and 3 backward matmuls are library calls chosen
     by rule, the graphs are compiled once (no second pass), and no template compiles."""
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("KILN_TEST_FAKE_AUTOTUNE", "1")
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                              torch.nn.Linear(256, 64))
+    mlp = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(),
+                              torch.nn.Linear(2048, 1024))
 
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = mlp(x).square().mean()
@@ -74,7 +79,7 @@ def test_fp32_mlp_step_compiles_no_template_and_times_nothing(
 
     config = KilnConfig.resolve({"farm": "inprocess", "max_autotune": True})
     ruled = 0
-    for name, gm, inputs in aot_graphs(step, [torch.randn(512, 64)]):
+    for name, gm, inputs in aot_graphs(step, [torch.randn(1024, 1024)]):  # 2^31 each
         request = build_request(gm, as_fake_cuda(inputs), config, target=dict(SM90))
         cache = KernelCache()
         with trace.capture() as events:
