@@ -4,11 +4,13 @@ configs that fit the target's shared memory), and the seconds to cross-compile e
 template candidate for the target on ``--threads`` threads (what the farm's CPU workers
 do before the GPU benchmarks; the benchmarks themselves need the GPU).
 
-    python bench/gemm_candidates.py [--models mlp_train,block] [--threads 2] [--json OUT]
+    python bench/gemm_candidates.py [--models mlp_train,block,gpt2] [--threads 2]
+        [--count-only] [--json OUT]
 
 Models: gpu_bench.py's "MLP training step 4096x1024 fp32" (forward and backward graphs)
-and "transformer block fwd 8x512x1024 fp16", traced through the kiln backend's own Dynamo
-and AOTAutograd path on CPU, then lowered for fake CUDA inputs of the same metadata.
+and "transformer block fwd 8x512x1024 fp16", and coldstart.py's GPT-2 (bf16, 4 x 512
+tokens), traced through the kiln backend's own Dynamo and AOTAutograd path on CPU, then
+lowered for fake CUDA inputs of the same metadata.
 """
 
 from __future__ import annotations
@@ -52,7 +54,23 @@ def block() -> tuple[Any, list[torch.Tensor]]:
     return forward, [torch.randn(8, 512, 1024, dtype=torch.float16)]
 
 
-MODELS = {"mlp_train": mlp_train, "block": block}
+def gpt2() -> tuple[Any, list[torch.Tensor]]:
+    """bench/coldstart.py's GPT-2 (HF's where transformers is installed, else its stand-in
+    of the same sizes) as it runs on the GPU: bf16, 4 x 512 tokens."""
+    from coldstart_models import MODELS as COLDSTART
+
+    case = COLDSTART["gpt2"]("cpu", False)
+    module = case.module.to(torch.bfloat16)
+    ids = case.inputs[0]
+
+    def forward(ids: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return module(ids)
+
+    return forward, [ids]
+
+
+MODELS = {"mlp_train": mlp_train, "block": block, "gpt2": gpt2}
 
 
 def problems_of(model: str) -> list[tuple[str, str, Any]]:
@@ -71,7 +89,7 @@ def problems_of(model: str) -> list[tuple[str, str, Any]]:
     return out
 
 
-def measure(model: str, threads: int) -> dict[str, Any]:
+def measure(model: str, threads: int, compile_all: bool = True) -> dict[str, Any]:
     from kiln.compiler.kernel_compile import compile_kernel
     from kiln.workers.select import template_jobs
 
@@ -80,8 +98,9 @@ def measure(model: str, threads: int) -> dict[str, Any]:
     jobs = [job for key, (_, p) in unique.items()
             for _, job in template_jobs(key, p, SM90) if job is not None]
     start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda j: compile_kernel(j.spec, j.config, SM90), jobs))
+    if compile_all:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda j: compile_kernel(j.spec, j.config, SM90), jobs))
     wall = time.perf_counter() - start
     rows = [{"graph": g, "problem": f"{p.op} {p.batch}x{p.m}x{p.n}x{p.k} {p.dtype} "
              f"a{list(p.a_stride)} b{list(p.b_stride)} epilogue={p.epilogue}",
@@ -97,10 +116,12 @@ def main() -> None:
     parser.add_argument("--models", default="mlp_train,block")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default="")
+    parser.add_argument("--count-only", action="store_true",
+                        help="list the problems and count the configs; compile nothing")
     ns = parser.parse_args()
     results = []
     for model in ns.models.split(","):
-        r = measure(model.strip(), ns.threads)
+        r = measure(model.strip(), ns.threads, not ns.count_only)
         results.append(r)
         print(f"# {r['model']}: {r['problems']} GEMM problems ({r['distinct']} distinct), "
               f"{r['template_configs']} template configs cross-compiled for sm_90 in "

@@ -67,6 +67,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"
 os.environ.setdefault("KILN_FARM", "inprocess")
 os.environ.setdefault("KILN_STORE", "file://" + os.path.join(_CACHE, "store"))
 
+import gemm_report  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -507,6 +508,7 @@ def run(w: Workload, reps: int, copy_gbs: float, side: str = "both") -> dict[str
                 fns[name], sets[0], top=PROFILE_TOP)
     if "kiln" in fns:
         row.update(_kiln_gemm_counters())
+        row["kiln_gemm_choices"] = gemm_report.take()
     return derived(row, w.bytes_moved, copy_gbs)
 
 
@@ -609,6 +611,8 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
             print(f"{r['workload']}: Kiln's GEMM problems so far in its process "
                   f"{r['gemm_problems']} ({r['gemm_benchmarked']} benchmarked, "
                   f"{r['gemm_cached']} cached, {r['gemm_untuned']} untuned)")
+        for line in r.get("kiln_gemm_choices", []):
+            print(f"{r['workload']}: Kiln's GEMM choice: {line}")
 
 
 def _ms(row: dict[str, Any], key: str, digits: int = 3) -> str:
@@ -744,6 +748,7 @@ def main() -> None:
         return
     global MODE
     MODE = ns.max_autotune
+    gemm_report.watch()
     torch.manual_seed(0)
     if ns.dynamic:
         dyn = run_dynamic(ns.reps)

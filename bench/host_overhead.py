@@ -30,6 +30,8 @@ Rows, each compiled fresh (``dynamic=False``) and called over 4 input sets in tu
                                 Dynamo's call and ``cudaGraphLaunch`` (asserted to have
                                 gone through the replay on every timed call)
     dynamo floor, dynamic=None  the floor compiled with torch.compile's default ``dynamic``
+    kiln reduce-overhead, dynamic=None
+                                (GPU only) the same for Kiln's reduce-overhead row
 
 Columns: host µs per call (the best of 5 runs of ``--calls``/5 calls, each timed with
 perf_counter up to a synchronize: on a host-bound graph this is the wall time per call;
@@ -49,7 +51,9 @@ events). For a function (the seed), the floor and Kiln's reduce-overhead call ar
 timed in alternating blocks (a loaded host slows both alike) and their Python frames and
 C calls per call counted (deterministic). On CUDA the line ends with the host µs of one
 CUDA-graph launch alone (torch's replay of a one-kernel graph in a loop, no Dynamo, no
-Kiln): what is left above the floor once Kiln's Python is gone.
+Kiln): what is left above the floor once Kiln's Python is gone; in brackets the same
+launch through the driver's ``cuGraphLaunch`` called with ctypes (where torch gives the
+executable graph's handle): how much of it is torch's binding.
 """
 
 from __future__ import annotations
@@ -111,7 +115,9 @@ def variants(device: str) -> list[tuple[str, dict[str, Any], bool]]:
                  ("kiln reduce-overhead, copy",  # (torch.compile takes mode or options)
                   {"backend": "kiln", "options": {"cudagraphs": True,
                                                   "inference_direct": False}}, False),
-                 ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True)]
+                 ("kiln reduce-overhead, same inputs", {"backend": "kiln", **ro}, True),
+                 ("kiln reduce-overhead, dynamic=None",
+                  {"backend": "kiln", "dynamic": None, **ro}, False)]
     else:
         rows.append((NOOP_REPLAY, {"backend": "kiln", "mode": "reduce-overhead"}, False))
     return rows
@@ -204,11 +210,17 @@ def paired_us(fn: Callable[..., Any], rows: dict[str, dict[str, Any]], sets: lis
     """Host µs per call of ``rows`` (name: torch.compile kwargs) of one function, timed in
     alternating blocks so that a loaded host slows them alike (the best block each). Each
     row compiles its own copy of the function's code (Dynamo keeps a cache per code
-    object). Kiln rows are checked against eager first; a stand-in replay (CPU) is made a
-    no-op after its check."""
+    object). Kiln rows are checked against eager first and fail on a fallback to eager or
+    to plain launches; a stand-in replay (CPU) is made a no-op after its check."""
+    from kiln import KilnFallbackWarning
+    from kiln.compiler.runtime.cudagraphs import KilnCudaGraphWarning
+
     torch._dynamo.reset()
     compiled = {}
-    with NoopReplay() if NOOP_REPLAY in rows else contextlib.nullcontext() as stand_in:
+    with warnings.catch_warnings(), \
+            NoopReplay() if NOOP_REPLAY in rows else contextlib.nullcontext() as stand_in:
+        warnings.simplefilter("error", KilnFallbackWarning)
+        warnings.simplefilter("error", KilnCudaGraphWarning)  # the replay path or nothing
         for name, kwargs in rows.items():
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
             compiled[name] = torch.compile(copy, **{"dynamic": False, **kwargs})
@@ -311,7 +323,7 @@ def run(device: str, calls: int, only: list[str], want_profile: bool, wanted: li
                                           ro: {"backend": "kiln", "mode": "reduce-overhead"}},
                                      sets, calls, sync))
             if device == "cuda":
-                row["graph launch alone"] = graph_launch_us(calls)
+                row.update(graph_launch_us(calls))
             out.append(row)
             print(json.dumps(row), file=sys.stderr)
     return out
@@ -353,9 +365,12 @@ def measure(fn: Callable[..., Any], vname: str, kwargs: dict[str, Any], sets: li
     return found
 
 
-def graph_launch_us(calls: int) -> float:
-    """Host µs of one CUDA-graph launch (torch's C++ replay, as Kiln's runner calls it) of
-    a one-kernel graph, in a loop: no Dynamo, no Kiln."""
+def graph_launch_us(calls: int) -> dict[str, float]:
+    """Host µs of one CUDA-graph launch of a one-kernel graph, in a loop (no Dynamo, no
+    Kiln): through torch's C++ replay, as Kiln's runner calls it, and (where torch gives
+    the executable graph's handle) through the driver's ``cuGraphLaunch`` called with
+    ctypes, which skips torch's binding (its GIL release, device guard and checks). Each
+    checks that every launch ran."""
     from kiln.compiler.runtime.cudagraphs import _Recording, first_replay
 
     x = torch.zeros(64, device="cuda")
@@ -369,11 +384,37 @@ def graph_launch_us(calls: int) -> float:
         x.add_(1)
     rec = _Recording(graph, [], [], None)
     first_replay(rec)  # (falls back to the Python method where torch's binding refuses)
-    us = host_us(rec.launch, [[]], calls, torch.cuda.synchronize)
-    replays = 1 + 20 + 5 * max(calls // 5, 1)  # (host_us's calls)
-    if x[0].item() != 1 + replays:
-        raise RuntimeError(f"graph launch: {x[0].item() - 1:.0f} replays ran, not {replays}")
+    found = {"graph launch alone": _counted_launches(rec.launch, x, calls)}
+    try:
+        found["graph launch via cuGraphLaunch"] = _counted_launches(
+            _driver_launch(graph), x, calls)
+    except Exception as e:  # a diagnostic: its absence is reported, never fatal
+        print(f"# cuGraphLaunch through ctypes not measured: {type(e).__name__}: {e}",
+              file=sys.stderr)
+    return found
+
+
+def _counted_launches(launch: Callable[[], Any], x: torch.Tensor, calls: int) -> float:
+    before = x[0].item()
+    us = host_us(launch, [[]], calls, torch.cuda.synchronize)
+    launches = 20 + 5 * max(calls // 5, 1)  # (host_us's calls)
+    if x[0].item() - before != launches:
+        raise RuntimeError(f"graph launch: {x[0].item() - before:.0f} of {launches} ran")
     return us
+
+
+def _driver_launch(graph: Any) -> Callable[[], Any]:
+    """``cuGraphLaunch(graph's executable, current stream)`` as one ctypes call."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuGraphLaunch.restype = ctypes.c_int
+    exec_handle = graph.raw_cuda_graph_exec()
+    stream = torch.cuda.current_stream().cuda_stream
+    if lib.cuGraphLaunch(exec_handle, stream) != 0:
+        raise RuntimeError("cuGraphLaunch returned an error")
+    return functools.partial(lib.cuGraphLaunch, exec_handle, stream)
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
@@ -399,13 +440,16 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
                          f"{r[f'{ro} (c calls)']:.0f} against {r['dynamo floor (c calls)']:.0f}")
             if "graph launch alone" in r:
                 line += f"; one CUDA-graph launch alone {r['graph launch alone']:.1f} us host"
+            if "graph launch via cuGraphLaunch" in r:
+                line += (f" ({r['graph launch via cuGraphLaunch']:.1f} through ctypes' "
+                         "cuGraphLaunch)")
             lines.append(line)
     return lines
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     names = [k for k in rows[0] if k != "workload" and not k.endswith(" events")
-             and not k.endswith(("(paired)", "calls)")) and k != "graph launch alone"]
+             and not k.endswith(("(paired)", "calls)")) and not k.startswith("graph launch")]
     print("| workload | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for r in rows:

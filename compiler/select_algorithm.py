@@ -46,12 +46,43 @@ class Candidate:
         return {"kind": TEMPLATE, "config": dict(self.config or {})}
 
 
+# A large fp32 product in IEEE precision (TF32 not allowed) on Hopper: the library call,
+# with no template compiled or timed. Both run it on the FMA units, and cuBLAS's SGEMM beat
+# every Triton config on the H200 (Inductor's max-autotune of gpu_bench's fp32 MLP,
+# 2026-12-02, five problems of 2^34 multiply-adds: the best Triton configs at 47-90% of
+# cuBLAS's speed; Kiln's MLP, after timing its 30 fp32 configs, ran in the same GPU time
+# as Inductor's all-cuBLAS one: 3.536 / 3.541 ms). "Large": at 90% of SGEMM's speed (25
+# TMAC/s) a template loses more from 2^30 multiply-adds on than a fused epilogue saves it
+# (a launch, about 5 us), and from K = 512 on more than the product's round trip through
+# memory. Smaller problems are timed as before.
+LIBRARY_ONLY_MIN_ARCH = 90
+LIBRARY_ONLY_MIN_MACS = 2**30
+LIBRARY_ONLY_MIN_K = 512
+
+
+def library_only(problem: GemmProblem, target: dict[str, Any]) -> bool:
+    """Whether ``problem`` on ``target`` goes to the library call without a benchmark."""
+    p = problem
+    return (p.dtype == "float32" and not p.allow_tf32 and target.get("kind") == "cuda"
+            and int(target.get("arch", 0)) >= LIBRARY_ONLY_MIN_ARCH
+            and p.batch * p.m * p.n * p.k >= LIBRARY_ONLY_MIN_MACS
+            and p.k >= LIBRARY_ONLY_MIN_K)
+
+
+def library_record() -> dict[str, Any]:
+    """The choice of a ``library_only`` problem (decided by rule: nothing was timed)."""
+    return {"kind": EXTERN, "timings": [], "library_only": True}
+
+
 def candidates(problem: GemmProblem, target: dict[str, Any] | None = None
                ) -> list[Candidate]:
     """The extern call first (the default's choice), then every template config (those
-    that fit ``target``'s shared memory, where it is given)."""
+    that fit ``target``'s shared memory, where it is given; none where the library call
+    wins by rule, ``library_only``)."""
     from .codegen.triton.templates import gemm_configs
 
+    if target is not None and library_only(problem, target):
+        return [Candidate(EXTERN)]
     return [Candidate(EXTERN)] + [Candidate(TEMPLATE, c)
                                   for c in gemm_configs(problem, target)]
 
@@ -107,3 +138,42 @@ def _evidence(record: dict[str, Any]) -> dict[str, Any]:
     round_trip = record.get("round_trip_ms", 0.0)
     return {"timings": timings if isinstance(timings, list) else [],
             "round_trip_ms": float(round_trip) if isinstance(round_trip, (int, float)) else 0.0}
+
+
+def describe_choice(problem: GemmProblem, record: dict[str, Any]) -> str:
+    """One line for a person: the problem, the winner, and what it beat, e.g.
+    ``mm 4096x4096x1024 float32 (a, b^T) +epilogue: extern 0.671 ms; best template
+    0.812 ms (128x128x32 s3 w8); round trip 0.031 ms``."""
+    p = problem
+    size = f"{p.batch}x{p.m}x{p.n}x{p.k}" if p.op == "bmm" else f"{p.m}x{p.n}x{p.k}"
+    layout = ", ".join(name + ("^T" if stride[2] != 1 else "")
+                       for name, stride in (("a", p.a_stride), ("b", p.b_stride)))
+    flags = (" tf32" if p.allow_tf32 else "") + (" +epilogue" if p.epilogue else "")
+    timings = [t for t in record.get("timings", []) if isinstance(t, dict)]
+    extern = [t["ms"] for t in timings if t.get("kind") == EXTERN and t.get("ms") is not None]
+    templates = sorted(((t["ms"], t.get("config") or {}) for t in timings
+                        if t.get("kind") == TEMPLATE and t.get("ms") is not None),
+                       key=lambda item: item[0])
+    won = record.get("kind", "?")
+    if won == TEMPLATE:
+        won = f"template {_tile(record.get('config') or {})}"
+    parts = [f"{p.op} {size} {p.dtype} ({layout}){flags}: chose {won}"]
+    if extern:
+        parts.append(f"extern {extern[0]:.3f} ms")
+    if templates:
+        parts.append(f"best template {templates[0][0]:.3f} ms ({_tile(templates[0][1])}) "
+                     f"of {len(templates)}")
+    if record.get("round_trip_ms"):
+        parts.append(f"round trip {float(record['round_trip_ms']):.3f} ms")
+    if record.get("library_only"):
+        parts.append("library only (fp32 IEEE: no template is compiled or timed)")
+    elif not timings:
+        parts.append("not benchmarked")
+    return "; ".join(parts)
+
+
+def _tile(config: dict[str, Any]) -> str:
+    tile = "x".join(str(config.get(k, "?")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    extra = " tma" if config.get("TMA") else ""
+    extra += " persistent" if config.get("NUM_SMS") else ""
+    return f"{tile} s{config.get('num_stages', '?')} w{config.get('num_warps', '?')}{extra}"

@@ -36,6 +36,7 @@ from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.keys import KeyInfo, compute_key
 from kiln.compiler.request import CompileRequest
+from kiln.compiler.select_algorithm import describe_choice
 from kiln.compiler.versions import compiler_dir, versions
 from kiln.workers import FARM_COUNTERS
 
@@ -49,7 +50,9 @@ from .select import (
     ChoiceCache,
     MemoryChoiceCache,
     StoreChoiceCache,
+    by_rule,
     decide,
+    first_pass_as_chosen,
     pending_problems,
     selection_stats,
     split_known,
@@ -295,8 +298,7 @@ class KilnFarm:
         if compiled.stats.get("gemm_pending"):
             # Max-autotune: choose each matmul's algorithm (on the GPUs, so this waits for
             # the autotuners), then the graph again with them.
-            tuners = await self._autotuners_for(request) if autotune else []
-            compiled = await self._select(key, request_bytes, compiled, request, tuners, i,
+            compiled = await self._select(key, request_bytes, compiled, request, autotune, i,
                                           timeline)
         fanned = trace.now_us()
         start = time.perf_counter()
@@ -360,14 +362,20 @@ class KilnFarm:
         return tuned
 
     async def _select(self, key: str, request_bytes: bytes, compiled: CompiledGraph,
-                      request: CompileRequest, tuners: list[int], worker: int,
+                      request: CompileRequest, autotune: bool, worker: int,
                       timeline: list[trace.Event] | None = None) -> CompiledGraph:
-        """Cached choices from the store; for the rest, every template config compiled as
-        a kernel job (kernel workers, all at once) and each problem timed on whichever GPU
-        autotuner frees first; winners cached for the fleet; the graph again with them."""
+        """The library call for problems it wins by rule (``by_rule``); cached choices
+        from the store; for the rest (and only then are the autotuners waited for), every
+        template config compiled as a kernel job (kernel workers, all at once) and each
+        problem timed on whichever GPU autotuner frees first; winners cached for the
+        fleet; the graph again with them, unless every winner is the library call (the
+        first pass is that graph already)."""
         start, began = time.perf_counter(), trace.now_us()
+        pending = pending_problems(compiled)
+        ruled, rest = by_rule(pending, request.target)
         cache = self._choice_cache()
-        known, todo = await asyncio.to_thread(split_known, pending_problems(compiled), cache)
+        known, todo = await asyncio.to_thread(split_known, rest, cache)
+        tuners = await self._autotuners_for(request) if autotune and todo else []
         new: dict[str, dict[str, Any]] = {}
         if tuners:
             found = await asyncio.gather(*(
@@ -378,17 +386,21 @@ class KilnFarm:
                 await asyncio.to_thread(cache.put, choice, record)
         else:
             new = {choice: untuned_record() for choice in todo}
-        options = {"gemm_choices": {**known, **new}}
-        sources = await self.workers[worker].compile_sources.remote(
-            request_bytes, key, 0.0, timeline is not None, options)
+        chosen = {**ruled, **known, **new}
+        stats = selection_stats(known, todo, bool(tuners))
+        result = first_pass_as_chosen(compiled, pending, chosen, stats)
+        if result is None:  # a template won: the graph again, with the winners
+            sources = await self.workers[worker].compile_sources.remote(
+                request_bytes, key, 0.0, timeline is not None, {"gemm_choices": chosen})
+            if timeline is not None:
+                timeline.extend(sources.pop("trace", None) or [])
+            result = with_choices(CompiledGraph.from_dict(sources), stats)
         if timeline is not None:
-            timeline.extend(sources.pop("trace", None) or [])
             timeline.append(trace.make_event(
                 "gemm selection", began, trace.now_us(), cat="farm", key=key[:16],
                 problems=len(known) + len(todo), benchmarked=len(todo) if tuners else 0))
-        result = CompiledGraph.from_dict(sources)
         result.timings["gemm_selection"] = time.perf_counter() - start
-        return with_choices(result, selection_stats(known, todo, bool(tuners)))
+        return result
 
     async def _tune_gemm(self, choice: str, problem: GemmProblem, target: dict[str, Any],
                          tuners: list[int], timeline: list[trace.Event] | None
@@ -406,7 +418,9 @@ class KilnFarm:
             event = gpu_lane_event(gpu, "gemm benchmark", began, trace.now_us(),
                                    problem=choice[7:23], candidates=1 + len(kernel_jobs))
         self._record_tuning(event, timeline)
-        return choice, decide(problem, [c for c, _ in jobs], timings)
+        record = decide(problem, [c for c, _ in jobs], timings)
+        log.info("kiln farm: GEMM choice %s", describe_choice(problem, record))
+        return choice, record
 
     def _record_tuning(self, event: trace.Event, timeline: list[trace.Event] | None) -> None:
         """A benchmark's span: in the request's timeline (when traced) and in the farm's

@@ -3,11 +3,13 @@ still need a choice, the kernel jobs of their template configs, the store-backed
 of choices, and the graph compiled again with the winners.
 
     pending  = compiled.stats["gemm_pending"]         the first pass lowered them extern
+    ruled    = the library call by rule, untimed       (fp32 in IEEE precision on Hopper)
     known    = choices cached under their choice keys  (a second model: all of them)
     todo     -> one KernelJob per template config      (CPU workers compile them)
              -> benchmark(problem, binaries)           (a GPU: extern call, every config)
              -> pick_winner -> cache.put
-    compile_sources(..., gemm_choices=known + new)     the graph with the winners
+    compile_sources(..., gemm_choices=ruled + known + new)   the graph with the winners
+                               (no second pass where every winner is the library call)
 
 The inprocess farm runs these steps in order; the Ray coordinator (``coordinator.py``)
 fans the jobs out as tasks and the benchmarks over its GPU ``Autotuner`` actors.
@@ -24,7 +26,15 @@ from kiln.artifact_store import Artifact, Store
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.ir.template import EXTERN, GemmProblem
-from kiln.compiler.select_algorithm import Candidate, candidates, check_record, pick_winner
+from kiln.compiler.select_algorithm import (
+    Candidate,
+    candidates,
+    check_record,
+    describe_choice,
+    library_only,
+    library_record,
+    pick_winner,
+)
 
 from .pipeline import KernelJob
 
@@ -90,6 +100,30 @@ class StoreChoiceCache:
 def pending_problems(compiled: CompiledGraph) -> dict[str, GemmProblem]:
     pending = compiled.stats.get("gemm_pending") or {}
     return {key: GemmProblem.from_dict(p) for key, p in sorted(pending.items())}
+
+
+def by_rule(pending: dict[str, GemmProblem], target: dict[str, Any]
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, GemmProblem]]:
+    """(choices decided without a benchmark: ``library_only`` problems, the rest)."""
+    ruled = {key: library_record() for key, p in pending.items() if library_only(p, target)}
+    return ruled, {key: p for key, p in pending.items() if key not in ruled}
+
+
+def first_pass_as_chosen(compiled: CompiledGraph, pending: dict[str, GemmProblem],
+                         chosen: dict[str, dict[str, Any]], stats: dict[str, int]
+                         ) -> CompiledGraph | None:
+    """The first pass itself where every choice is the library call (ruled, cached or
+    timed): it lowered each pending problem to the library call already, so it is the
+    graph a second pass with these choices would make; only its record of the choices
+    changes. None where a template won: the graph is lowered again."""
+    if any(record.get("kind") != EXTERN for record in chosen.values()):
+        return None
+    compiled.stats["gemm_choices"] = dict(sorted(
+        {**(compiled.stats.get("gemm_choices") or {}),
+         **{key: {"problem": pending[key].to_dict(), **record}
+            for key, record in chosen.items()}}.items()))
+    compiled.stats["gemm_pending"] = {}
+    return with_choices(compiled, stats)
 
 
 def split_known(pending: dict[str, GemmProblem], cache: ChoiceCache
@@ -162,7 +196,8 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
     if not pending:
         return compiled
     start = time.perf_counter()
-    known, todo = split_known(pending, choices)
+    ruled, rest = by_rule(pending, target)
+    known, todo = split_known(rest, choices)
     can_time = autotune and (fake_autotune() or gpu_arch() == int(target.get("arch", -1)))
     new: dict[str, dict[str, Any]] = {}
     if can_time:
@@ -177,13 +212,17 @@ def select_inprocess(request_bytes: bytes, key: str, compiled: CompiledGraph,
                 timings = benchmark_gemm(problem, [j.spec for j in kernel_jobs],
                                          [binaries[id(j)] for j in kernel_jobs])
             new[choice] = decide(problem, [c for c, _ in jobs[choice]], timings)
+            log.info("kiln: GEMM choice %s", describe_choice(problem, new[choice]))
             choices.put(choice, new[choice])
     else:
         new = {choice: untuned_record() for choice in todo}
-    options = {**(extra_options or {}), "gemm_choices": {**known, **new}}
-    result = compile_sources(request_bytes, key, extra_options=options)
+    chosen, stats = {**ruled, **known, **new}, selection_stats(known, todo, can_time)
+    result = first_pass_as_chosen(compiled, pending, chosen, stats)
+    if result is None:
+        options = {**(extra_options or {}), "gemm_choices": chosen}
+        result = with_choices(compile_sources(request_bytes, key, extra_options=options), stats)
     result.timings["gemm_selection"] = time.perf_counter() - start
-    return with_choices(result, selection_stats(known, todo, can_time))
+    return result
 
 
 def _compile_all(jobs: list[KernelJob], compile_job: Any) -> dict[int, Any]:

@@ -91,12 +91,21 @@ class WrapperCodegen:
         self.freed: set[str] = set()
         self.outputs = set(V.graph.get_output_names())
         self.mutated = set(V.graph.mutated_inputs)
+        # Views the graph returns (a forward's saved tensors), named where a library call
+        # first takes them and returned by that name: one view made per call, not two.
+        self.returned_views = {_view_expr(o) for o in V.graph.graph_outputs
+                               if isinstance(o, ReinterpretView)}
+        self.view_names: dict[str, str] = {}
 
     def tensor_ref(self, node: IRNode) -> str:
         if isinstance(node, ReinterpretView):
-            lay = node.layout
-            return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
-                    f"{size_str(lay.stride)}, {py_size(lay.offset)})")
+            expr = _view_expr(node)
+            if expr in self.view_names:
+                return self.view_names[expr]
+            if expr not in self.returned_views:
+                return expr
+            name = self.view_names[expr] = f"view{len(self.view_names)}"
+            return f"({name} := {expr})"
         assert isinstance(node, Buffer)
         return node.get_name()
 
@@ -236,9 +245,19 @@ class WrapperCodegen:
         return code.getvalue()
 
     def _output_ref(self, out: Any) -> str:
-        if isinstance(out, (Buffer, ReinterpretView)):
+        if isinstance(out, ReinterpretView):
+            expr = _view_expr(out)
+            return self.view_names.get(expr, expr)
+        if isinstance(out, Buffer):
             return self.tensor_ref(out)
         return value_str(out)
+
+
+def _view_expr(node: ReinterpretView) -> str:
+    """The expression that makes ``node``: the same text for the same view."""
+    lay = node.layout
+    return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
+            f"{size_str(lay.stride)}, {py_size(lay.offset)})")
 
 
 class _Raw:

@@ -5,6 +5,7 @@ are read in place, when a graph records again, and the one warning where it cann
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import types
 import warnings
@@ -314,12 +315,16 @@ def _kiln_frames(fn: Any, sets: list[list[Any]], calls: int) -> tuple[int, list[
         if event == "call":
             frames.append(frame.f_code)
 
+    collecting = gc.isenabled()
+    gc.disable()  # (a collection's callbacks would count as frames of the call)
     sys.setprofile(note)
     try:
         for i in range(calls):
             fn(*sets[i % len(sets)])
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
     ours = sorted({c.co_name for c in frames if c.co_filename.startswith(packages)})
     return len(frames) // calls, ours
 

@@ -6,6 +6,8 @@ unless pointwise work follows it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -21,8 +23,9 @@ from kiln.compiler.driver import compile_graph
 from kiln.compiler.ir.template import GemmProblem
 from kiln.compiler.kernel_compile import compile_kernel
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.compiler.select_algorithm import Candidate, candidates
+from kiln.compiler.select_algorithm import Candidate, candidates, describe_choice, pick_winner
 from kiln.workers.autotune import library_precision
+from tests.gemm_helpers import aot_graphs, as_fake_cuda, compile_tuned
 from tests.targets import SM90
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
@@ -112,3 +115,102 @@ def test_row_bias_in_the_library_call_is_no_epilogue() -> None:
     full = _pending(lambda x, w, b: torch.addmm(b, x, w) @ w.t(), (256, 128), (128, 192),
                     (256, 192))
     assert (256, 192, 128, True) in {(p.m, p.n, p.k, p.epilogue) for p in full}
+
+
+def test_mlp_step_with_library_choices_is_library_calls_and_minimal_pointwise() -> None:
+    """gpu_bench's fp32 MLP training step (Linear, GELU, Linear, mean-square loss) where
+    max-autotune chose the library call for every matmul (as on the H200, ALLOW_TF32
+    off): the wrapper calls addmm / mm on transposed views of the weights and of the
+    gradients (never a copy), and the kernels besides are only what eager also runs:
+    the GELU and its derivative, the loss and its gradient, the two bias-gradient sums."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                              torch.nn.Linear(256, 64))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = mlp(x).square().mean()
+        loss.backward()
+        return loss
+
+    compiled = {name.split("_")[0]: compile_tuned(
+        lambda: None, as_fake_cuda(inputs), {}, graph=gm, pick=lambda p: {"kind": "extern"})
+        for name, gm, inputs in aot_graphs(step, [torch.randn(512, 64)])}
+    fw, bw = compiled["forward"], compiled["backward"]
+    assert [len(c.stats["gemm_choices"]) for c in (fw, bw)] == [2, 3]
+    assert all(c["kind"] == "extern" for g in (fw, bw) for c in g.stats["gemm_choices"].values())
+    calls = {name: re.findall(r"torch\.(\w+)\((.*)\)$", c.wrapper_source, re.M)
+             for name, c in compiled.items()}
+    assert [op for op, _ in calls["forward"]] == ["addmm", "addmm"]
+    assert [op for op, _ in calls["backward"]] == ["mm", "mm", "mm"]
+    # Every transposed operand is a strided view (reinterpret_tensor with a unit first
+    # stride), read in place by the library: forward both weights, backward the two
+    # weight gradients' left operands.
+    transposed = r"reinterpret_tensor\(\w+, \(\d+, \d+\), \(1, \d+\), 0\)"
+    assert [len(re.findall(transposed, args)) for _, args in calls["forward"]] == [1, 1]
+    assert sorted(len(re.findall(transposed, args)) for _, args in calls["backward"]) == \
+        [0, 1, 1]
+    for c in (fw, bw):
+        assert not re.search(r"\.(clone|contiguous|copy_)\(|extern_kernels", c.wrapper_source)
+    kinds = {name: [k.kind for k in c.kernels] for name, c in compiled.items()}
+    # Forward: the GELU (one pointwise kernel), then the loss's mean (a reduction).
+    assert kinds["forward"].count("pointwise") == 1
+    assert 1 <= len(kinds["forward"]) <= 3
+    # Backward: the loss's gradient and the GELU's derivative (two pointwise kernels),
+    # each bias gradient a column sum (one reduction, or two for a split one).
+    assert kinds["backward"].count("pointwise") == 2
+    assert 4 <= len(kinds["backward"]) <= 6
+    assert all("sum" in k.name for k in bw.kernels if k.kind != "pointwise")
+
+
+def test_a_choice_is_described_in_one_line() -> None:
+    """What the selection logs and gpu_bench prints for each problem: the winner, the
+    library call's time, the best template's (and how many ran), the round trip."""
+    p = GemmProblem("mm", 1, 4096, 4096, 1024, "float32", "float32", "float32",
+                    (0, 1, 4096), (0, 1024, 1), True, False)
+    cands = candidates(p)
+    library_wins = pick_winner(p, [(c, 0.7 + 0.1 * i) for i, c in enumerate(cands)], 0.03)
+    line = describe_choice(p, library_wins)
+    assert line.startswith("mm 4096x4096x1024 float32 (a^T, b) +epilogue: chose extern; ")
+    first = gemm_configs(p)[0]
+    tile = f"{first['BLOCK_M']}x{first['BLOCK_N']}x{first['BLOCK_K']}"
+    assert f"extern 0.700 ms; best template 0.800 ms ({tile} " in line
+    assert f"of {len(cands) - 1}; round trip 0.030 ms" in line
+    # The last template is the fastest, even with the extern's round trip forgiven.
+    fast = pick_winner(p, [(c, 1.0 - 0.05 * i) for i, c in enumerate(cands)], 0.03)
+    last = cands[-1].config
+    assert last is not None
+    assert f"chose template {last['BLOCK_M']}x{last['BLOCK_N']}x{last['BLOCK_K']} " \
+        f"s{last['num_stages']} w{last['num_warps']}; extern 1.000 ms" in describe_choice(p, fast)
+    assert describe_choice(p, {"kind": "extern", "timings": []}).endswith(
+        "chose extern; not benchmarked")
+
+
+def test_gpu_bench_reports_each_graphs_gemm_choices() -> None:
+    """bench/gemm_report.py (gpu_bench's choice lines) as an observer of compiles: one
+    line per problem of the graphs compiled since the last ``take``, and a graph whose
+    choices cannot be read is reported, never raised into the compile."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gemm_report.py"
+    spec = importlib.util.spec_from_file_location("gemm_report", path)
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=torch.float16, device="cuda")
+                for s in ((256, 128), (128, 192), (192,))]
+    compiled = compile_tuned(lambda x, w, b: torch.relu(torch.addmm(b, x, w)) @ w.t(), args,
+                             {}, trace_args=[torch.randn(s, dtype=torch.float16)
+                                             for s in ((256, 128), (128, 192), (192,))])
+    report._note("g", types.SimpleNamespace(compiled=compiled))
+    lines = report.take()
+    assert sorted(line.split(" (")[0] for line in lines) == ["mm 256x128x192 float16",
+                                                               "mm 256x192x128 float16"]
+    assert all(": chose template " in line and line.endswith("not benchmarked")
+               for line in lines)
+    assert report.take() == []
+    compiled.stats["gemm_choices"] = {"k": {"problem": {"op": "mm"}}}
+    report._note("g", types.SimpleNamespace(compiled=compiled))
+    assert report.take() == ["(choices of graph g not described: KeyError: 'batch')"]

@@ -1,0 +1,77 @@
+"""A view the wrapper hands a library call and also returns (a forward's saved tensor: a
+transposed weight, a flattened activation) is made once per call: named where the call
+takes it, returned by that name. Gradients match eager."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import KilnFallbackWarning
+from kiln.compiler.compiled_graph import CompiledGraph
+
+
+@pytest.fixture(autouse=True)
+def _isolated(kiln_isolated: None) -> None:
+    """Every test compiles in this process against a fresh store."""
+
+
+@pytest.fixture
+def compiled_graphs() -> Iterator[dict[str, CompiledGraph]]:
+    """The graphs Kiln compiles during the test, by name (``forward_0``, ...)."""
+    from kiln.frontend import compile as kiln_compile
+
+    seen: dict[str, CompiledGraph] = {}
+
+    def observe(name: str, result: Any) -> None:
+        seen[name] = result.compiled
+
+    kiln_compile.observers.append(observe)
+    yield seen
+    kiln_compile.observers.remove(observe)
+
+
+def _views(source: str) -> list[str]:
+    return re.findall(r"reinterpret_tensor\([^()]*(?:\([^()]*\)[^()]*)*\)", source)
+
+
+def test_saved_views_are_made_once_and_gradients_match_eager(
+        compiled_graphs: dict[str, CompiledGraph]) -> None:
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+    b1 = torch.randn(32, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x.flatten(0, 1), w1, b1))
+        loss = F.linear(h, w2).square().mean()
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="kiln", dynamic=False)
+    for _ in range(2):  # a second call: the names are made afresh each call
+        x = torch.randn(4, 6, 16)
+        for p in (w1, w2, b1):
+            p.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            loss = compiled(x)
+        grads = [p.grad.clone() for p in (w1, w2, b1)]  # type: ignore[union-attr]
+        for p in (w1, w2, b1):
+            p.grad = None
+        torch.testing.assert_close(loss, step(x))
+        for got, p in zip(grads, (w1, w2, b1)):
+            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5)
+    forward = [g for name, g in compiled_graphs.items() if name.startswith("forward")]
+    assert len(forward) == 1, list(compiled_graphs)
+    source = forward[0].wrapper_source
+    views = _views(source)
+    assert views and len(views) == len(set(views)), source  # each view made once
+    returned = source[source.rindex("return ("):]
+    named = re.findall(r"\((view\d+) := reinterpret_tensor\(", source)
+    assert named and all(name in returned for name in named), source
