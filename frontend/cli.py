@@ -424,7 +424,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
 
 def _farm_status(args: argparse.Namespace) -> int:
     """The farm clients use: KILN_FARM's address, else the one of `kiln farm up`."""
-    from .farm import farm_status
+    from .farm_cluster import farm_status
 
     status = farm_status(_config().farm)
     if args.json:

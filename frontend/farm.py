@@ -669,33 +669,6 @@ class RayFarm:
         _kiln_ray.detach(self)
 
 
-def farm_status(mode: str) -> dict[str, Any]:
-    """What ``kiln farm status`` reports for a ``KILN_FARM`` value: the address, whether
-    it is up (else why not) and the coordinator's counters (zeros when down)."""
-    from kiln.workers import FARM_COUNTERS
-
-    status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
-                              "counters": dict.fromkeys(FARM_COUNTERS, 0)}
-    address = mode
-    if mode.lower() in (LOCAL, INPROCESS, EMBEDDED):
-        info = read_farm_file()
-        if info is None:
-            status["reason"] = (f"no farm is up (KILN_FARM={mode}: clients compile in "
-                                "process; `kiln farm up` starts one)")
-            return status
-        use_farm_token(info)
-        address = str(info["address"])
-    status["address"] = address
-    status["reason"] = probe(address)
-    if status["reason"] is None:
-        try:
-            status["counters"] = RayFarm(address).stats()
-            status["up"] = True
-        except FarmUnavailable as e:
-            status["reason"] = str(e)
-    return status
-
-
 class LocalFarm:
     """``KILN_FARM=local``: the farm ``kiln farm up`` started, used only while it is up;
     a client never waits for one to start (``FarmNotUp``: it compiles in process)."""

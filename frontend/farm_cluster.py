@@ -1,5 +1,5 @@
 """`kiln farm up` / `kiln farm down`: a Ray cluster on this machine for every local
-client (``KILN_FARM=local`` finds it through the farm file)."""
+client (``KILN_FARM=local`` finds it through the farm file); `kiln farm status`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .farm import (
+    EMBEDDED,
+    INPROCESS,
+    LOCAL,
     LOOPBACK,
     RAY_LOOPBACK_ENV,
+    FarmUnavailable,
+    RayFarm,
     farm_file,
     farm_token,
     farm_token_file,
@@ -25,6 +30,7 @@ from .farm import (
     is_loopback,
     probe,
     read_farm_file,
+    use_farm_token,
     write_farm_file,
 )
 
@@ -211,3 +217,30 @@ def auth_instructions(info: dict[str, Any]) -> str:
               "token to trusted",
               "  builders and clients only (infra/README.md)."]
     return "\n".join(lines)
+
+
+def farm_status(mode: str) -> dict[str, Any]:
+    """What ``kiln farm status`` reports for a ``KILN_FARM`` value: the address, whether
+    it is up (else why not) and the coordinator's counters (zeros when down)."""
+    from kiln.workers import FARM_COUNTERS
+
+    status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
+                              "counters": dict.fromkeys(FARM_COUNTERS, 0)}
+    address = mode
+    if mode.lower() in (LOCAL, INPROCESS, EMBEDDED):
+        info = read_farm_file()
+        if info is None:
+            status["reason"] = (f"no farm is up (KILN_FARM={mode}: clients compile in "
+                                "process; `kiln farm up` starts one)")
+            return status
+        use_farm_token(info)
+        address = str(info["address"])
+    status["address"] = address
+    status["reason"] = probe(address)
+    if status["reason"] is None:
+        try:
+            status["counters"] = RayFarm(address).stats()
+            status["up"] = True
+        except FarmUnavailable as e:
+            status["reason"] = str(e)
+    return status
