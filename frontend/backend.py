@@ -196,10 +196,10 @@ def register_dynamo_spans() -> None:
 
 
 def reach_farm_early(config: KilnConfig) -> None:
-    """Before Dynamo starts: a farm that is up is reached through a child process
-    (``frontend.farm_process``), started now so that it has imported Ray and joined by the
-    first miss; it takes no time from this process's tracing. (A farm joined in this
-    process, ``KILN_FARM_PROCESS=0``, is joined when the backend is called.)"""
+    """Before Dynamo starts, with ``KILN_FARM_PROCESS=1``: a farm that is up is reached
+    through a child process (``frontend.farm_process``), started now so that it has imported
+    Ray and joined by the first miss. (A farm joined in this process, the default, is joined
+    on a thread when the backend is called.)"""
     from .farm import INPROCESS, connect_early, farm_for
     from .farm_process import wanted
 

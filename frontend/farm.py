@@ -724,8 +724,9 @@ class LocalFarm:
 
 
 def remote_farm(address: str) -> RayFarm | ProcessFarm:
-    """The farm at a Ray address: through a child process (``frontend.farm_process``:
-    this one never imports Ray) unless ``KILN_FARM_PROCESS=0`` or Ray is connected here."""
+    """The farm at a Ray address: joined in this process, or through a child process
+    (``frontend.farm_process``: this one never imports Ray) with ``KILN_FARM_PROCESS=1``
+    where Ray is not connected here."""
     from .farm_process import ProcessFarm, wanted
 
     return ProcessFarm(address) if wanted() else RayFarm(address)

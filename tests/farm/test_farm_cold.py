@@ -139,8 +139,8 @@ print(json.dumps({"threads": len(connecting), "joined": joined, "source": result
 @pytest.mark.parametrize("in_process", [False, True], ids=["farm-process", "thread"])
 def test_the_client_joins_the_farm_in_the_background_before_its_first_miss(
         farm: RayFarm, ray_cluster: RayHead, tmp_path: Path, in_process: bool) -> None:
-    """By default a farm process starts (no Ray here at all); with KILN_FARM_PROCESS=0 a
-    thread of the client joins."""
+    """With KILN_FARM_PROCESS=1 a farm process starts (no Ray here at all); with 0 (the
+    default) a thread of the client joins."""
     env = python_env(KILN_FARM=ray_cluster.address, KILN_STORE=str(tmp_path / "store"),
                      XDG_CACHE_HOME=str(tmp_path / "client-cache"),
                      KILN_FARM_PROCESS="0" if in_process else "1")

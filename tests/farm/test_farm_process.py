@@ -59,7 +59,7 @@ def test_a_client_compiles_on_the_farm_without_importing_ray(
         farm: RayFarm, ray_cluster: RayHead, tmp_path: Path) -> None:
     timeline = tmp_path / "t.json"
     env = python_env(XDG_CACHE_HOME=str(tmp_path / "cache"), KILN_STORE=str(tmp_path / "s"),
-                     KILN_FARM=ray_cluster.address, TRITON_INTERPRET="1",
+                     KILN_FARM=ray_cluster.address, KILN_FARM_PROCESS="1", TRITON_INTERPRET="1",
                      KILN_TRACE=str(timeline))
     out = run_python(CLIENT, env, timeout=300)
     assert "Traceback" not in out["_stderr"], out["_stderr"][-3000:]

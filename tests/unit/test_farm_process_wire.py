@@ -40,8 +40,11 @@ def test_messages_cross_the_wire_whole_and_a_closed_end_reads_none() -> None:
     theirs.close()
 
 
-def test_a_farm_address_goes_through_a_child_unless_turned_off(
+def test_a_farm_address_goes_through_a_child_only_when_asked(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)  # the default: joined in this process
+    assert not wanted() and not isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
+    monkeypatch.setenv(ENV, "1")
     assert wanted() and isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
     monkeypatch.setenv(ENV, "0")
     assert not wanted() and not isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
