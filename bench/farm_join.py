@@ -7,10 +7,11 @@ process against the farm that `kiln farm up` started (its farm file):
 
     alone     AOTAutograd traces a small transformer (Kiln's decompositions, no compile)
     join      Ray's import and the join, on the main thread with nothing else running
-    thread    the trace while a thread imports Ray and joins (the client before issue 10's
-              fix: ``KILN_FARM_PROCESS=0``)
+    thread    the trace while a thread imports Ray and joins (the default,
+              ``KILN_FARM_PROCESS=0``)
     process   the trace while the client's farm process (frontend.farm_process) starts
-              and joins (the default now)
+              and joins (``KILN_FARM_PROCESS=1``; slower to join on the H200 host:
+              BENCHMARKS.md, 2026-12-02 01:34)
 
     kiln farm up && python bench/farm_join.py --reps 3 && kiln farm down
 
