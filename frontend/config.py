@@ -223,7 +223,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cache_dir", parse_text, None, "kernel sources and binaries cache",
             env_only=True),
     Setting("farm_file", parse_text, None, "address file of `kiln farm up`", env_only=True),
-    Setting("farm_process", parse_flag, True,
+    Setting("farm_process", parse_flag, False,
             "reach a farm through a child process (this one never imports Ray)",
             env_only=True),
     Setting("trace", parse_text, None, "compile timeline (Chrome trace JSON) path",
