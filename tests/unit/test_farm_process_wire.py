@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,7 +47,13 @@ def test_a_farm_address_goes_through_a_child_only_when_asked(
     monkeypatch.delenv(ENV, raising=False)  # the default: joined in this process
     assert not wanted() and not isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
     monkeypatch.setenv(ENV, "1")
-    assert wanted() and isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
+    # Earlier tests of the suite may have connected this process to Ray: hide it here, then
+    # check that a process connected to Ray keeps its connection even when asked.
+    with monkeypatch.context() as ray_here:
+        ray_here.delitem(sys.modules, "ray", raising=False)
+        assert wanted() and isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
+        ray_here.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: True))
+        assert not wanted() and not isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
     monkeypatch.setenv(ENV, "0")
     assert not wanted() and not isinstance(remote_farm("127.0.0.1:1"), ProcessFarm)
     assert isinstance(farm_for("local"), LocalFarm)  # local keeps its own checks
