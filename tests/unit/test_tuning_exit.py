@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from kiln.frontend.tuning import EXIT_WAIT_S
+import pytest
+
+from kiln.frontend.tuning import EXIT_WAIT_ENV, EXIT_WAIT_S, exit_wait_s
 
 SCRIPT = """
 import json, sys, time, types
@@ -42,9 +44,9 @@ print(json.dumps({"ended_at": time.time()}), flush=True)
 def _run(tmp_path: Path, tune_s: float, wait: str | None) -> tuple[float, bool, str]:
     """Seconds from the script's end to its exit, whether it published, its stderr."""
     marker = tmp_path / "published"
-    env = {k: v for k, v in os.environ.items() if k != "KILN_AUTOTUNE_EXIT_WAIT"}
+    env = {k: v for k, v in os.environ.items() if k != EXIT_WAIT_ENV}
     if wait is not None:
-        env["KILN_AUTOTUNE_EXIT_WAIT"] = wait
+        env[EXIT_WAIT_ENV] = wait
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), str(tune_s)], env=env,
                           capture_output=True, text=True, timeout=120)
     exited = time.time()
@@ -54,8 +56,12 @@ def _run(tmp_path: Path, tune_s: float, wait: str | None) -> tuple[float, bool, 
     return exited - ended, marker.exists(), proc.stderr
 
 
-def test_the_default_exit_wait_is_a_few_seconds() -> None:
-    assert 1.0 <= EXIT_WAIT_S <= 10.0
+def test_the_exit_wait_is_a_few_seconds_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXIT_WAIT_ENV, raising=False)
+    assert exit_wait_s() == EXIT_WAIT_S == 5.0
+    for value, wait in (("900", 900.0), ("0.5", 0.5), ("-3", 0.0), ("soon", EXIT_WAIT_S)):
+        monkeypatch.setenv(EXIT_WAIT_ENV, value)
+        assert exit_wait_s() == wait, value
 
 
 def test_tuning_within_the_exit_wait_is_published(tmp_path: Path) -> None:
@@ -73,7 +79,7 @@ def test_tuning_cut_off_at_exit_is_abandoned_quietly_and_not_published(
 
 def test_tuning_that_ends_after_the_exit_wait_publishes_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "published"
-    env = {**os.environ, "KILN_AUTOTUNE_EXIT_WAIT": "0.3"}
+    env = {**os.environ, EXIT_WAIT_ENV: "0.3"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), "1.5", "stay"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
