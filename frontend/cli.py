@@ -399,7 +399,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
     if args.action == "up":
         try:
             info = farm_cluster.start_local_cluster(
-                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host)
+                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host,
+                join_now=not args.no_warm)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
