@@ -768,7 +768,8 @@ def connect_early(farm: Farm) -> threading.Thread | None:
 
 def _connect_quietly(farm: RayFarm | RelayFarm) -> None:
     try:
-        farm.actor() if isinstance(farm, RayFarm) else farm.start()
+        with trace.background():  # off the first output's path: it overlaps the trace
+            farm.actor() if isinstance(farm, RayFarm) else farm.start()
     except Exception as e:  # the miss connects again and reports it
         log.debug("kiln farm: early connection failed: %s", e)
 

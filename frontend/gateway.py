@@ -241,14 +241,13 @@ def main(argv: list[str], ready: Callable[[str], None] = print) -> int:
     parser.add_argument("--head-pid", type=int, default=0)
     parser.add_argument("--join-now", action="store_true")
     args = parser.parse_args(argv)
-    from .farm import farm_token, farm_token_file, use_farm_token
+    from .farm import farm_token, farm_token_file
 
     token = farm_token()
     if token is None:
         print(f"kiln gateway: no farm token in {farm_token_file()}", file=sys.stderr)
         return 2
-    use_farm_token({"token_file": str(farm_token_file())})
-    farm = RayFarm(args.ray)
+    farm = RayFarm(args.ray)  # joined with the farm file's Ray token where it names args.ray
     gateway = Gateway(farm, token, args.host, args.port)
     if args.join_now:
         threading.Thread(target=_join, args=(farm,), daemon=True).start()

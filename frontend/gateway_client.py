@@ -10,6 +10,8 @@ import secrets
 import socket
 from typing import Any
 
+from kiln.compiler import trace
+
 from .farm import PROBE_TIMEOUT_S, FarmTimeout, FarmUnavailable, host_port
 from .farm_relay import Answer, RelayFarm
 from .farm_wire import (
@@ -58,17 +60,19 @@ class GatewayFarm(RelayFarm):
         if target is None:
             raise FarmUnavailable(f"the farm gateway's address {self.address!r} is not "
                                   "host:port")
-        try:
-            sock = socket.create_connection(target, timeout=PROBE_TIMEOUT_S)
-        except OSError as e:
-            raise FarmUnavailable(f"{self.description} does not answer ({e})") from None
-        try:
-            self._key = self._handshake(sock)
-        except (OSError, FrameError, FarmUnavailable) as e:
-            sock.close()
-            if isinstance(e, FarmUnavailable):
-                raise
-            raise FarmUnavailable(f"{self.description}: the handshake failed: {e}") from None
+        with trace.span("connect to the farm gateway", cat="client"):
+            try:
+                sock = socket.create_connection(target, timeout=PROBE_TIMEOUT_S)
+            except OSError as e:
+                raise FarmUnavailable(f"{self.description} does not answer ({e})") from None
+            try:
+                self._key = self._handshake(sock)
+            except (OSError, FrameError, FarmUnavailable) as e:
+                sock.close()
+                if isinstance(e, FarmUnavailable):
+                    raise
+                raise FarmUnavailable(f"{self.description}: the handshake failed: {e}") \
+                    from None
         sock.settimeout(None)
         return sock
 
