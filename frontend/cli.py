@@ -408,6 +408,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
+        print(f"gateway for local clients at {info['gateway']} (no Ray in the client)"
+              if info.get("gateway") else "no gateway: local clients join Ray")
         print(farm_cluster.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":

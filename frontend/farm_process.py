@@ -5,13 +5,15 @@ the coordinator) is about a second of Python holding the GIL. Done on a thread w
 AOTAutograd traced, it slowed the trace by more than it cost alone (GPT-2 through a farm
 on the H200 host: AOTAutograd's own time 2.69 s, against 0.98 s in process; on the CPU
 machine 2.29 s against 1.26 s), and done on the miss's path it was on the critical path.
-So a client whose farm is ``kiln farm up``'s (``KILN_FARM=local``) or a Ray address
-starts a child (``python -m kiln.frontend.farm_process``) as soon as torch.compile looks
-the backend up; the child imports Ray, joins and finds the coordinator on its own core
-while Dynamo and AOTAutograd trace here, and then relays this process's calls
+So a client whose farm is a Ray address (``kiln farm up``'s, ``KILN_FARM=local``, is
+reached through its gateway instead: ``frontend.gateway``) starts a child
+(``python -m kiln.frontend.farm_process``) as soon as torch.compile looks the backend up;
+the child imports Ray, joins and finds the coordinator on its own core while Dynamo and
+AOTAutograd trace here, and then relays this process's calls
 (``compile``, ``tuned``, ``stats``) to the farm through its ``RayFarm``.
 
-Wire: 8-byte big-endian length, then a pickled tuple; (call id, method, args) down and
+The call ids, reader thread and futures are ``farm_relay.RelayFarm``'s. Wire: 8-byte
+big-endian length, then a pickled tuple; (call id, method, args) down and
 (call id, ok, value, trace events) up, over a socketpair the child inherits (no name
 that another process could open). The child is Kiln's own process and relays what Ray
 handed it from the farm, which an in-process ``RayFarm`` unpickles the same way: the
