@@ -76,6 +76,10 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     it is."""
     info = read_farm_file()
     if info is not None and probe(str(info["address"])) is None:
+        if not info.get("gateway") or probe(str(info["gateway"])) is not None:
+            info.update(start_gateway(str(info["address"]), int(info.get("pid", 0)),
+                                      str(info.get("host") or LOOPBACK), join_now=join_now))
+            write_farm_file(info)  # a gateway that had died, started again
         return {**info, "already_running": True}
     log_path = farm_file().with_name("farm-head.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,8 @@ class GatewayFarm(RelayFarm):
 
         hello = read_frame(sock, HANDSHAKE_LIMIT)
         if hello is None:
-            raise FarmUnavailable(f"{self.description} closed the connection at once")
+            raise FarmUnavailable(f"{self.description} closed the connection (or did not "
+                                  f"greet within {PROBE_TIMEOUT_S:g}s)")
         if field(hello, "magic", str, "the gateway's hello") != MAGIC:
             raise FrameError(f"the gateway speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
         server_nonce = field(hello, "nonce", bytes, "the gateway's hello")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +130,15 @@ def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> 
         assert status.returncode == 0 and "up" in status.stdout
         # Through the farm's gateway: the client never imports Ray.
         out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local"})
+        assert out == {**out, "source": "farm", "joined": farm_file["gateway"], "ray": False}
+        # A gateway that died is started again by the next `farm up` (Ray kept running).
+        os.kill(int(farm_file["gateway_pid"]), signal.SIGKILL)
+        again = kiln("farm", "up", "--num-cpus", "1", "--no-warm", env=env)
+        assert again.returncode == 0 and "already running" in again.stdout, again.stderr
+        farm_file = json.loads((tmp_path / "cache" / "kiln" / "farm.json").read_text())
+        assert farm_file["gateway"] in again.stdout
+        out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local", "KILN_STORE":
+                                        str(tmp_path / "s-again")})
         assert out == {**out, "source": "farm", "joined": farm_file["gateway"], "ray": False}
     finally:
         down = kiln("farm", "down", env=env)
