@@ -113,5 +113,13 @@ def field(message: Any, name: str, kind: type | tuple[type, ...], what: str) -> 
     return value
 
 
+def nonce_of(message: Any, what: str) -> bytes:
+    """A hello's nonce, checked to be NONCE_BYTES long."""
+    nonce: bytes = field(message, "nonce", bytes, what)
+    if len(nonce) != NONCE_BYTES:
+        raise FrameError(f"{what}: a nonce of {len(nonce)} bytes, not {NONCE_BYTES}")
+    return nonce
+
+
 def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)

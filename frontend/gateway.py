@@ -34,6 +34,7 @@ from .farm_wire import (
     FrameError,
     field,
     mac,
+    nonce_of,
     read_frame,
     session_key,
     write_frame,
@@ -55,8 +56,9 @@ CALLS: dict[str, tuple[tuple[str, Any], ...]] = {
 MAX_DELAY_S = 60.0  # the tests' compile delay (KILN_TEST_DELAY) a request may ask for
 
 
-def checked_call(message: Any) -> tuple[int, str, list[Any]]:
-    """A request frame's call id, method and arguments, each checked (``FrameError``)."""
+def checked_call(message: Any) -> tuple[int, str, dict[str, Any]]:
+    """A request frame's call id, method and arguments by name, each checked
+    (``FrameError``)."""
     call_id = field(message, "id", int, "a request")
     method = field(message, "method", str, "a request")
     args = field(message, "args", list, "a request")
@@ -73,7 +75,7 @@ def checked_call(message: Any) -> tuple[int, str, list[Any]]:
                          f"within 0 to {MAX_DELAY_S:g} s")
     if len(named.get("key", "")) > 256:
         raise FrameError(f"call {call_id} ({method}): a key of {len(named['key'])} characters")
-    return call_id, method, args
+    return call_id, method, named
 
 
 def error_fields(error: BaseException) -> dict[str, Any]:
@@ -165,7 +167,7 @@ class Gateway:
             return None
         if field(hello, "magic", str, "the client's hello") != MAGIC:
             raise FrameError(f"the client speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
-        client_nonce = field(hello, "nonce", bytes, "the client's hello")
+        client_nonce = nonce_of(hello, "the client's hello")
         proof = field(hello, "proof", bytes, "the client's hello")
         namespace = field(hello, "namespace", str, "the client's hello")
         if not secrets.compare_digest(proof, mac(self.token, b"client", server_nonce,
@@ -186,7 +188,7 @@ class Gateway:
         return None
 
     def _run(self, conn: socket.socket, lock: threading.Lock, key: bytes, call_id: int,
-             method: str, args: list[Any]) -> None:
+             method: str, args: dict[str, Any]) -> None:
         events: list[Any] = []
         try:
             value = self._dispatch(method, args, events)
@@ -202,15 +204,15 @@ class Gateway:
         except OSError:
             pass  # the client is gone
 
-    def _dispatch(self, method: str, args: list[Any], events: list[Any]) -> Any:
+    def _dispatch(self, method: str, args: dict[str, Any], events: list[Any]) -> Any:
+        """Run one checked call on the farm; its tuning timeline (if asked) in ``events``."""
         if method == "compile_raw":
-            key, request, delay, traced, timeout = args
-            return self.farm.compile_raw(key, request, float(delay), traced, timeout)
+            return self.farm.compile_raw(args["key"], args["request"], float(args["delay"]),
+                                         args["traced"], args["timeout"])
         if method == "tuned_raw":
-            key, timeout, traced = args
-            result = self.farm.tuned_raw(key, timeout, False)
-            if traced:
-                events.extend(self.farm.tuning_trace(timeout))
+            result = self.farm.tuned_raw(args["key"], args["timeout"], False)
+            if args["traced"]:
+                events.extend(self.farm.tuning_trace(args["timeout"]))
             return result
         return self.farm.stats()
 

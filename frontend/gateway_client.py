@@ -22,6 +22,7 @@ from .farm_wire import (
     FrameError,
     field,
     mac,
+    nonce_of,
     read_frame,
     session_key,
     write_frame,
@@ -87,7 +88,7 @@ class GatewayFarm(RelayFarm):
                                   f"greet within {PROBE_TIMEOUT_S:g}s)")
         if field(hello, "magic", str, "the gateway's hello") != MAGIC:
             raise FrameError(f"the gateway speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
-        server_nonce = field(hello, "nonce", bytes, "the gateway's hello")
+        server_nonce = nonce_of(hello, "the gateway's hello")
         nonce = secrets.token_bytes(NONCE_BYTES)
         write_frame(sock, {"magic": MAGIC, "nonce": nonce, "namespace":
                            namespace_for(versions()),

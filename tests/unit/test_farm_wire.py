@@ -77,7 +77,9 @@ def test_a_wrong_tag_and_a_damaged_body_are_refused(
 
 def test_requests_are_checked_field_by_field() -> None:
     good = {"id": 3, "method": "compile_raw", "args": ["abc", b"req", 0, False, 30.0]}
-    assert checked_call(good) == (3, "compile_raw", good["args"])
+    assert checked_call(good) == (3, "compile_raw", {"key": "abc", "request": b"req",
+                                                     "delay": 0, "traced": False,
+                                                     "timeout": 30.0})
     assert checked_call({"id": 4, "method": "stats", "args": []})[1] == "stats"
     bad = [
         ([1, 2], "a request is not a map but list"),
