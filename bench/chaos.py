@@ -2,7 +2,8 @@
 fleet, on this machine. Real parts: a `kiln farm up` Ray cluster (token auth on) whose
 processes are the builder (they hold the private Ed25519 key and publish to the store),
 an S3 API server (moto, loopback) as the store, and client processes that hold only the
-public key with KILN_REQUIRE_SIGNED=1.
+public key with KILN_REQUIRE_SIGNED=1 and reach the farm through its gateway (`--via ray`:
+they join its Ray cluster instead).
 
 Scenarios, one after another on the same cluster and store (after a store fault, the next
 starts once the farm's store cool-down, 30 s, has passed: its publishes are tried again):
@@ -107,6 +108,7 @@ def run(item):
         got = load(result.compiled)(list(args))[0]
         out.update(key=result.key.key, source=result.source,
                    published=bool(result.compiled.published_to),
+                   ray_in_client="ray" in sys.modules,
                    correct=bool(torch.allclose(got, fn(*args), rtol=1e-5, atol=1e-5)))
     except Exception as e:
         out.update(error=f"{type(e).__name__}: {e}"[:300])
@@ -220,7 +222,8 @@ class Chaos:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KILN_", "RAY_AUTH_TOKEN"))}
         env.update(self.store_env(), KILN_SIGNING_KEY=self.public, KILN_REQUIRE_SIGNED="1",
-                   KILN_FARM=self.farm_info["address"], KILN_FARM_TIMEOUT="300",
+                   KILN_FARM=self.farm_info["address"] if self.args.via == "ray" else "local",
+                   KILN_FARM_FILE=str(self.tmp / "farm.json"), KILN_FARM_TIMEOUT="300",
                    KILN_STATS_FILE="off", RAY_AUTH_MODE="token",
                    RAY_AUTH_TOKEN_PATH=self.farm_info["token_file"], PYTHONPATH=str(ROOT),
                    XDG_CACHE_HOME=str(self.tmp / "client-cache"))
@@ -294,6 +297,7 @@ class Chaos:
                "keys": len(keys), "farm_compiles": farm_compiles, "local_compiles": local,
                "duplicate_compiles": max(0, farm_compiles + local - len(keys)),
                "sources": dict(Counter(j["source"] for j in done)),
+               "clients_with_ray": sum(1 for j in done if j["ray_in_client"]),
                "published": sum(1 for j in done if j["published"]),
                "errors": [j["error"] for j in jobs if "error" in j][:3],
                "republished": self.counted(before, after, "republished"),
@@ -469,6 +473,9 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=6.0,
                         help="seconds each farm compile waits (the window faults hit)")
     parser.add_argument("--json", help="write the summary here too")
+    parser.add_argument("--via", choices=("gateway", "ray"), default="gateway",
+                        help="clients reach the farm through its gateway (KILN_FARM=local, "
+                        "no Ray in the client) or join its Ray cluster (its address)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help="comma-separated, in order (kill-head last: it ends the farm)")
     args = parser.parse_args()
