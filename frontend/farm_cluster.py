@@ -272,10 +272,10 @@ def farm_status(mode: str) -> dict[str, Any]:
 
     status: dict[str, Any] = {"farm": mode, "address": None, "up": False, "reason": None,
                               "counters": dict.fromkeys(FARM_COUNTERS, 0)}
-    address = mode
+    address, info = mode, {}
     if mode.lower() in (LOCAL, INPROCESS, EMBEDDED):
-        info = read_farm_file()
-        if info is None:
+        info = read_farm_file() or {}
+        if not info:
             status["reason"] = (f"no farm is up (KILN_FARM={mode}: clients compile in "
                                 "process; `kiln farm up` starts one)")
             return status
@@ -283,10 +283,25 @@ def farm_status(mode: str) -> dict[str, Any]:
         address = str(info["address"])
     status["address"] = address
     status["reason"] = probe(address)
+    gateway = info.get("gateway") if address != mode else None
     if status["reason"] is None:
         try:
-            status["counters"] = RayFarm(address).stats()
+            status["counters"] = _farm_counters(address, str(gateway or ""))
             status["up"] = True
         except FarmUnavailable as e:
             status["reason"] = str(e)
     return status
+
+
+def _farm_counters(address: str, gateway: str) -> dict[str, Any]:
+    """The coordinator's counters: through the farm's gateway where it has one (no Ray
+    here), else by joining its Ray cluster."""
+    if not gateway:
+        return RayFarm(address).stats()
+    from .gateway_client import GatewayFarm
+
+    remote = GatewayFarm(gateway, farm_token() or "")
+    try:
+        return remote.stats()
+    finally:
+        remote.release()
