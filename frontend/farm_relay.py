@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # a client's farm process imports no torch
 
 # Past the farm's own timeout, how long the client still waits for its answer to arrive.
 ANSWER_GRACE_S = 30.0
+STATS_TIMEOUT_S = 120.0  # RayFarm's connect_timeout: how long the far end waits for stats
 Answer = tuple[bool, Any, list[Any]]  # ok, value (or the exception), trace events
 
 
@@ -130,7 +131,8 @@ class RelayFarm:
         return None if result is None else CompiledGraph.from_dict(result)
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.call("stats"))
+        """The coordinator's counters (the far end waits up to its ``connect_timeout``)."""
+        return dict(self.call("stats", timeout=STATS_TIMEOUT_S))
 
     def release(self) -> None:
         """Let go of the farm: close this end (the far end sees it at once)."""
