@@ -405,6 +405,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
             raise CliError(str(e)) from None
         if not args.no_warm:
             _warm_farm(str(info["address"]))
+            if info.get("gateway"):
+                _check_gateway(str(info["gateway"]))
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
@@ -458,6 +460,22 @@ def _warm_farm(address: str) -> None:
             from None
     finally:
         ray.shutdown()
+
+
+def _check_gateway(address: str) -> None:
+    """Ask for the farm's counters through its gateway, so that the gateway's own join to
+    the farm is done before `farm up` returns (not on a first client's path)."""
+    from .farm import FarmUnavailable, farm_token
+    from .gateway_client import GatewayFarm
+
+    remote = GatewayFarm(address, farm_token() or "")
+    try:
+        remote.stats()
+    except FarmUnavailable as e:
+        print(f"kiln farm: the gateway at {address} does not serve ({e}); local clients "
+              "will compile in process", file=sys.stderr)
+    finally:
+        remote.release()
 
 
 # ---------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ def farm_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         up = subprocess.run(command + ["up", "--num-cpus", "2", "--num-gpus", "1"], env=env,
                             cwd=SRC, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
+        assert "gateway for local clients at 127.0.0.1:" in up.stdout, up.stdout
+        assert "does not serve" not in up.stderr, up.stderr[-3000:]  # checked by `farm up`
         yield {**env, "KILN_FARM": "local", "TRITON_INTERPRET": "1",
                "XDG_CACHE_HOME": str(root / "client-cache"), "KILN_TRACE": str(root / "t.json")}
     finally:
