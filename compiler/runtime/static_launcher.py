@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import trace
 from ..codegen.kernel_spec import KernelSpec
 from ..kernel_compile import KernelBinary
 from .kernel_files import cache_root
@@ -160,8 +161,9 @@ class StaticCudaKernel:
             import torch
 
             device = torch.cuda.current_device()
-        loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name, self.shared,
-                                        device)
+        with trace.span("load cubin", cat="client", kernel=self.name, bytes=len(self.binary)):
+            loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name,
+                                            self.shared, device)
         # torch 2.13 returns (module, function, regs, spills); earlier (function, regs, spills)
         if len(loaded) == 4:
             self.module, self.function = loaded[0], loaded[1]
