@@ -6,7 +6,9 @@
     python3 bench/gpu_bench.py --dynamic [--reps 50] [--json OUT]
 
 For each workload: median milliseconds per call (CUDA events around each call, after
-warm-up, rotating over several fresh random input sets when they would fit in L2), the
+warm-up, rotating over several fresh random input sets when they would fit in L2; eager,
+Inductor and Kiln timed in 4 alternating blocks each, the median over all of a side's
+calls, so that a drift of the host lands on every side alike: ``bench/gpu_timing.py``), the
 Kiln / Inductor ratio, achieved GB/s of the kernels (memory-bound workloads: ideal bytes
 over the GPU kernel time from the profiler) against the device-to-device copy bandwidth
 measured in the same run, kernel launches per call (kernel events in the profiler), and
@@ -33,7 +35,10 @@ parameter's gradient) must match, and a graph that falls back to eager
 (``KilnFallbackWarning``) fails the row. The process exits non-zero if any row failed.
 Rows named ``reduce-overhead`` compile Kiln and Inductor with ``mode="reduce-overhead"``
 (CUDA graphs); their outputs are overwritten by the next replay, so they are cloned
-before comparison.
+before comparison. Under each such row a note line gives the Dynamo floor: the same
+function compiled with a backend that does nothing but return outputs computed once
+(``gpu_timing.floor_backend``), timed in the same alternating blocks, against eager: no
+backend can go below it under Dynamo.
 
 ``--dynamic``: a decoder-only transformer forward (fp16) with a dynamic sequence length,
 at 128, 512, 1024 and 2048 tokens: Kiln with the length marked dynamic (one compile must
@@ -50,7 +55,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -71,6 +75,7 @@ import gemm_report  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_timing import floor_compiled, time_fn, time_interleaved  # noqa: E402,F401
 
 L2_BYTES = 60 * 2**20
 MODE: str | None = None  # torch.compile's mode for Inductor and Kiln (--max-autotune)
@@ -146,7 +151,7 @@ def workloads() -> list[Workload]:
     out: list[Workload] = []
     for shape in ((64, 128), (8192, 4096)):
         out.append(Workload(f"seed {shape[0]}x{shape[1]} fp32", seed_fn,
-                            lambda s=shape: [rand(*s), rand(*s), rand(*s)],
+                            lambda s=shape: [rand(*s), rand(*s), rand(*s)],  # type: ignore[misc]
                             4 * (3 * shape[0] * shape[1] + shape[0])))
     out.append(Workload("gelu(x@W+b)+r 8192x4096 fp16", mlp_tail,
                         lambda: [rand(8192, 4096, dtype=fp16), rand(4096, 4096, dtype=fp16) / 64,
@@ -319,23 +324,6 @@ def _resnet18() -> Any:
     return torchvision.models.resnet18(weights=None).cuda().half().eval()
 
 
-def time_fn(fn: Callable[..., Any], input_sets: list[list[Any]], reps: int) -> float:
-    """Median ms per call over ``reps`` timed calls, rotating over the input sets."""
-    for i in range(5):
-        fn(*input_sets[i % len(input_sets)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        args = input_sets[i % len(input_sets)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def kernel_ms(fn: Callable[..., Any], args: list[Any], calls: int = 10,
               top: int = 0) -> tuple[float, float]:
     """(GPU kernel ms per call, kernel events per call), from the profiler: the time is
@@ -496,9 +484,11 @@ def run(w: Workload, reps: int, copy_gbs: float, side: str = "both") -> dict[str
         if MODE:
             fns["kiln_default"], row["kiln_default_compile_s"] = compiled(w, "kiln")
             _with_cudagraphs(w, fns, row, first)
-    for name, fn in fns.items():
-        with _grad(w):
-            row[f"{name}_ms"] = time_fn(fn, sets, reps)
+    if w.mode == "reduce-overhead":
+        with _grad(w):  # no reset: Dynamo keeps the row's other backends' entries
+            fns["dynamo_floor"] = w.stepped(floor_compiled(w.fn, w.make_inputs()))
+    with _grad(w):
+        row.update({f"{name}_ms": ms for name, ms in time_interleaved(fns, sets, reps).items()})
     if MODE:
         row["mode"] = MODE
     for name in ["eager", *backends]:
@@ -602,6 +592,12 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
             cells.insert(4, _ms(r, "kiln_default_ms"))
         print("| " + " | ".join(cells) + " |")
     for r in rows:
+        if "dynamo_floor_ms" in r:
+            print(f"{r['workload']}: Dynamo floor (a backend returning ready outputs) "
+                  f"{_ms(r, 'dynamo_floor_ms', 4)} ms = "
+                  f"{r['dynamo_floor_ms'] / r['eager_ms']:.2f}x eager; Kiln "
+                  f"{_ms(r, 'kiln_ms', 4)} ms = {_ratio(r, 'kiln_ms', 'eager_ms')}x eager, "
+                  f"Inductor {_ratio(r, 'inductor_ms', 'eager_ms')}x eager")
         if "kiln_cudagraphs_ms" in r or "kiln_cudagraphs_error" in r:
             print(f"{r['workload']}: Kiln {r.get('mode')} with KILN_CUDAGRAPHS=1 (a "
                   f"diagnostic, not Kiln's mode): {_ms(r, 'kiln_cudagraphs_ms')} ms, "
@@ -613,6 +609,10 @@ def print_table(rows: list[dict[str, Any]], copy_gbs: float) -> None:
                   f"{r['gemm_cached']} cached, {r['gemm_untuned']} untuned)")
         for line in r.get("kiln_gemm_choices", []):
             print(f"{r['workload']}: Kiln's GEMM choice: {line}")
+
+
+def _ratio(row: dict[str, Any], key: str, over: str) -> str:
+    return f"{row[key] / row[over]:.2f}" if key in row and row.get(over) else "-"
 
 
 def _ms(row: dict[str, Any], key: str, digits: int = 3) -> str:

@@ -111,7 +111,7 @@ def bound_wrapper(compiled: Any) -> Callable[[list[Any]], Any]:
     from kiln.compiler import compiled_graph
     from kiln.compiler.kernel_compile import KernelBinary
 
-    torch._C._StaticCudaLauncher = NoLaunch()  # type: ignore[attr-defined]
+    torch._C._StaticCudaLauncher = NoLaunch()  # type: ignore[attr-defined,misc,assignment]
     torch._C._cuda_getCurrentRawStream = lambda device: 0  # type: ignore[attr-defined]
     compiled_graph._arch_matches = lambda binary, device: True  # type: ignore[assignment]
     for spec in compiled.kernels:
@@ -126,6 +126,86 @@ def bound_wrapper(compiled: Any) -> Callable[[list[Any]], Any]:
     exec(compile(compiled.wrapper_source, "<wrapper>", "exec"), namespace)
     namespace["torch"] = _MetaLibrary()  # (read by call() at run time)
     return namespace["call"]  # type: ignore[no-any-return]
+
+
+def compile_encoder_step(layers: int) -> list[tuple[Any, list[Any]]]:
+    """The forward and backward graphs of ``gpu_bench``'s encoder training step (width
+    512, 8 heads, 8x256 tokens, bf16 autocast) for sm_90 (sources only), each with meta
+    inputs shaped as its example inputs. A CPU torch cannot trace a backward on fake CUDA
+    tensors, so the step is traced on the CPU (CPU autocast, CPU attention) and each ATen
+    graph then compiled for fake CUDA inputs of the same layouts: the same wrapper shape
+    (buffers, views, launches, library calls) as the GPU's, not the same graph."""
+    import torch
+    import torch.nn.functional as F
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kiln.compiler.driver import compile_graph
+    from kiln.frontend.backend import aot_kiln
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_bench
+
+    graphs: list[tuple[Any, list[Any], str]] = []
+
+    def capture(gm: Any, ins: Any, name: str) -> Any:
+        graphs.append((gm, list(ins), name))
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model = gpu_bench.Encoder(layers=layers, seq=256)
+    labels = torch.randint(0, 2, (8,))
+
+    def step(ids: Any, segments: Any, keep: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(ids, segments, keep).float(), labels)
+        loss.backward()
+        return loss
+
+    inputs = [torch.randint(0, 30000, (8, 256)), torch.randint(0, 2, (8, 256)),
+              torch.arange(256)[None, :] < torch.randint(128, 257, (8, 1))]
+    torch.compile(step, backend=lambda gm, ex: aot_kiln(gm, ex, capture))(*inputs)
+    torch._dynamo.reset()
+    out = []
+    for gm, ins, name in graphs:
+        for node in gm.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device):
+                node.update_kwarg("device", torch.device("cuda"))
+        gm.recompile()
+        with FakeTensorMode():
+            fake = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+                    if isinstance(t, torch.Tensor) else t for t in ins]
+        compiled = compile_graph(gm, fake, {}, name=name, compile_kernels=False)
+        out.append((compiled, [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                   device="meta")
+                               if isinstance(t, torch.Tensor) else t for t in ins]))
+    return out
+
+
+def encoder_step(layers: int, calls: int, profile: bool) -> None:
+    """Host µs of the encoder training step's two wrappers per step."""
+    graphs = compile_encoder_step(layers)
+    bound = [(bound_wrapper(compiled), args) for compiled, args in graphs]
+
+    def one_step(args: list[Any]) -> None:
+        for call, graph_args in bound:
+            call(list(graph_args))
+
+    NoLaunch.launches = 0
+    one_step([])
+    launches = NoLaunch.launches
+    (us,) = host_us([(one_step, [])], max(calls // 10, 1))
+    print("| encoder step 8x256 bf16 | host µs per step | launches | buffers |")
+    print("|---|---|---|---|")
+    buffers = sum(c.wrapper_source.count("empty_strided_cuda(") - 1 for c, _ in graphs)
+    print(f"| {layers} layers | {us:.1f} | {launches} | {buffers} |", flush=True)
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            one_step([])
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 def inputs_for(request: Any, sizes: dict[str, int]) -> list[Any]:
@@ -175,8 +255,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--profile", action="store_true",
                         help="the functions with the most own time in the dynamic wrapper")
+    parser.add_argument("--encoder-step", action="store_true",
+                        help="the encoder training step's forward and backward wrappers")
     ns = parser.parse_args()
     os.environ.setdefault("KILN_CACHE_DIR", tempfile.mkdtemp())
+    if ns.encoder_step:
+        encoder_step(ns.layers, ns.calls, ns.profile)
+        return
     lengths = [int(n) for n in ns.lengths.split(",")]
     dynamic, request = compile_decoder(lengths[0], True, ns.layers)
     dyn_call = bound_wrapper(dynamic)
