@@ -56,7 +56,7 @@ WARM_OPS = frozenset({
 _DROPOUT_AT = {aten._scaled_dot_product_cudnn_attention.default: 5,
                aten._scaled_dot_product_flash_attention.default: 1,
                aten._scaled_dot_product_efficient_attention.default: 4}
-MAX_SCRATCH_BYTES = 1 << 30  # one op's scratch tensors; a larger call is not warmed
+MAX_SCRATCH_BYTES = 1 << 30  # one call's inputs and outputs; a larger call is not warmed
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,20 @@ def plan(gm: torch.fx.GraphModule) -> list[WarmCall]:
         except NotWarmable as e:
             log.debug("kiln: %s not warmed: %s", node.target, e)
             continue
-        if sum(t.nbytes for t in call.scratch()) <= MAX_SCRATCH_BYTES:
+        if sum(t.nbytes for t in call.scratch()) + _output_bytes(node) <= MAX_SCRATCH_BYTES:
             calls.setdefault(call)
     return list(calls)
+
+
+def _output_bytes(node: torch.fx.Node) -> int:
+    """What the call allocates for its outputs (as the graph's metadata says)."""
+    val = node.meta.get("val")
+    outs = val if isinstance(val, (list, tuple)) else [val]
+    total = 0
+    for t in outs:
+        if isinstance(t, torch.Tensor) and isinstance(t.numel(), int):
+            total += int(t.numel()) * t.element_size()
+    return total
 
 
 def _template(value: Any) -> Any:

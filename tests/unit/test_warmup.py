@@ -81,10 +81,17 @@ def test_no_warm_up_for_cpu_graphs_when_off_or_with_no_library_call(
     assert run([cpu_call], torch.device("cpu")) == 0 and seen == []
 
 
-def test_symbolic_sizes_are_not_warmed(fake: FakeTensorMode) -> None:
+def test_symbolic_sizes_and_calls_over_the_memory_bound_are_not_warmed(
+        fake: FakeTensorMode) -> None:
     gm = make_fx(lambda a, b: aten.mm(a, b), tracing_mode="symbolic")(
         torch.randn(4, 8), torch.randn(8, 3))
     assert plan(gm) == []
+    with fake:  # 64 MiB of inputs, 1 GiB of output: over the bound
+        a = torch.empty(16384, 1024, dtype=HALF, device="cuda")
+        b = torch.empty(1024, 32768, dtype=HALF, device="cuda")
+        big = make_fx(lambda x, y: (aten.mm(x, y), aten.mm(y.t(), x.t()[:, :8])))(a, b)
+    small, = plan(big)
+    assert small.args[0].shape == (32768, 1024)  # the (32768 x 8) one only
 
 
 class Recorder:
@@ -300,3 +307,22 @@ def test_a_compile_through_the_client_runs_the_warm_up_beside_it(
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     assert len(warmed) == 1 and warmed[0] != threading.get_ident()
     reset_clients()
+
+
+def test_the_trace_summary_breaks_the_first_call_down() -> None:
+    from kiln.frontend.trace import Span, format_summary, summarize
+
+    def span(name: str, start: float, end: float, tid: int = 1) -> Span:
+        return Span(name, start * 1000, end * 1000, 1, tid, "client")
+
+    spans = [span("load graph", 0, 5), span("first call of a graph", 10, 110),
+             span("load cubin", 12, 14), span("load cubin", 20, 23),
+             span("first _scaled_dot_product_cudnn_attention", 30, 90),
+             span("first-call warm-up", 0, 8, tid=2)]  # another thread: not in the call
+    summary = summarize(spans)
+    rows = {r["stage"]: (round(r["ms"], 3), r["count"]) for r in summary["first_calls"]}
+    assert rows == {"first _scaled_dot_product_cudnn_attention": (60.0, 1),
+                    "load cubin": (5.0, 2), "first call of a graph (own time)": (35.0, 1)}
+    text = format_summary(summary)
+    assert "first calls of graphs (stage, own ms, spans):" in text
+    assert "first _scaled_dot_product_cudnn_attention" in text.split("first calls of")[1]
