@@ -52,10 +52,6 @@ WARM_OPS = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_efficient_attention_backward.default,
 })
-# Ops that draw random numbers when this argument (by position) is above zero.
-_DROPOUT_AT = {aten._scaled_dot_product_cudnn_attention.default: 5,
-               aten._scaled_dot_product_flash_attention.default: 1,
-               aten._scaled_dot_product_efficient_attention.default: 4}
 MAX_SCRATCH_BYTES = 1 << 30  # one call's inputs and outputs; a larger call is not warmed
 
 
@@ -91,8 +87,14 @@ class WarmCall:
 
     @property
     def random(self) -> bool:
-        at = _DROPOUT_AT.get(self.op)
-        return at is not None and len(self.args) > at and float(self.args[at] or 0) > 0
+        """Whether the call draws random numbers (attention with ``dropout_p`` > 0)."""
+        schema = getattr(self.op, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        if "dropout_p" not in names:
+            return False
+        at = names.index("dropout_p")
+        value = self.args[at] if at < len(self.args) else dict(self.kwargs).get("dropout_p")
+        return float(value or 0.0) > 0
 
 
 class NotWarmable(ValueError):

@@ -138,6 +138,11 @@ def test_a_failing_call_is_logged_and_the_others_still_run(
 def test_dropout_runs_only_where_allowed_and_restores_the_random_state(
         fake: FakeTensorMode) -> None:
     sdpa, = (c for c in plan(attention_graph(fake, dropout=0.1)) if c.random)
+    with fake:  # flash attention takes dropout_p third, after q, k, v
+        q = torch.empty(2, 4, 16, 64, dtype=HALF, device="cuda")
+        flash = make_fx(lambda t: aten._scaled_dot_product_flash_attention(
+            t, t, t, 0.2, True)[0])(q)
+    assert [c.random for c in plan(flash)] == [True]
     op = Recorder()
     call = WarmCall(op, (ScratchTensor((4,), (1,), torch.float32),) * 3 + sdpa.args[3:], ())
     assert call.random is False  # the recorder is not an op that draws
