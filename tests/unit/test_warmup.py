@@ -331,3 +331,18 @@ def test_the_trace_summary_breaks_the_first_call_down() -> None:
     text = format_summary(summary)
     assert "first calls of graphs (stage, own ms, spans):" in text
     assert "first _scaled_dot_product_cudnn_attention" in text.split("first calls of")[1]
+
+
+def test_planned_calls_of_real_ops_run_on_scratch_tensors() -> None:
+    """The generic path with ATen's own ops (on CPU here): a convolution (list arguments
+    come back as tuples), a batched matmul and a linear layer each run once."""
+    def f(x: Any, w: Any, a: Any, b: Any, bias: Any) -> Any:
+        y = aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        return y.relu(), aten.bmm(a, b), aten.addmm(bias, a[0], b[0])
+
+    gm = make_fx(f)(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(2, 5, 6),
+                    torch.randn(2, 6, 7), torch.randn(7))
+    calls = plan(gm)
+    assert [c.name for c in calls] == ["convolution", "bmm", "addmm"]
+    assert calls[0].args[3:6] == ((1, 1), (1, 1), (1, 1))
+    assert run_on(calls, torch.device("cpu")) == 3
