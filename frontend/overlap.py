@@ -16,13 +16,13 @@ T = TypeVar("T")
 Warm = Callable[[threading.Event], Any]
 
 
-def overlap(work: Callable[[], T], warm: Callable[[threading.Event], Any] | None, *,
-            warm_here: bool) -> T:
+def overlap(work: Callable[[], T], warm: Warm | None, *, warm_here: bool) -> T:
     """``work()`` with ``warm(stop)`` running beside it; ``warm_here``: the warm-up on
     this thread and ``work`` on a helper (the caller only waits), else the other way
-    round. The result (or exception) is ``work``'s, once both are done; ``stop`` is set
-    when ``work`` fails (the warm-up's calls left are skipped: the caller has more to do
-    first). The warm-up's own failures are logged, never raised."""
+    round. The result (or exception) is ``work``'s, once both are done. ``stop`` is set
+    when ``work`` ends: the warm-up finishes the call it is in and skips the rest (the
+    first call pays for those as before), so it delays the result by one call at most.
+    The warm-up's own failures are logged, never raised."""
     if warm is None:
         return work()
     stop = threading.Event()
@@ -38,8 +38,9 @@ def overlap(work: Callable[[], T], warm: Callable[[threading.Event], Any] | None
         try:
             outcome.append((True, work()))
         except BaseException as e:  # re-raised on the caller's thread
-            stop.set()
             outcome.append((False, e))
+        finally:
+            stop.set()
 
     mine, theirs = (guarded_warm, guarded_work) if warm_here else (guarded_work, guarded_warm)
     helper = threading.Thread(target=trace.carry(lambda _: theirs()), args=(None,),

@@ -102,7 +102,9 @@ class NotWarmable(ValueError):
 
 
 def plan(gm: torch.fx.GraphModule) -> list[WarmCall]:
-    """The graph's library calls worth warming, one per distinct call, in graph order."""
+    """The graph's library calls worth warming, one per distinct call: attention first,
+    then convolutions, then matmuls (the costliest first: a compile that ends early
+    stops the warm-up), each kind in graph order."""
     calls: dict[WarmCall, None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in WARM_OPS:
@@ -115,7 +117,12 @@ def plan(gm: torch.fx.GraphModule) -> list[WarmCall]:
             continue
         if sum(t.nbytes for t in call.scratch()) + _output_bytes(node) <= MAX_SCRATCH_BYTES:
             calls.setdefault(call)
-    return list(calls)
+    return sorted(calls, key=_priority)
+
+
+def _priority(call: WarmCall) -> int:
+    name = call.name
+    return 0 if "attention" in name else 1 if "convolution" in name else 2
 
 
 def _output_bytes(node: torch.fx.Node) -> int:

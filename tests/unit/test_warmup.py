@@ -39,9 +39,10 @@ def attention_graph(mode: FakeTensorMode, dropout: float = 0.0) -> torch.fx.Grap
     """Two identical cuDNN attention calls (q, k, v: [b, h, s, d] views of [b, s, h, d]),
     a linear layer (addmm), a matmul and pointwise ops, as AOTAutograd would hand them."""
     def f(q: Any, k: Any, v: Any, x: Any, w: Any, b: Any) -> Any:
+        y = torch.relu(aten.addmm(b, x, w))  # before the attention in graph order
         o1 = aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, dropout, True)[0]
         o2 = aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, dropout, True)[0]
-        return o1 + o2, torch.relu(aten.addmm(b, x, w)), aten.mm(x, w)
+        return o1 + o2, y, aten.mm(x, w)
 
     with mode:
         q, k, v = (torch.empty(2, 16, 4, 64, dtype=HALF, device="cuda").transpose(1, 2)
@@ -54,7 +55,7 @@ def attention_graph(mode: FakeTensorMode, dropout: float = 0.0) -> torch.fx.Grap
 
 def test_plan_lists_each_library_call_once_with_the_graphs_exact_arguments(
         fake: FakeTensorMode) -> None:
-    calls = plan(attention_graph(fake))
+    calls = plan(attention_graph(fake))  # attention first: the costliest to warm
     assert [c.name for c in calls] == ["_scaled_dot_product_cudnn_attention", "addmm",
                                        "mm"]
     sdpa, addmm, mm = calls
@@ -208,7 +209,7 @@ def test_overlap_runs_both_at_once_and_returns_the_works_result(warm_here: bool)
     assert (threads["work"] == here) is not warm_here
 
 
-def test_overlap_raises_the_works_error_stops_the_warm_up_and_hides_its_own(
+def test_overlap_stops_the_warm_up_when_the_work_ends_raises_its_error_hides_its_own(
         caplog: pytest.LogCaptureFixture) -> None:
     stopped: list[bool] = []
 
@@ -221,6 +222,10 @@ def test_overlap_raises_the_works_error_stops_the_warm_up_and_hides_its_own(
     with pytest.raises(ConnectionError, match="farm gone"):
         overlap(failing_work, warm, warm_here=True)
     assert stopped == [True]
+    # A compile that ends first stops the warm-up too (the first call pays the rest).
+    assert overlap(lambda: "done", warm, warm_here=True) == "done"
+    assert overlap(lambda: "done", warm, warm_here=False) == "done"
+    assert stopped == [True, True, True]
 
     def broken_warm(stop: threading.Event) -> None:
         raise MemoryError("scratch")
