@@ -198,10 +198,14 @@ def run_on(calls: Sequence[WarmCall], device: torch.device, *, may_draw: bool = 
 def _scratch(value: Any, device: torch.device, generator: torch.Generator) -> Any:
     """A template's argument: random tensors (never zeros) where it has tensors."""
     if isinstance(value, ScratchTensor):
-        t = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=device)
-        if t.is_floating_point():
-            return t.normal_(generator=generator)
-        return t.random_(0, 2, generator=generator)
+        # The whole extent filled, then viewed: broadcast (stride 0) layouts too.
+        base = torch.empty(value.nbytes // value.dtype.itemsize, dtype=value.dtype,
+                           device=device)
+        if base.is_floating_point():
+            base.normal_(generator=generator)
+        else:
+            base.random_(0, 2, generator=generator)
+        return base.as_strided(value.shape, value.stride)
     if isinstance(value, tuple):
         return tuple(_scratch(v, device, generator) for v in value)
     return value

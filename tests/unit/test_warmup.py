@@ -122,6 +122,9 @@ def test_calls_run_once_on_random_scratch_tensors_of_the_planned_layout() -> Non
         assert tuple(x.shape) == layout.shape and tuple(x.stride()) == layout.stride
         assert x.dtype == torch.float32 and x.std() > 0.5 and not torch.equal(x, t2 * 0)
     assert (three, half, flag) == (3, 0.5, True)
+    bias = ScratchTensor((4, 2, 16, 16), (0, 0, 16, 1), torch.float32)  # broadcast
+    assert run_on([WarmCall(op, (bias,), ())], torch.device("cpu")) == 1
+    assert op.calls[-1][0].stride() == (0, 0, 16, 1) and op.calls[-1][0].std() > 0.5
 
 
 def test_a_failing_call_is_logged_and_the_others_still_run(
