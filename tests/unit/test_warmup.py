@@ -249,6 +249,8 @@ def test_the_first_call_span_holds_a_span_per_library_call() -> None:
         return (torch.addmm(c, a, m).relu() + buf,)
 
     expected = wrapper([x, w, b])
+    wrapper.served = "runner"  # type: ignore[attr-defined]
+    assert FirstCallSpan(wrapper, "k").served == "runner"  # attributes pass through
     with trace.capture() as events:
         graph = FirstCallSpan(wrapper, "k" * 64)
         out = graph([x, w, b])
