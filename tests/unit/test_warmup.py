@@ -233,6 +233,13 @@ def test_overlap_stops_the_warm_up_when_the_work_ends_raises_its_error_hides_its
     def broken_warm(stop: threading.Event) -> None:
         raise MemoryError("scratch")
 
+    def interrupted(stop: threading.Event) -> None:
+        raise KeyboardInterrupt
+
+    release = threading.Event()
+    with pytest.raises(KeyboardInterrupt):  # not kept waiting for the work's end
+        overlap(lambda: release.wait(30), interrupted, warm_here=True)
+    release.set()
     with caplog.at_level(logging.INFO, logger="kiln.warmup"):
         assert overlap(lambda: 7, broken_warm, warm_here=False) == 7
     assert "first-call warm-up failed (MemoryError: scratch); ignored" in caplog.text
