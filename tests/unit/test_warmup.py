@@ -340,13 +340,17 @@ def test_the_trace_summary_breaks_the_first_call_down() -> None:
     spans = [span("load graph", 0, 5), span("first call of a graph", 10, 110),
              span("load cubin", 12, 14), span("load cubin", 20, 23),
              span("first _scaled_dot_product_cudnn_attention", 30, 90),
-             span("first-call warm-up", 0, 8, tid=2)]  # another thread: not in the call
+             span("first-call warm-up", 0, 8, tid=2),  # another thread: not in the call
+             span("first-call warm-up", 1, 3, tid=2),
+             span("farm compile (client waits)", 2, 6, tid=3)]
     summary = summarize(spans)
+    assert summary["warm_up"] == {"calls": 2, "ms": 10.0, "beside_compile_ms": 5.0}
     rows = {r["stage"]: (round(r["ms"], 3), r["count"]) for r in summary["first_calls"]}
     assert rows == {"first _scaled_dot_product_cudnn_attention": (60.0, 1),
                     "load cubin": (5.0, 2), "first call of a graph (own time)": (35.0, 1)}
     text = format_summary(summary)
     assert "first calls of graphs (stage, own ms, spans):" in text
+    assert "first-call warm-up: 2 calls, 10.0 ms, 5.0 ms of it beside a compile" in text
     assert "first _scaled_dot_product_cudnn_attention" in text.split("first calls of")[1]
 
 
