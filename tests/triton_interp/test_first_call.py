@@ -19,7 +19,7 @@ from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import reset_clients
 from kiln.frontend.warmup import Warmup, plan
 
-OPTIONS = {"cpu_backend": "triton-interpret"}
+OPTIONS: dict[str, Any] = {"cpu_backend": "triton-interpret"}
 
 
 def test_a_warmed_graph_matches_eager_and_its_first_call_is_on_the_timeline(
