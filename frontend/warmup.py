@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import no_python_dispatcher
+from torch.utils._python_dispatch import _disable_current_modes
 
 from kiln.compiler import trace
 
@@ -185,7 +187,8 @@ def run_on(calls: Sequence[WarmCall], device: torch.device, *, may_draw: bool = 
                  type(e).__name__, e)
         return 0
     done = 0
-    with place, torch.no_grad():
+    # Real tensors even inside a compile (the client's thread has Dynamo's fake mode on).
+    with _disable_current_modes(), no_python_dispatcher(), place, torch.no_grad():
         for call in calls:
             if stop is not None and stop.is_set():
                 break

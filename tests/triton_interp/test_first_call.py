@@ -22,8 +22,11 @@ from kiln.frontend.warmup import Warmup, plan
 OPTIONS: dict[str, Any] = {"cpu_backend": "triton-interpret"}
 
 
+@pytest.mark.parametrize("on_callers_thread", [False, True])
 def test_a_warmed_graph_matches_eager_and_its_first_call_is_on_the_timeline(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_callers_thread: bool) -> None:
+    """``on_callers_thread``: the warm-up placed as beside a farm's compile (on the
+    client's thread, inside Dynamo's fake mode), here beside a local compile."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))
     monkeypatch.setenv("KILN_FARM_FILE", str(tmp_path / "none.json"))
@@ -36,9 +39,16 @@ def test_a_warmed_graph_matches_eager_and_its_first_call_is_on_the_timeline(
         return made[-1]
 
     monkeypatch.setattr(kiln_compile.Warmup, "for_graph", staticmethod(on_cpu_too))
+    if on_callers_thread:
+        from kiln.frontend import client as kiln_client
+
+        real_overlap = kiln_client.overlap
+        monkeypatch.setattr(kiln_client, "overlap", lambda work, warm, warm_here: real_overlap(
+            work, warm, warm_here=True))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                torch.nn.Linear(64, 16))
+    hidden = 48 if on_callers_thread else 64  # another graph: no cache serves it
+    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, 16))
     x = torch.randn(8, 32)
     ref = model(x)
     state = torch.get_rng_state()

@@ -127,6 +127,18 @@ def test_calls_run_once_on_random_scratch_tensors_of_the_planned_layout() -> Non
     assert op.calls[-1][0].stride() == (0, 0, 16, 1) and op.calls[-1][0].std() > 0.5
 
 
+def test_calls_made_inside_a_compiles_fake_mode_use_real_tensors(
+        fake: FakeTensorMode) -> None:
+    """Beside a farm's compile the warm-up runs on the client's thread, inside Dynamo's
+    fake mode: its scratch tensors and calls must be real all the same."""
+    op = Recorder()
+    with fake:
+        assert run_on([WarmCall(op, (ScratchTensor((64,), (1,), torch.float32),), ())],
+                      torch.device("cpu")) == 1
+    (t,), = op.calls
+    assert type(t) is torch.Tensor and t.std() > 0.5
+
+
 def test_a_failing_call_is_logged_and_the_others_still_run(
         caplog: pytest.LogCaptureFixture) -> None:
     bad, good = Recorder(fail=True), Recorder()
