@@ -226,7 +226,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             env_only=True),
     Setting("farm_file", parse_text, None, "address file of `kiln farm up`", env_only=True),
     Setting("farm_process", parse_flag, False,
-            "reach a farm through a child process (this one never imports Ray)",
+            "reach a farm at a Ray address through a child process (no Ray here)",
             env_only=True),
     Setting("trace", parse_text, None, "compile timeline (Chrome trace JSON) path",
             env_only=True),
