@@ -217,6 +217,10 @@ def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],
         raise LoadFailure(f"{type(e).__name__}: {e}") from e
     print_output_code(config, name, result)
     _notify(name, result)
+    if trace.recording():
+        from .first_call import FirstCallSpan
+
+        return FirstCallSpan(fn, result.key.key)
     return fn
 
 

@@ -54,6 +54,12 @@ class FirstCallSpan:
         self._boxed_call = True  # on the instance: see SwappableGraph
         self.call, self.key, self.called = call, key, False
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped callable's attributes (a CUDA-graph runner's ``served``)."""
+        if name == "call":
+            raise AttributeError(name)
+        return getattr(self.call, name)
+
     def __call__(self, args: list[Any]) -> Any:
         if self.called:
             return self.call(args)

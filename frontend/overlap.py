@@ -48,9 +48,11 @@ def overlap(work: Callable[[], T], warm: Warm | None, *, warm_here: bool) -> T:
     helper.start()
     try:
         mine()
-    finally:
-        with trace.span("warm-up overlap join", cat="client"):
-            helper.join()
+    except BaseException:  # an interrupt: not kept waiting for the helper (a daemon)
+        stop.set()
+        raise
+    with trace.span("warm-up overlap join", cat="client"):
+        helper.join()
     ok, value = outcome[0]
     if not ok:
         raise value

@@ -282,7 +282,21 @@ def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
     return {"wall_ms": wall, "critical_path": _table(on_path),
             "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans}),
             "gpu_usage": gpu_usage(spans), "background_ms": background_ms,
-            "first_calls": first_call_stages(spans)}
+            "first_calls": first_call_stages(spans), "warm_up": warm_up_overlap(spans)}
+
+
+COMPILE_WAITS = ("farm compile (client waits)", "local compile")
+
+
+def warm_up_overlap(spans: list[Span]) -> dict[str, float]:
+    """The first-call warm-ups (``frontend.warmup``): their calls, time, and how much of
+    it ran beside a compile of this process (a farm wait or a local compile)."""
+    warm = [s for s in spans if s.name == "first-call warm-up"]
+    waits = [s for s in spans if s.name in COMPILE_WAITS]
+    beside = sum(max(0.0, min(w.end, c.end) - max(w.start, c.start))
+                 for w in warm for c in waits if c.pid == w.pid)
+    return {"calls": len(warm), "ms": sum(s.dur for s in warm) / 1000.0,
+            "beside_compile_ms": min(beside, sum(s.dur for s in warm)) / 1000.0}
 
 
 def first_call_stages(spans: list[Span]) -> list[dict[str, Any]]:
@@ -314,6 +328,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += ["", "top stages by own time (stage, ms, spans):"]
     for row in summary["top_stages"]:
         lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
+    warm = summary.get("warm_up") or {}
+    if warm.get("calls"):
+        lines += ["", f"first-call warm-up: {warm['calls']} calls, {warm['ms']:.1f} ms, "
+                  f"{warm['beside_compile_ms']:.1f} ms of it beside a compile"]
     if summary.get("first_calls"):
         lines += ["", "first calls of graphs (stage, own ms, spans):"]
         for row in summary["first_calls"]:

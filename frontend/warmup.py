@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import no_python_dispatcher
+from torch.utils._python_dispatch import _disable_current_modes
 
 from kiln.compiler import trace
 
@@ -185,7 +187,8 @@ def run_on(calls: Sequence[WarmCall], device: torch.device, *, may_draw: bool = 
                  type(e).__name__, e)
         return 0
     done = 0
-    with place, torch.no_grad():
+    # Real tensors even inside a compile (the client's thread has Dynamo's fake mode on).
+    with _disable_current_modes(), no_python_dispatcher(), place, torch.no_grad():
         for call in calls:
             if stop is not None and stop.is_set():
                 break
@@ -198,10 +201,14 @@ def run_on(calls: Sequence[WarmCall], device: torch.device, *, may_draw: bool = 
 def _scratch(value: Any, device: torch.device, generator: torch.Generator) -> Any:
     """A template's argument: random tensors (never zeros) where it has tensors."""
     if isinstance(value, ScratchTensor):
-        t = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=device)
-        if t.is_floating_point():
-            return t.normal_(generator=generator)
-        return t.random_(0, 2, generator=generator)
+        # The whole extent filled, then viewed: broadcast (stride 0) layouts too.
+        base = torch.empty(value.nbytes // value.dtype.itemsize, dtype=value.dtype,
+                           device=device)
+        if base.is_floating_point():
+            base.normal_(generator=generator)
+        else:
+            base.random_(0, 2, generator=generator)
+        return base.as_strided(value.shape, value.stride)
     if isinstance(value, tuple):
         return tuple(_scratch(v, device, generator) for v in value)
     return value

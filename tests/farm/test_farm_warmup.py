@@ -5,22 +5,46 @@ farm works; the result is the farm's, and a hit warms nothing."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from farm_helpers import RayHead, cuda_request
 
 from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.farm import RayFarm
+from kiln.frontend.gateway import Gateway
+from kiln.frontend.gateway_client import GatewayFarm
 
 
+@pytest.mark.parametrize("front", ["ray", "gateway"])
 def test_the_warm_up_runs_on_the_callers_thread_while_the_farm_compiles(
-        farm: RayFarm, ray_cluster: RayHead, tmp_path: Path) -> None:
-    client = KilnClient(KilnConfig.resolve({"farm": ray_cluster.address,
-                                            "store": str(tmp_path / "store")}))
-    request = cuda_request(shapes=((10, 44), (44, 44)), options={"tag": "warm-up"})
+        farm: RayFarm, ray_cluster: RayHead, tmp_path: Path, front: str) -> None:
+    """Through Ray itself, and through `kiln farm up`'s gateway (a TCP relay)."""
+    gateway, remote = None, None
+    if front == "ray":
+        client = KilnClient(KilnConfig.resolve({"farm": ray_cluster.address,
+                                                "store": str(tmp_path / "store")}))
+    else:
+        gateway = Gateway(farm, secrets.token_hex(32)).start()
+        remote = GatewayFarm(gateway.address, gateway.token.decode())
+        client = KilnClient(KilnConfig.resolve({"farm": "inprocess",
+                                                "store": str(tmp_path / "store")}),
+                            farm=remote)  # type: ignore[arg-type]
+    try:
+        _check_warm_up_beside(client, front)
+    finally:
+        if remote is not None:
+            remote.release()
+        if gateway is not None:
+            gateway.close()
+
+
+def _check_warm_up_beside(client: KilnClient, front: str) -> None:
+    request = cuda_request(shapes=((10, 44), (44, 44)), options={"tag": f"warm-up {front}"})
     seen: dict[str, object] = {}
     farm_compile = client.farm.compile
     farm_working = threading.Event()

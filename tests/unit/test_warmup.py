@@ -122,6 +122,21 @@ def test_calls_run_once_on_random_scratch_tensors_of_the_planned_layout() -> Non
         assert tuple(x.shape) == layout.shape and tuple(x.stride()) == layout.stride
         assert x.dtype == torch.float32 and x.std() > 0.5 and not torch.equal(x, t2 * 0)
     assert (three, half, flag) == (3, 0.5, True)
+    bias = ScratchTensor((4, 2, 16, 16), (0, 0, 16, 1), torch.float32)  # broadcast
+    assert run_on([WarmCall(op, (bias,), ())], torch.device("cpu")) == 1
+    assert op.calls[-1][0].stride() == (0, 0, 16, 1) and op.calls[-1][0].std() > 0.5
+
+
+def test_calls_made_inside_a_compiles_fake_mode_use_real_tensors(
+        fake: FakeTensorMode) -> None:
+    """Beside a farm's compile the warm-up runs on the client's thread, inside Dynamo's
+    fake mode: its scratch tensors and calls must be real all the same."""
+    op = Recorder()
+    with fake:
+        assert run_on([WarmCall(op, (ScratchTensor((64,), (1,), torch.float32),), ())],
+                      torch.device("cpu")) == 1
+    (t,), = op.calls
+    assert type(t) is torch.Tensor and t.std() > 0.5
 
 
 def test_a_failing_call_is_logged_and_the_others_still_run(
@@ -230,6 +245,13 @@ def test_overlap_stops_the_warm_up_when_the_work_ends_raises_its_error_hides_its
     def broken_warm(stop: threading.Event) -> None:
         raise MemoryError("scratch")
 
+    def interrupted(stop: threading.Event) -> None:
+        raise KeyboardInterrupt
+
+    release = threading.Event()
+    with pytest.raises(KeyboardInterrupt):  # not kept waiting for the work's end
+        overlap(lambda: release.wait(30), interrupted, warm_here=True)
+    release.set()
     with caplog.at_level(logging.INFO, logger="kiln.warmup"):
         assert overlap(lambda: 7, broken_warm, warm_here=False) == 7
     assert "first-call warm-up failed (MemoryError: scratch); ignored" in caplog.text
@@ -246,6 +268,8 @@ def test_the_first_call_span_holds_a_span_per_library_call() -> None:
         return (torch.addmm(c, a, m).relu() + buf,)
 
     expected = wrapper([x, w, b])
+    wrapper.served = "runner"  # type: ignore[attr-defined]
+    assert FirstCallSpan(wrapper, "k").served == "runner"  # attributes pass through
     with trace.capture() as events:
         graph = FirstCallSpan(wrapper, "k" * 64)
         out = graph([x, w, b])
@@ -328,13 +352,17 @@ def test_the_trace_summary_breaks_the_first_call_down() -> None:
     spans = [span("load graph", 0, 5), span("first call of a graph", 10, 110),
              span("load cubin", 12, 14), span("load cubin", 20, 23),
              span("first _scaled_dot_product_cudnn_attention", 30, 90),
-             span("first-call warm-up", 0, 8, tid=2)]  # another thread: not in the call
+             span("first-call warm-up", 0, 8, tid=2),  # another thread: not in the call
+             span("first-call warm-up", 1, 3, tid=2),
+             span("farm compile (client waits)", 2, 6, tid=3)]
     summary = summarize(spans)
+    assert summary["warm_up"] == {"calls": 2, "ms": 10.0, "beside_compile_ms": 5.0}
     rows = {r["stage"]: (round(r["ms"], 3), r["count"]) for r in summary["first_calls"]}
     assert rows == {"first _scaled_dot_product_cudnn_attention": (60.0, 1),
                     "load cubin": (5.0, 2), "first call of a graph (own time)": (35.0, 1)}
     text = format_summary(summary)
     assert "first calls of graphs (stage, own ms, spans):" in text
+    assert "first-call warm-up: 2 calls, 10.0 ms, 5.0 ms of it beside a compile" in text
     assert "first _scaled_dot_product_cudnn_attention" in text.split("first calls of")[1]
 
 
