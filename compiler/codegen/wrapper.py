@@ -96,8 +96,10 @@ class WrapperCodegen:
         self.returned_views = {_view_expr(o) for o in V.graph.graph_outputs
                                if isinstance(o, ReinterpretView)}
         self.view_names: dict[str, str] = {}
-        # buffer -> the one view of it the wrapper uses (see ``allocate_as_views``)
+        # buffer -> the view of it it is allocated as (see ``allocate_as_views``)
         self.allocated_as: dict[str, ReinterpretView] = {}
+        # buffer -> (size, stride) of the tensor the wrapper made for it
+        self.shapes: dict[str, tuple[str, str]] = {}
 
     def allocate_as_views(self, nodes: list[BaseSchedulerNode]) -> None:
         """Buffers used as tensors (library-call operands, graph outputs) only through
@@ -106,10 +108,10 @@ class WrapperCodegen:
         allocated in the shape and strides of that view (the one used most), and is that
         view. Kernels take only the pointer, and the other views are made from the
         storage, so nothing else changes: one ``reinterpret_tensor`` call less per view
-        use per call of the wrapper."""
+        use per call of the wrapper. A buffer that takes over a freed one's storage is
+        that storage viewed its own way (``allocate``: ``self.shapes``)."""
         views: dict[str, dict[str, list[ReinterpretView]]] = {}
-        direct: set[str] = self.donors | set(self.plan.reuse)
-        direct |= set(self.plan.inplace) | set(self.plan.inplace.values())
+        direct: set[str] = set(self.plan.inplace) | set(self.plan.inplace.values())
         uses: list[Any] = list(V.graph.graph_outputs)
         for node in nodes:
             if isinstance(node, ExternKernelSchedulerNode):
@@ -154,18 +156,20 @@ class WrapperCodegen:
         if name in self.plan.inplace:
             self.lines.writeline(f"{name} = {self.plan.inplace[name]}  # written in place")
             return
-        if name in self.plan.reuse:
+        view = self.allocated_as.get(name)
+        shaped = layout if view is None else view.layout
+        self.shapes[name] = want = (size_str(shaped.size), size_str(shaped.stride))
+        if name in self.plan.reuse:  # the donor's storage, as this buffer's tensor
             donor = self.plan.reuse[name]
             d_layout = V.graph.name_to_buffer[donor].get_layout()
-            if (d_layout.size, d_layout.stride) == (layout.size, layout.stride):
+            if self.shapes.get(donor, (size_str(d_layout.size), size_str(d_layout.stride))) \
+                    == want:
                 self.lines.writeline(f"{name} = {donor}; del {donor}  # reuse")
             else:
-                self.lines.writeline(
-                    f"{name} = reinterpret_tensor({donor}, {size_str(layout.size)}, "
-                    f"{size_str(layout.stride)}, 0); del {donor}  # reuse")
+                self.lines.writeline(f"{name} = reinterpret_tensor({donor}, {want[0]}, "
+                                     f"{want[1]}, 0); del {donor}  # reuse")
             return
-        view = self.allocated_as.get(name)
-        self.lines.writeline(f"{name} = {self.empty(layout if view is None else view.layout)}"
+        self.lines.writeline(f"{name} = {self.empty(shaped)}"
                              + ("  # as its one view" if view is not None else ""))
 
     def empty(self, layout: Layout) -> str:
