@@ -30,7 +30,7 @@ a row still running at the end is stopped, and the table says which (``skip``);
 ``--results`` is written after every row, so a run cut short from outside keeps them.
 Kiln's packages are byte-compiled before the first row (as a wheel install does).
 Each Kiln row checks the client's counters and `kiln stats --json` (a hit is a hit, a
-farm compile went to the farm, and with KILN_FARM_PROCESS=1 the client never imported Ray;
+farm compile went to the farm through its gateway, and the client never imported Ray;
 the default compiled here without waiting for a farm),
 fails on KilnFallbackWarning, and compares the output with eager.
 
@@ -131,7 +131,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
                               "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
-        result["ray_in_client"] = "ray" in sys.modules  # a farm's Ray is its farm process's
+        result["ray_in_client"] = "ray" in sys.modules  # the farm is reached through its gateway
         result["gemm"] = {k: sum(int(s.get(k, 0)) for s in selections)
                           for k in ("problems", "cached", "benchmarked", "untuned")}
         result["note"] = "; ".join(filter(None, [case.note, aot_note(result["counters"])]))
@@ -329,10 +329,9 @@ class Bench:
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
                 problems += check_gemm(row, self.args.compile_mode)
-                if mode == "kiln_farm" and row.get("ray_in_client") \
-                        and env.get("KILN_FARM_PROCESS", "0") == "1":
+                if mode == "kiln_farm" and row.get("ray_in_client"):
                     problems.append("the client imported Ray: it should reach the farm "
-                                    "through its farm process (KILN_FARM_PROCESS)")
+                                    "through the farm's gateway")
                 row["regions"] = regions_note(row["counters"])
                 if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
                         and not row["regions"]:

@@ -2,21 +2,25 @@
 
 AOTAutograd's own time in GPT-2's cold start through a farm was 1.7 s longer than in
 process on the H200 host (1.0 s longer on the CPU machine) while a thread of the client
-imported Ray and joined the farm. This measures that cause alone, each case in a fresh
-process against the farm that `kiln farm up` started (its farm file):
+imported Ray and joined the farm. A client now reaches `kiln farm up`'s farm through its
+gateway (frontend.gateway: a socket and a handshake, no Ray here). This measures the join
+alone, each case in a fresh process against the farm that `kiln farm up` started (its
+farm file):
 
     alone     AOTAutograd traces a small transformer (Kiln's decompositions, no compile)
-    join      Ray's import and the join, on the main thread with nothing else running
-    thread    the trace while a thread imports Ray and joins (the default,
-              ``KILN_FARM_PROCESS=0``)
-    process   the trace while the client's farm process (frontend.farm_process) starts
-              and joins (``KILN_FARM_PROCESS=1``; slower to join on the H200 host:
-              BENCHMARKS.md, 2026-12-02 01:34)
+    connect   the gateway's connect and handshake, on the main thread, nothing else running
+    gateway   the trace while the client connects to the gateway (the default,
+              ``connect_early`` of ``KILN_FARM=local``)
+    ray       the trace while a thread imports Ray and joins the farm's cluster (the
+              client's join before the gateway; still how a Ray address is joined)
+    process   the trace while a child process (frontend.farm_process,
+              ``KILN_FARM_PROCESS=1`` with a Ray address) starts and joins
 
     kiln farm up && python bench/farm_join.py --reps 3 && kiln farm down
 
 Each line gives the trace's wall seconds (median of ``--reps`` fresh processes) and, for
-thread and process, how much longer than alone.
+the overlapped cases, how much longer than alone; ``join s`` is how long the connection
+took from its start (the median), and ``ray`` whether the client imported Ray.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 CHILD = """
 import json, os, sys, threading, time
@@ -72,47 +77,68 @@ def trace_once():
         compiled(graph, [x])
 
 
-def join_in_thread():
-    from kiln.frontend.farm import LocalFarm, connect_early
-    thread = connect_early(LocalFarm())
-    return thread
+def start_join():
+    # The case's farm, and the thread connecting it.
+    from kiln.frontend.farm import LocalFarm, RayFarm, connect_early, read_farm_file
 
-def join_in_process():
-    from kiln.frontend.farm import LocalFarm, connect_early
-    farm = LocalFarm()
-    connect_early(farm)
-    return farm
+    address = str(read_farm_file()["address"])
+    if case in ("connect", "gateway"):
+        farm = LocalFarm()
+    elif case == "ray":
+        farm = RayFarm(address)
+    else:
+        from kiln.frontend.farm_process import ProcessFarm
+        farm = ProcessFarm(address)
+    return farm, connect_early(farm)
+
+
+def ask(farm):
+    # One call through the connection: it works.
+    try:
+        farm.ray_farm().stats() if hasattr(farm, "ray_farm") else farm.stats()
+    except Exception as e:
+        result["problem"] = f"{type(e).__name__}: {e}"
+
+
+def watch(thread, begun):
+    # A thread noting when the join ended (waiting holds no GIL).
+    def note():
+        thread.join()
+        result["join_s"] = time.perf_counter() - begun
+    watcher = threading.Thread(target=note)
+    watcher.start()
+    return watcher
+
 
 result = {}
-if case == "join":
-    start = time.perf_counter()
-    join_in_thread().join()
-    result["seconds"] = time.perf_counter() - start
-else:
-    helper = None
-    if case == "thread":
-        helper = join_in_thread()
-    elif case == "process":
-        helper = join_in_process()
+if case == "alone":
     start = time.perf_counter()
     trace_once()
     result["seconds"] = time.perf_counter() - start
-    result["ray_here"] = "ray" in sys.modules
-    if isinstance(helper, threading.Thread):
-        helper.join()
+else:
+    begun = time.perf_counter()
+    farm, thread = start_join()
+    watcher = watch(thread, begun)
+    if case == "connect":
+        watcher.join()
+        result["seconds"] = result["join_s"]
+    else:
+        start = time.perf_counter()
+        trace_once()
+        result["seconds"] = time.perf_counter() - start
+        watcher.join()
+    ask(farm)
+result["ray_here"] = "ray" in sys.modules
 print(json.dumps(result))
 """
 
 
-def run_case(case: str, layers: int, extra_env: dict[str, str]) -> dict[str, float]:
-    import os
-
-    env = {**os.environ, **extra_env}
-    proc = subprocess.run([sys.executable, "-c", CHILD, case, str(layers)], env=env,
+def run_case(case: str, layers: int) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", CHILD, case, str(layers)],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"case {case} failed:\n{proc.stderr[-3000:]}")
-    out: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -124,21 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.frontend.farm import probe, read_farm_file
 
     info = read_farm_file()
-    if info is None or probe(str(info["address"])) is not None:
+    if info is None or probe(str(info.get("gateway") or info["address"])) is not None:
         print("no farm is up: run `kiln farm up` first", file=sys.stderr)
         return 2
-    cases = {"alone": {}, "join": {"KILN_FARM_PROCESS": "0"},
-             "thread": {"KILN_FARM_PROCESS": "0"}, "process": {"KILN_FARM_PROCESS": "1"}}
-    seconds: dict[str, list[float]] = {case: [] for case in cases}
+    cases = ("alone", "connect", "gateway", "ray", "process")
+    rows: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     for _ in range(args.reps):  # interleaved, so that a busy machine hits every case
-        for case, env in cases.items():
-            seconds[case].append(run_case(case, args.layers, env)["seconds"])
-    alone = statistics.median(seconds["alone"])
-    print(f"{'case':<10}{'median s':>10}{'vs alone':>10}   runs")
-    for case, runs in seconds.items():
-        median = statistics.median(runs)
-        versus = f"{median - alone:+.2f}" if case in ("thread", "process") else ""
-        print(f"{case:<10}{median:>10.2f}{versus:>10}   " + " ".join(f"{r:.2f}" for r in runs))
+        for case in cases:
+            rows[case].append(run_case(case, args.layers))
+    alone = statistics.median(r["seconds"] for r in rows["alone"])
+    print(f"{'case':<10}{'median s':>10}{'vs alone':>10}{'join s':>9}{'ray':>6}   runs")
+    for case, runs in rows.items():
+        median = statistics.median(r["seconds"] for r in runs)
+        versus = f"{median - alone:+.2f}" if case not in ("alone", "connect") else ""
+        joins = [r["join_s"] for r in runs if "join_s" in r]
+        join = f"{statistics.median(joins):.3f}" if joins else ""
+        ray = "yes" if any(r["ray_here"] for r in runs) else "no"
+        print(f"{case:<10}{median:>10.2f}{versus:>10}{join:>9}{ray:>6}   "
+              + " ".join(f"{r['seconds']:.2f}" for r in runs))
+        for problem in {r["problem"] for r in runs if "problem" in r}:
+            print(f"  {case}: {problem}")
     print(time.strftime("%H:%M:%S"), f"{args.layers} layers, {args.reps} reps")
     return 0
 

@@ -399,7 +399,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
     if args.action == "up":
         try:
             info = farm_cluster.start_local_cluster(
-                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host)
+                num_cpus=args.num_cpus, num_gpus=args.num_gpus, port=args.port, host=args.host,
+                join_now=not args.no_warm)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
         if not args.no_warm:
@@ -407,6 +408,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm.farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
+        print(f"gateway for local clients at {info['gateway']} (no Ray in the client)"
+              if info.get("gateway") else "no gateway: local clients join Ray")
         print(farm_cluster.auth_instructions(info))
         return EXIT_OK
     if args.action == "down":

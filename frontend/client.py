@@ -50,6 +50,7 @@ from .artifact import compile_seconds, from_artifact, to_artifact
 from .config import KilnConfig
 from .farm import Farm, FarmNotUp, FarmTimeout, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
+from .overlap import Warm, overlap
 from .tuning import BackgroundTuner
 
 log = logging.getLogger("kiln.client")
@@ -143,11 +144,13 @@ class KilnClient:
         self._listeners: dict[str, list[weakref.WeakMethod[Any]]] = {}
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
-                count_hit: bool = True) -> CompileResult:
+                count_hit: bool = True, warm: Warm | None = None) -> CompileResult:
         """The compiled graph of ``request``: from the store, or compiled and published.
 
         A caller that loads the result passes ``count_hit=False`` and reports the load
-        with :meth:`loaded` (a hit that fails to load is an error, not time saved)."""
+        with :meth:`loaded` (a hit that fails to load is an error, not time saved).
+        ``warm``: the graph's first-call warm-up (``frontend.warmup``), run beside a
+        compile of a miss."""
         start = time.perf_counter()
         with trace.span("hash request", cat="client", graph=name):
             key = compute_key(request)
@@ -168,7 +171,7 @@ class KilnClient:
             self.counters.add(graphs=1, waited=1)
             return future.result()
         try:
-            result = self._compile_miss(key, request, name)
+            result = self._compile_miss(key, request, name, warm)
             result.timings["hash_s"] = hashed - start
             future.set_result(result)
             return result
@@ -236,11 +239,12 @@ class KilnClient:
             result.timings["total_s"] = time.perf_counter() - start
         return result
 
-    def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str) -> CompileResult:
+    def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str,
+                      warm: Warm | None = None) -> CompileResult:
         start = time.perf_counter()
         cache = self.local.kernels
         compiles, from_store = cache.compiles, cache.store_hits
-        compiled, source = self._compile_somewhere(key, request, name)
+        compiled, source = self._compile_somewhere(key, request, name, warm)
         wall = time.perf_counter() - start
         if source == "local":
             kernels = {"kernels_compiled": cache.compiles - compiles,
@@ -353,12 +357,17 @@ class KilnClient:
                       KilnRepairWarning, stacklevel=4)
         self.store.quarantine(key, reason)
 
-    def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str
-                           ) -> tuple[CompiledGraph, str]:
+    def _compile_somewhere(self, key: KeyInfo, request: CompileRequest, name: str,
+                           warm: Warm | None = None) -> tuple[CompiledGraph, str]:
+        """Compiled on the farm (this thread warms the graph's first call meanwhile),
+        else here (the warm-up on a helper thread)."""
         if self.farm is not self.local and self.farm_down is None:
+            farm = self.farm
             try:
-                return self.farm.compile(key.key, request, timeout=self.config.farm_timeout,
-                                         delay=test_delay()), "farm"
+                return overlap(lambda: farm.compile(key.key, request,
+                                                    timeout=self.config.farm_timeout,
+                                                    delay=test_delay()),
+                               warm, warm_here=True), "farm"
             except FarmNotUp:  # the default with no farm up: compile here, at once
                 self.counters.add(farm_not_up=1)
             except FarmUnavailable as e:  # a slow farm is up: stay connected to it
@@ -376,7 +385,9 @@ class KilnClient:
             debug.update(debug="1", debug_dir=self.config.debug_dir)
         try:
             with trace.span("local compile", cat="client", key=key.key[:16]):
-                return self.local.compile(key.key, request, debug_options=debug), "local"
+                return overlap(lambda: self.local.compile(key.key, request,
+                                                          debug_options=debug),
+                               warm, warm_here=False), "local"
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise

@@ -28,6 +28,7 @@ from .config import KilnConfig
 from .serialize import make_request
 from .trace import flush as flush_trace
 from .trace import write_trace
+from .warmup import Warmup
 
 log = logging.getLogger("kiln.compile")
 
@@ -122,7 +123,8 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if regional is not None:
         flush_trace()
         return regional
-    result = client.compile(request, name, count_hit=False)
+    warm = Warmup.for_graph(gm, input_device(example_inputs), config.warm_first_call)
+    result = client.compile(request, name, count_hit=False, warm=warm)
     loaded_at = time.perf_counter()
     build = _builder(gm, example_inputs, config, name)
     try:
@@ -180,10 +182,12 @@ def _loaded(build: Callable[[CompiledGraph, NewBucket | None], Callable[..., Any
             ) -> Callable[..., Any]:
     """The graph's callable: one that switches to tuned kernels while it runs where
     tuning may still come (``frontend.hotswap``), else the loaded wrapper itself."""
+    from .first_call import FirstCallSpan
     from .hotswap import SwappableGraph, wants_swap
 
     if not wants_swap(result.compiled, request, result.source):
-        return build(result.compiled, None)
+        fn = build(result.compiled, None)
+        return FirstCallSpan(fn, result.key.key) if trace.recording() else fn
     recorded = result.recorded_compile_s or result.timings.get("compile_s", 0.0)
     return SwappableGraph(build, result.compiled, client, result.key,
                           request, recorded)

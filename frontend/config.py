@@ -213,6 +213,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a warm start skips AOTAutograd through a cache keyed on Dynamo's graph"),
     Setting("inference_direct", parse_flag, True,
             "an inference graph AOTAutograd's runtime would only call is called directly"),
+    Setting("warm_first_call", parse_flag, True,
+            "while a GPU graph compiles, run its library calls once (first-call costs)"),
     Setting("stats_file", parse_text, None, "counters file; off to disable"),
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
@@ -224,7 +226,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             env_only=True),
     Setting("farm_file", parse_text, None, "address file of `kiln farm up`", env_only=True),
     Setting("farm_process", parse_flag, False,
-            "reach a farm through a child process (this one never imports Ray)",
+            "reach a farm at a Ray address through a child process (no Ray here)",
             env_only=True),
     Setting("trace", parse_text, None, "compile timeline (Chrome trace JSON) path",
             env_only=True),
@@ -337,6 +339,7 @@ class KilnConfig:
     region_processes: str = "auto"
     aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
     inference_direct: bool = True  # skip AOTAutograd's runtime wrappers where they only call
+    warm_first_call: bool = True  # frontend.warmup: not in the key
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False

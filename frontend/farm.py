@@ -2,8 +2,9 @@
 
 - ``inprocess``: in this process, no Ray (``workers.pipeline.compile_inprocess``);
 - ``local`` (default): the cluster ``kiln farm up`` started, if its address file names
-  one that answers now; else the graph compiles in this process at once (``FarmNotUp``:
-  no warning, no wait for Ray to start). The farm file is checked again every
+  one that answers now, through its gateway (``frontend.gateway``: no Ray here); else
+  the graph compiles in this process at once (``FarmNotUp``: no warning, no wait for
+  Ray to start). The farm file is checked again every
   ``LOCAL_RECHECK_S``, so a farm brought up later serves the next misses;
 - ``embedded``: an embedded Ray started on the first miss with this machine's CPUs (it
   lives as long as this process; its start-up is on that miss's path);
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # imported where used: a client's farm process imports no tor
     from kiln.workers.pipeline import KernelCache
 
     from .farm_process import ProcessFarm
+    from .farm_relay import RelayFarm
 
 log = logging.getLogger("kiln.farm")
 
@@ -628,12 +630,16 @@ class RayFarm:
         try:
             result = self._ask("tuned", key, timeout=timeout)
             if traced:
-                trace.merge(self._ask("tuning_trace", timeout=timeout))
+                trace.merge(self.tuning_trace(timeout))
         except ray.exceptions.GetTimeoutError:
             raise FarmUnavailable(f"autotuning gave no answer within {timeout}s") from None
         except ray.exceptions.RayError as e:
             raise self._classify(e, key) from None
         return result
+
+    def tuning_trace(self, timeout: float | None) -> list[Any]:
+        """The coordinator's timeline of its background tuning."""
+        return list(self._ask("tuning_trace", timeout=timeout))
 
     def _classify(self, error: Exception, key: str) -> Exception:
         from kiln.workers.coordinator import root_cause
@@ -674,9 +680,10 @@ class LocalFarm:
     a client never waits for one to start (``FarmNotUp``: it compiles in process)."""
 
     def __init__(self) -> None:
-        self._ray: RayFarm | ProcessFarm | None = None
+        self._ray: RayFarm | RelayFarm | None = None
         self._checked = -LOCAL_RECHECK_S
         self._address: str | None = None
+        self._info: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     @property
@@ -695,17 +702,22 @@ class LocalFarm:
             now = time.monotonic()
             if now - self._checked >= LOCAL_RECHECK_S:
                 self._checked = now
-                info = read_farm_file()
-                found = str(info["address"]) if info else None
+                self._info = read_farm_file() or {}
+                # The gateway (no Ray here) where the farm has one, else its Ray head.
+                found = str(self._info.get("gateway") or self._info.get("address") or "")
                 self._address = found if found and probe(found) is None else None
             return self._address
 
-    def ray_farm(self) -> RayFarm | ProcessFarm:
+    def ray_farm(self) -> RayFarm | RelayFarm:
         address = self.address()
         if address is None:
             raise FarmNotUp("no farm is up (`kiln farm up` starts one)")
         with self._lock:
-            if self._ray is None:
+            if self._ray is None and address == self._info.get("gateway"):
+                from .gateway_client import GatewayFarm
+
+                self._ray = GatewayFarm(address, farm_token() or "")
+            elif self._ray is None:
                 self._ray = remote_farm(address)
             return self._ray
 
@@ -735,21 +747,18 @@ def remote_farm(address: str) -> RayFarm | ProcessFarm:
 def connect_early(farm: Farm) -> threading.Thread | None:
     """Join the farm that is up in the background, so that the first miss finds the
     connection made (joining Ray and finding the coordinator took 0.9 s of GPT-2's
-    cold start on the H200 host): a ``ProcessFarm`` starts its child, a ``RayFarm``
-    connects on a thread (the thread is returned). It never starts a farm (no farm up,
-    embedded Ray: nothing to do) and never raises: a connection that fails here fails
-    again, and is reported, on the miss itself."""
-    from .farm_process import ProcessFarm
+    cold start on the H200 host), on a thread (returned): a ``GatewayFarm`` connects
+    and shakes hands, a ``ProcessFarm`` starts its child, a ``RayFarm`` joins Ray. It
+    never starts a farm (no farm up, embedded Ray: nothing to do) and never raises: a
+    connection that fails here fails again, and is reported, on the miss itself."""
+    from .farm_relay import RelayFarm
 
-    remote: RayFarm | ProcessFarm | None = None
+    remote: RayFarm | RelayFarm | None = None
     if isinstance(farm, LocalFarm) and farm.address() is not None:
         remote = farm.ray_farm()
-    elif isinstance(farm, (RayFarm, ProcessFarm)) and farm.address is not None:
+    elif isinstance(farm, (RayFarm, RelayFarm)) and farm.address is not None:
         remote = farm
-    if isinstance(remote, ProcessFarm):
-        remote.start()
-        return None
-    if remote is None or remote._actor is not None:
+    if remote is None or (isinstance(remote, RayFarm) and remote._actor is not None):
         return None
     thread = threading.Thread(target=_connect_quietly, args=(remote,), daemon=True,
                               name="kiln-farm-connect")
@@ -757,9 +766,10 @@ def connect_early(farm: Farm) -> threading.Thread | None:
     return thread
 
 
-def _connect_quietly(farm: RayFarm) -> None:
+def _connect_quietly(farm: RayFarm | RelayFarm) -> None:
     try:
-        farm.actor()
+        with trace.background():  # off the first output's path: it overlaps the trace
+            farm.actor() if isinstance(farm, RayFarm) else farm.start()
     except Exception as e:  # the miss connects again and reports it
         log.debug("kiln farm: early connection failed: %s", e)
 

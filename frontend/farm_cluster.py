@@ -33,6 +33,9 @@ from .farm import (
     use_farm_token,
     write_farm_file,
 )
+from .gateway import ready_address
+
+GATEWAY_START_S = 30.0
 
 
 def _ray_executable() -> str:
@@ -63,7 +66,7 @@ def check_port(port: int) -> None:
 
 def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
                         port: int | None = None, host: str | None = None,
-                        timeout: float = 120.0) -> dict[str, Any]:
+                        timeout: float = 120.0, join_now: bool = True) -> dict[str, Any]:
     """`ray start --head` in the background, with Ray's token authentication on (the
     token in a private file, ``farm_token_file()``); its address and token file go to
     the farm file, which ``local`` clients read. ``host``: the address other machines
@@ -108,7 +111,34 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
             "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
             "host": host or ""}
     write_farm_file(info)
+    info.update(start_gateway(address, proc.pid, host or LOOPBACK, join_now=join_now))
+    write_farm_file(info)
     return info
+
+
+def start_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True,
+                  timeout: float = GATEWAY_START_S) -> dict[str, Any]:
+    """Start the farm's gateway (``frontend.gateway``: clients reach the farm through it
+    without Ray) next to the head; its address, pid and log for the farm file. A gateway
+    that does not come up costs clients only the gateway (they join Ray instead)."""
+    log_path = farm_file().with_name("farm-gateway.log")
+    command = [sys.executable, "-m", "kiln.frontend.gateway", "--ray", address,
+               "--host", host, "--head-pid", str(head_pid)] + (["--join-now"] * join_now)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ready_address(log_path)
+        if found is not None:
+            return {"gateway": found, "gateway_pid": proc.pid, "gateway_log": str(log_path)}
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    print(f"kiln farm: the gateway did not start (see {log_path}); clients join Ray",
+          file=sys.stderr)
+    return {}
 
 
 def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
@@ -167,6 +197,7 @@ def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
     info = read_farm_file() or {"address": "?", "stale": "the farm file is unreadable"}
     problem = info.get("stale") or head_process_problem(info)
     if problem is None:
+        _stop_gateway(info)
         _kill_group(int(info["pid"]), grace_s)
         if str(info.get("temp_dir", "")).startswith(os.path.join(tempfile.gettempdir(),
                                                                  "kiln-ray-")):
@@ -175,6 +206,17 @@ def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
         info["stale"] = problem
     path.unlink(missing_ok=True)
     return info
+
+
+def _stop_gateway(info: dict[str, Any]) -> None:
+    """Stop the farm's gateway: only a process proved to be one (by its command line)."""
+    try:
+        pid = int(info.get("gateway_pid", 0))
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid > 0 else []
+    except (TypeError, ValueError, OSError):
+        return
+    if b"kiln.frontend.gateway" in argv:
+        _kill_group(pid, 1.0)
 
 
 def _kill_group(pid: int, grace_s: float) -> None:

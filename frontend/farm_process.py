@@ -5,13 +5,15 @@ the coordinator) is about a second of Python holding the GIL. Done on a thread w
 AOTAutograd traced, it slowed the trace by more than it cost alone (GPT-2 through a farm
 on the H200 host: AOTAutograd's own time 2.69 s, against 0.98 s in process; on the CPU
 machine 2.29 s against 1.26 s), and done on the miss's path it was on the critical path.
-So a client whose farm is ``kiln farm up``'s (``KILN_FARM=local``) or a Ray address
-starts a child (``python -m kiln.frontend.farm_process``) as soon as torch.compile looks
-the backend up; the child imports Ray, joins and finds the coordinator on its own core
-while Dynamo and AOTAutograd trace here, and then relays this process's calls
+So a client whose farm is a Ray address (``kiln farm up``'s, ``KILN_FARM=local``, is
+reached through its gateway instead: ``frontend.gateway``) starts a child
+(``python -m kiln.frontend.farm_process``) as soon as torch.compile looks the backend up;
+the child imports Ray, joins and finds the coordinator on its own core while Dynamo and
+AOTAutograd trace here, and then relays this process's calls
 (``compile``, ``tuned``, ``stats``) to the farm through its ``RayFarm``.
 
-Wire: 8-byte big-endian length, then a pickled tuple; (call id, method, args) down and
+The call ids, reader thread and futures are ``farm_relay.RelayFarm``'s. Wire: 8-byte
+big-endian length, then a pickled tuple; (call id, method, args) down and
 (call id, ok, value, trace events) up, over a socketpair the child inherits (no name
 that another process could open). The child is Kiln's own process and relays what Ray
 handed it from the farm, which an in-process ``RayFarm`` unpickles the same way: the
@@ -31,7 +33,6 @@ it is not the default.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
@@ -40,23 +41,15 @@ import struct
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kiln.artifact_store import user_cache_dir
 from kiln.compiler import trace
 
-from .farm import (
-    FarmUnavailable,
-    RayFarm,
-    answer_to_graph,
-    farm_waits,
-)
-
-if TYPE_CHECKING:  # the child imports no torch: it starts in a fraction of a second
-    from kiln.compiler.compiled_graph import CompiledGraph
-    from kiln.compiler.request import CompileRequest
+from .farm import FarmUnavailable, RayFarm
+from .farm_relay import Answer, RelayFarm
+from .farm_wire import read_exactly
 
 log = logging.getLogger("kiln.farm")
 ENV = "KILN_FARM_PROCESS"
@@ -81,58 +74,32 @@ def send(sock: socket.socket, lock: threading.Lock, message: Any) -> None:
 
 def receive(sock: socket.socket) -> Any:
     """The next message; None when the other end closed."""
-    header = _read_exactly(sock, _HEADER.size)
+    header = read_exactly(sock, _HEADER.size)
     if header is None:
         return None
-    body = _read_exactly(sock, _HEADER.unpack(header)[0])
+    body = read_exactly(sock, _HEADER.unpack(header)[0])
     return None if body is None else pickle.loads(body)
-
-
-def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        try:
-            chunk = sock.recv(min(left, 1 << 20))
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------------------------
 # This process's side.
 
 
-class ProcessFarm:
+class ProcessFarm(RelayFarm):
     """A farm at ``address`` reached through a child process; the same calls as
     ``RayFarm`` (``compile``, ``tuned``, ``stats``, ``release``)."""
 
     def __init__(self, address: str) -> None:
-        self.address = address
-        self.joined: str | None = None
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        super().__init__(address)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
-        self._calls: dict[int, Future[Any]] = {}
-        self._next_id = 0
-        self._ended: socket.socket | None = None  # the connection whose child has ended
 
     @property
     def description(self) -> str:
         return f"the Ray cluster at {self.address}"
 
-    def start(self) -> None:
-        """Start the child (it joins the farm at once); nothing if it runs."""
-        with self._lock:
-            if self._sock is None:
-                self._spawn()
-
-    def _spawn(self) -> None:
+    def _open(self) -> socket.socket:
+        """Start the child (it joins the farm at once); our end of its socket."""
         ours, theirs = socket.socketpair()
         folder = user_cache_dir() / "logs"
         folder.mkdir(parents=True, exist_ok=True)
@@ -153,96 +120,21 @@ class ProcessFarm:
             raise FarmUnavailable(f"the farm's child process did not start: {e}") from e
         finally:
             theirs.close()
-        self._sock = ours
-        self.joined = self.address
-        threading.Thread(target=self._read, args=(ours,), daemon=True,
-                         name="kiln-farm-process").start()
-        _live.add(self)
+        return ours
 
-    def _read(self, sock: socket.socket) -> None:
-        """Hand each answer to its caller; on the child's end, fail every call left."""
-        while (message := receive(sock)) is not None:
-            call_id, ok, value, events = message
-            with self._lock:
-                future = self._calls.pop(call_id, None)
-            if future is not None:  # merged by the caller's thread (background or not)
-                future.set_result((ok, value, events))
-        with self._lock:
-            calls, self._calls, self._ended = list(self._calls.values()), {}, sock
-        for future in calls:
-            future.set_exception(self._gone())
+    def _send(self, sock: socket.socket, call_id: int, method: str, args: tuple[Any, ...]
+              ) -> None:
+        send(sock, self._send_lock, (call_id, method, args))
+
+    def _receive(self, sock: socket.socket) -> tuple[int, Answer] | None:
+        message = receive(sock)
+        if message is None:
+            return None
+        call_id, ok, value, events = message
+        return call_id, (ok, value, events)
 
     def _gone(self) -> FarmUnavailable:
         return FarmUnavailable(f"the farm's child process ended (its log: {self._log})")
-
-    def call(self, method: str, *args: Any) -> Any:
-        """``method`` of the child's ``RayFarm`` conversation; waits for the answer."""
-        self.start()
-        future: Future[Any] = Future()
-        with self._lock:
-            sock = self._sock
-            if sock is None or sock is self._ended:
-                raise self._gone()
-            call_id, self._next_id = self._next_id, self._next_id + 1
-            self._calls[call_id] = future
-        try:
-            send(sock, self._send_lock, (call_id, method, args))
-        except OSError as e:
-            with self._lock:
-                self._calls.pop(call_id, None)
-            raise FarmUnavailable(f"the farm's child process is gone ({e})") from None
-        ok, value, events = future.result()
-        trace.merge(events)
-        if not ok:
-            raise value
-        return value
-
-    def compile(self, key: str, request: CompileRequest, *, timeout: float | None = None,
-                delay: float = 0.0) -> CompiledGraph:
-        self.start()
-        with farm_waits(key):
-            answer = self.call("compile_raw", key, request.to_bytes(), delay,
-                               trace.recording(), timeout)
-        return answer_to_graph(answer)
-
-    def tuned(self, key: str, timeout: float | None = None) -> CompiledGraph | None:
-        from kiln.compiler.compiled_graph import CompiledGraph
-
-        result = self.call("tuned_raw", key, timeout, trace.recording())
-        return None if result is None else CompiledGraph.from_dict(result)
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.call("stats"))
-
-    def release(self) -> None:
-        """Let go of the farm: close the child's end (it leaves Ray and exits)."""
-        with self._lock:
-            sock, self._sock, self.joined = self._sock, None, None
-        _live.discard(self)
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-
-_live: set[ProcessFarm] = set()
-
-
-def _at_exit() -> None:
-    """Background tuning asks the farm: let it finish (``KILN_AUTOTUNE_EXIT_WAIT``)
-    before the children are let go. Registered after ``tuning``'s hook: runs first."""
-    if not _live:
-        return
-    from .tuning import wait_at_exit
-
-    wait_at_exit()
-    for farm in list(_live):
-        farm.release()
-
-
-atexit.register(_at_exit)
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,13 +21,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
 from kiln.workers.buckets import Seen, can_tune_buckets, tune_buckets
 
 from .client import KilnClient
+from .first_call import traced_first_call
 from .keys import KeyInfo
 
 log = logging.getLogger("kiln.hotswap")
@@ -76,10 +76,9 @@ class SwappableGraph:
         return out
 
     def _first_call(self, args: list[Any]) -> Any:
-        """The first output (on the timeline: cubins load on their first launch); this
-        graph's held tuning may start after it."""
-        with trace.span("first call of a graph", cat="client", key=self.key.key[:16]):
-            out = self.call(args)
+        """The first output (on the timeline with its library calls and cubin loads:
+        ``frontend.first_call``); this graph's held tuning may start after it."""
+        out = traced_first_call(self.call, args, self.key.key)
         self.called = True
         self.client.tuner.release(self.key.key)
         return out

@@ -281,7 +281,27 @@ def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
         own[s.name][1] += 1
     return {"wall_ms": wall, "critical_path": _table(on_path),
             "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans}),
-            "gpu_usage": gpu_usage(spans), "background_ms": background_ms}
+            "gpu_usage": gpu_usage(spans), "background_ms": background_ms,
+            "first_calls": first_call_stages(spans)}
+
+
+def first_call_stages(spans: list[Span]) -> list[dict[str, Any]]:
+    """Where the first calls of graphs spent their time: the own time of every span
+    nested in a "first call of a graph" span (library calls, cubin loads), and of the
+    calls themselves (kernels launched, Python)."""
+    children, own = _children(spans), self_times(spans)
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for i, s in enumerate(spans):
+        if s.name != "first call of a graph":
+            continue
+        todo = [i]
+        while todo:
+            j = todo.pop()
+            todo += children.get(j, [])
+            row = rows[spans[j].name + (" (own time)" if j == i else "")]
+            row[0] += own[j] / 1000.0
+            row[1] += 1
+    return _table(rows)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -294,6 +314,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += ["", "top stages by own time (stage, ms, spans):"]
     for row in summary["top_stages"]:
         lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
+    if summary.get("first_calls"):
+        lines += ["", "first calls of graphs (stage, own ms, spans):"]
+        for row in summary["first_calls"]:
+            lines.append(f"  {row['stage']:<44} {row['ms']:>10.1f} {row['count']:>6}")
     usage = summary.get("gpu_usage") or {}
     if usage.get("gpus"):
         lines += ["", f"GPU autotuners (benchmarks over {usage['wall_ms']:.1f} ms; "

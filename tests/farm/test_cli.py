@@ -6,6 +6,7 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,13 +106,14 @@ def test_gc_dry_run_reports_and_keeps_everything(
 
 # A `local` client: prints where it compiled and which cluster it joined.
 LOCAL_CLIENT = """
-import json
+import json, sys
 from farm_helpers import cuda_request
 from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(cuda_request(shapes=((4, 8), (8, 8))))
-print(json.dumps({"source": result.source, "joined": client.farm.joined}))
+print(json.dumps({"source": result.source, "joined": client.farm.joined,
+                  "ray": "ray" in sys.modules}))
 """
 
 
@@ -124,11 +126,13 @@ def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> 
         assert farm_file["address"] in up.stdout
         status = kiln("farm", "status", env=env)
         assert status.returncode == 0 and "up" in status.stdout
+        # Through the farm's gateway: the client never imports Ray.
         out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local"})
-        assert out == {**out, "source": "farm", "joined": farm_file["address"]}
+        assert out == {**out, "source": "farm", "joined": farm_file["gateway"], "ray": False}
     finally:
         down = kiln("farm", "down", env=env)
     assert down.returncode == 0 and "stopped" in down.stdout
+    assert _ended(int(farm_file["gateway_pid"]), 10.0)  # the gateway went too
     assert not (tmp_path / "cache" / "kiln" / "farm.json").exists()
     assert kiln("farm", "status", env=env).returncode == 1
     # No farm up: a `local` client compiles in process at once, and says nothing.
@@ -136,6 +140,19 @@ def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> 
                                     str(tmp_path / "s2")})
     assert out == {**out, "source": "local", "joined": None}
     assert "KilnFarmWarning" not in out.get("_stderr", "")
+
+
+def _ended(pid: int, within: float) -> bool:
+    """Whether ``pid`` is gone (or a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_farm_status_names_the_missing_token_and_keeps_rays_noise_out(tmp_path: Path) -> None:

@@ -139,11 +139,11 @@ print(json.dumps({"threads": len(connecting), "joined": joined, "source": result
 @pytest.mark.parametrize("in_process", [False, True], ids=["farm-process", "thread"])
 def test_the_client_joins_the_farm_in_the_background_before_its_first_miss(
         farm: RayFarm, ray_cluster: RayHead, tmp_path: Path, in_process: bool) -> None:
-    """With KILN_FARM_PROCESS=1 a farm process starts (no Ray here at all); with 0 (the
-    default) a thread of the client joins."""
+    """A thread of the client connects: with KILN_FARM_PROCESS=1 it starts the farm
+    process (no Ray here at all); with 0 (the default for a Ray address) it joins Ray."""
     env = python_env(KILN_FARM=ray_cluster.address, KILN_STORE=str(tmp_path / "store"),
                      XDG_CACHE_HOME=str(tmp_path / "client-cache"),
                      KILN_FARM_PROCESS="0" if in_process else "1")
     out = run_python(CONNECT_EARLY, env, timeout=300)
-    assert out == {"threads": int(in_process), "joined": True, "source": "farm",
+    assert out == {"threads": 1, "joined": True, "source": "farm",
                    "ray_here": in_process, "_stderr": out["_stderr"]}

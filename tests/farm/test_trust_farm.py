@@ -161,7 +161,11 @@ def test_farm_up_listens_on_loopback_only_and_refuses_callers_without_the_token(
         assert not refused["ran"], refused
         trusted = dict(stranger, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token_file.read_text())
         assert run_task(info["address"], trusted)["ran"]  # a worker process started too
-        sockets = listening_sockets(cluster_pids(int(info["pid"])))
+        # The gateway (a Ray driver of the farm and a TCP server) counts as the farm's.
+        assert info["gateway"].startswith("127.0.0.1:"), info
+        gateway_pid = int(info["gateway_pid"])
+        assert any(a == info["gateway"] for a, _ in listening_sockets({gateway_pid}))
+        sockets = listening_sockets(cluster_pids(int(info["pid"])) | {gateway_pid})
         names = {name for _, name in sockets}
         assert {"gcs_server", "raylet"} <= names, sockets
         assert any(name.startswith("ray::") for name in names), sockets  # workers, agents
