@@ -12,10 +12,17 @@ lands on every side alike.
 once at compile time and every call returns those outputs. Dynamo's guards, its frame
 evaluation and the call into a backend are all that is left, so its time per call is the
 lowest any backend can reach under Dynamo (a row's "Dynamo floor").
+
+``sdpa_priority()`` (a diagnostic): ``BENCH_SDPA_PRIORITY=efficient,flash,cudnn,math``
+runs the whole bench under that attention-backend priority (``sdpa_kernel(...,
+set_priority=True)``) for eager, Inductor and Kiln alike: how much of a row is the
+backend the dispatcher picks (cuDNN attention first on sm_90 with torch 2.11).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,3 +88,21 @@ def floor_compiled(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any
     compiled = torch.compile(fn, backend=floor_backend, dynamic=False)
     compiled(*args)
     return compiled
+
+
+def sdpa_priority() -> contextlib.AbstractContextManager[Any]:
+    """The attention-backend priority of ``BENCH_SDPA_PRIORITY`` (see the module
+    docstring), or no change when it is unset."""
+    names = [n.strip() for n in os.environ.get("BENCH_SDPA_PRIORITY", "").split(",")
+             if n.strip()]
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    known = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"BENCH_SDPA_PRIORITY: unknown backends {unknown}; known: "
+                         f"{sorted(known)}")
+    return sdpa_kernel([known[n] for n in names], set_priority=True)

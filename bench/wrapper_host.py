@@ -3,6 +3,7 @@ between Dynamo's call and the kernels, static against dynamic shapes.
 
     python3 bench/wrapper_host.py [--lengths 128,512,2048] [--calls 2000] [--layers 4]
                                   [--profile]
+    python3 bench/wrapper_host.py --encoder-step [--calls 2000] [--layers 4] [--profile]
 
 The decoder of ``tests.models`` (d=1024, 16 heads, fp16, batch 4, as
 ``bench/decoder_profile.py``) is traced on fake CUDA tensors, static at each length and
@@ -16,6 +17,10 @@ as ``compiled_graph.load`` binds it on a GPU, with what needs a GPU stood in for
 - buffers and views are meta tensors (torch's dispatch with no computation); a library
   call (``torch.addmm``, ``torch.bmm``) is an empty meta tensor of its output's shape
   (torch's meta kernels for them are Python decompositions, slower than the CUDA call).
+
+``--encoder-step``: the forward and backward wrappers of ``gpu_bench``'s encoder training
+step instead (``compile_encoder_step`` says how they are made without a GPU): CPU µs per
+step of the two, Triton launches and buffers per step.
 
 Columns: CPU µs per call (this thread's CPU time, the best of 10 blocks, static and
 dynamic interleaved), Triton launches per call, and dynamic/static.

@@ -120,6 +120,7 @@ def generate_code(sg: Any, options: dict[str, Any]) -> tuple[str, list[KernelSpe
         if backend == "cpp":  # fresh CPU allocations cost page faults: write in place
             plan_inplace(sg.memory, scheduler)
         wrapper = WrapperCodegen(sg.memory, graph.name, device_type)
+        wrapper.allocate_as_views(scheduler.nodes)
         for i, node in enumerate(scheduler.nodes):
             if isinstance(node, ExternKernelSchedulerNode):
                 wrapper.extern_call(node)

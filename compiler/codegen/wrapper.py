@@ -96,10 +96,47 @@ class WrapperCodegen:
         self.returned_views = {_view_expr(o) for o in V.graph.graph_outputs
                                if isinstance(o, ReinterpretView)}
         self.view_names: dict[str, str] = {}
+        # buffer -> the view of it it is allocated as (see ``allocate_as_views``)
+        self.allocated_as: dict[str, ReinterpretView] = {}
+        # buffer -> (size, stride) of the tensor the wrapper made for it
+        self.shapes: dict[str, tuple[str, str]] = {}
+
+    def allocate_as_views(self, nodes: list[BaseSchedulerNode]) -> None:
+        """Buffers used as tensors (library-call operands, graph outputs) only through
+        views, one of which spans all of their storage from its start (a layer's
+        activations flattened for a GEMM, and saved that way for the backward): each is
+        allocated in the shape and strides of that view (the one used most), and is that
+        view. Kernels take only the pointer, and the other views are made from the
+        storage, so nothing else changes: one ``reinterpret_tensor`` call less per view
+        use per call of the wrapper. A buffer that takes over a freed one's storage is
+        that storage viewed its own way (``allocate``: ``self.shapes``)."""
+        views: dict[str, dict[str, list[ReinterpretView]]] = {}
+        direct: set[str] = set(self.plan.inplace) | set(self.plan.inplace.values())
+        uses: list[Any] = list(V.graph.graph_outputs)
+        for node in nodes:
+            if isinstance(node, ExternKernelSchedulerNode):
+                uses += list(node.node.inputs)
+        for use in uses:
+            if isinstance(use, ReinterpretView):
+                by_expr = views.setdefault(use.get_name(), {})
+                by_expr.setdefault(_view_expr(use), []).append(use)
+            elif isinstance(use, Buffer):
+                direct.add(use.get_name())
+        for name, by_expr in views.items():
+            buf = V.graph.name_to_buffer.get(name)
+            if name in direct or name not in self.plan.allocations or not isinstance(
+                    buf, (ComputedBuffer, TemplateBuffer)):
+                continue
+            fits = [same for same in by_expr.values()
+                    if _same_storage(buf.layout, same[0].layout)]
+            if fits:
+                self.allocated_as[name] = max(fits, key=len)[0]
 
     def tensor_ref(self, node: IRNode) -> str:
         if isinstance(node, ReinterpretView):
             expr = _view_expr(node)
+            if expr == _allocated_expr(self.allocated_as, node.get_name()):
+                return node.get_name()
             if expr in self.view_names:
                 return self.view_names[expr]
             if expr not in self.returned_views:
@@ -119,17 +156,21 @@ class WrapperCodegen:
         if name in self.plan.inplace:
             self.lines.writeline(f"{name} = {self.plan.inplace[name]}  # written in place")
             return
-        if name in self.plan.reuse:
+        view = self.allocated_as.get(name)
+        shaped = layout if view is None else view.layout
+        self.shapes[name] = want = (size_str(shaped.size), size_str(shaped.stride))
+        if name in self.plan.reuse:  # the donor's storage, as this buffer's tensor
             donor = self.plan.reuse[name]
             d_layout = V.graph.name_to_buffer[donor].get_layout()
-            if (d_layout.size, d_layout.stride) == (layout.size, layout.stride):
+            if self.shapes.get(donor, (size_str(d_layout.size), size_str(d_layout.stride))) \
+                    == want:
                 self.lines.writeline(f"{name} = {donor}; del {donor}  # reuse")
             else:
-                self.lines.writeline(
-                    f"{name} = reinterpret_tensor({donor}, {size_str(layout.size)}, "
-                    f"{size_str(layout.stride)}, 0); del {donor}  # reuse")
+                self.lines.writeline(f"{name} = reinterpret_tensor({donor}, {want[0]}, "
+                                     f"{want[1]}, 0); del {donor}  # reuse")
             return
-        self.lines.writeline(f"{name} = {self.empty(layout)}")
+        self.lines.writeline(f"{name} = {self.empty(shaped)}"
+                             + ("  # as its one view" if view is not None else ""))
 
     def empty(self, layout: Layout) -> str:
         """A fresh buffer of ``layout``, as the expression that allocates it."""
@@ -246,6 +287,8 @@ class WrapperCodegen:
 
     def _output_ref(self, out: Any) -> str:
         if isinstance(out, ReinterpretView):
+            if _view_expr(out) == _allocated_expr(self.allocated_as, out.get_name()):
+                return out.get_name()
             expr = _view_expr(out)
             return self.view_names.get(expr, expr)
         if isinstance(out, Buffer):
@@ -258,6 +301,31 @@ def _view_expr(node: ReinterpretView) -> str:
     lay = node.layout
     return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
             f"{size_str(lay.stride)}, {py_size(lay.offset)})")
+
+
+def _allocated_expr(allocated_as: dict[str, ReinterpretView], name: str) -> str | None:
+    view = allocated_as.get(name)
+    return None if view is None else _view_expr(view)
+
+
+def _same_storage(buffer: Any, view: Any) -> bool:
+    """``view`` (a layout) starts where ``buffer``'s storage starts and spans exactly
+    as many elements, with sizes, strides and offset all known numbers."""
+    if not (isinstance(buffer, Layout) and isinstance(view, Layout)) or \
+            isinstance(buffer, MutationLayout) or buffer.dtype != view.dtype:
+        return False
+    values = [*buffer.size, *buffer.stride, buffer.offset, *view.size, *view.stride,
+              view.offset]
+    if not all(sympy.sympify(v).is_Integer for v in values) or int(view.offset) != 0 \
+            or int(buffer.offset) != 0:
+        return False
+
+    def extent(size: Any, stride: Any) -> int:
+        if any(int(n) == 0 for n in size):
+            return 0
+        return 1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride))
+
+    return extent(buffer.size, buffer.stride) == extent(view.size, view.stride)
 
 
 class _Raw:

@@ -75,3 +75,42 @@ def test_saved_views_are_made_once_and_gradients_match_eager(
     returned = source[source.rindex("return ("):]
     named = re.findall(r"\((view\d+) := reinterpret_tensor\(", source)
     assert named and all(name in returned for name in named), source
+
+
+def test_buffer_used_only_through_a_view_is_allocated_as_it(
+        compiled_graphs: dict[str, CompiledGraph]) -> None:
+    """A 3-D activation that the next linear (and the backward) only ever takes flattened
+    is allocated flat: no view of it made per call; gradients still match eager."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+    b1 = torch.randn(32, requires_grad=True)
+    params = (w1, w2, b1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x, w1, b1))  # (4, 6, 32): a kernel's output
+        loss = F.linear(h, w2).square().mean()  # h taken as (24, 32)
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="kiln", dynamic=False)
+    for _ in range(2):
+        x = torch.randn(4, 6, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            loss = compiled(x)
+        grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        for p in params:
+            p.grad = None
+        torch.testing.assert_close(loss, step(x))
+        for got, p in zip(grads, params):
+            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5)
+            p.grad = None
+    (forward,) = [g for name, g in compiled_graphs.items() if name.startswith("forward")]
+    source = forward.wrapper_source
+    flat = re.findall(r"(buf\d+) = empty_strided\(\(24, 32\), \(32, 1\), .*# as its one view",
+                      source)
+    assert len(flat) == 1, source
+    (name,) = flat
+    assert f"reinterpret_tensor({name}," not in source, source
+    assert re.search(rf"torch\.mm\({name}, ", source), source
+    assert name in source[source.rindex("return ("):], source  # saved for the backward

@@ -143,12 +143,16 @@ def test_mlp_step_with_library_choices_is_library_calls_and_minimal_pointwise() 
     assert [op for op, _ in calls["forward"]] == ["addmm", "addmm"]
     assert [op for op, _ in calls["backward"]] == ["mm", "mm", "mm"]
     # Every transposed operand is a strided view (reinterpret_tensor with a unit first
-    # stride), read in place by the library: forward both weights, backward the two
-    # weight gradients' left operands.
+    # stride), read in place by the library: forward both weights, backward the first
+    # weight gradient's left operand. The second one's (the GELU derivative, only ever
+    # taken transposed) is allocated transposed: the buffer itself is the operand.
     transposed = r"reinterpret_tensor\(\w+, \(\d+, \d+\), \(1, \d+\), 0\)"
     assert [len(re.findall(transposed, args)) for _, args in calls["forward"]] == [1, 1]
     assert sorted(len(re.findall(transposed, args)) for _, args in calls["backward"]) == \
-        [0, 1, 1]
+        [0, 0, 1]
+    (flipped,) = re.findall(r"(buf\d+) = empty_strided_cuda\(\(256, 512\), \(1, 256\), "
+                            r"torch.float32\)  # as its one view", bw.wrapper_source)
+    assert f"torch.mm({flipped}, primals_3)" in bw.wrapper_source, bw.wrapper_source
     for c in (fw, bw):
         assert not re.search(r"\.(clone|contiguous|copy_)\(|extern_kernels", c.wrapper_source)
     kinds = {name: [k.kind for k in c.kernels] for name, c in compiled.items()}

@@ -1,8 +1,9 @@
 """bench/gpu_timing.py (no GPU needed; a CPU clock stands in for CUDA events): the sides
 of a row are timed in alternating blocks, each side's median over all its calls, so a
 host that slows down part-way through slows every side alike; the Dynamo floor's backend
-computes the outputs once and every call returns them; and the merged table prints the
-floor's note line under a reduce-overhead row."""
+computes the outputs once and every call returns them; the merged table prints the
+floor's note line under a reduce-overhead row; and ``BENCH_SDPA_PRIORITY`` sets the
+attention-backend order for the run (a diagnostic), rejecting unknown names."""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def test_table_prints_the_dynamo_floor_under_a_reduce_overhead_row(tmp_path: Pat
     assert ("seed 64x128 fp32 reduce-overhead: Dynamo floor (a backend returning ready "
             "outputs) 0.0180 ms = 0.45x eager; Kiln 0.0250 ms = 0.62x eager, Inductor "
             "0.75x eager") in done.stdout, done.stdout
+
+
+def test_sdpa_priority_from_the_environment(monkeypatch: Any) -> None:
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.delenv("BENCH_SDPA_PRIORITY", raising=False)
+    before = torch._C._get_sdp_priority_order()
+    with gpu_timing.sdpa_priority():
+        assert torch._C._get_sdp_priority_order() == before
+    monkeypatch.setenv("BENCH_SDPA_PRIORITY", "efficient, flash,cudnn,math")
+    with gpu_timing.sdpa_priority():
+        order = torch._C._get_sdp_priority_order()
+        assert order[:4] == [b.value for b in (SDPBackend.EFFICIENT_ATTENTION,
+                                               SDPBackend.FLASH_ATTENTION,
+                                               SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)]
+    assert torch._C._get_sdp_priority_order() == before
+    monkeypatch.setenv("BENCH_SDPA_PRIORITY", "efficient,fast")
+    try:
+        gpu_timing.sdpa_priority()
+    except ValueError as e:
+        assert "unknown backends ['fast']" in str(e)
+    else:
+        raise AssertionError("an unknown backend name was accepted")
