@@ -227,7 +227,7 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 def _run_one(call: WarmCall, device: torch.device, generator: torch.Generator) -> int:
     """One call, waited for (its cost is paid here, not at the graph's first call)."""
-    with trace.span("first-call warm-up", cat="client", op=call.name):
+    with trace.span("first-call warm-up", cat="client", op=call.name) as span_args:
         state = _rng_state(device) if call.random else None
         try:
             args = _scratch(call.args, device, generator)
@@ -238,6 +238,7 @@ def _run_one(call: WarmCall, device: torch.device, generator: torch.Generator) -
             del out, args, kwargs
             return 1
         except Exception as e:  # the first call pays as before
+            span_args["error"] = f"{type(e).__name__}: {e}"[:300]  # on the timeline too
             log.info("kiln: first-call warm-up of %s failed (%s: %s); ignored", call.name,
                      type(e).__name__, e)
             return 0

@@ -143,10 +143,12 @@ def test_a_failing_call_is_logged_and_the_others_still_run(
         caplog: pytest.LogCaptureFixture) -> None:
     bad, good = Recorder(fail=True), Recorder()
     layout = (ScratchTensor((3,), (1,), torch.float32),)
-    with caplog.at_level(logging.INFO, logger="kiln.warmup"):
+    with caplog.at_level(logging.INFO, logger="kiln.warmup"), trace.capture() as events:
         ran = run_on([WarmCall(bad, layout, ()), WarmCall(good, layout, ())],
                      torch.device("cpu"))
     assert ran == 1 and len(bad.calls) == len(good.calls) == 1
+    assert [e["args"].get("error") for e in events] == [
+        "RuntimeError: CUDNN_STATUS_NOT_SUPPORTED", None]  # the failure on the timeline
     assert "first-call warm-up of recorder failed (RuntimeError: " \
            "CUDNN_STATUS_NOT_SUPPORTED); ignored" in caplog.text
 
