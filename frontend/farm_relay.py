@@ -99,10 +99,11 @@ class RelayFarm:
             self._calls[call_id] = future
         try:
             self._send(sock, call_id, method, args)
-        except OSError as e:
+        except OSError as e:  # the far end ended before the reader saw it: the same error
             with self._lock:
                 self._calls.pop(call_id, None)
-            raise FarmUnavailable(f"{self.description} is gone ({e})") from None
+            gone = self._gone()
+            raise FarmUnavailable(f"{gone} (sending {method}: {e})") from None
         try:
             ok, value, events = future.result(None if timeout is None
                                               else timeout + ANSWER_GRACE_S)

@@ -100,3 +100,27 @@ def test_a_child_that_dies_fails_the_next_call_at_once() -> None:
         farm.stats()
     assert time.monotonic() - start < 5
     farm.release()
+
+
+class _SilentEnd(ProcessFarm):
+    """A relayed farm whose far end has closed but whose reader has not noticed yet: the
+    race a call after the child's death can meet (the send fails first)."""
+
+    def _open(self) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        theirs.close()
+        self._log = Path("/nonexistent/farm-process.log")
+        return ours
+
+    def _receive(self, sock: socket.socket) -> None:
+        threading.Event().wait(60)  # the reader never sees the end within the test
+        return None
+
+
+def test_a_send_to_an_ended_child_names_the_child_before_the_reader_sees_it() -> None:
+    farm = _SilentEnd(f"127.0.0.1:{_free_port()}")
+    start = time.monotonic()
+    with pytest.raises(FarmUnavailable, match=r"child process ended .*sending stats"):
+        farm.call("stats", timeout=1.0)  # a closed socketpair's peer: the send fails at once
+    assert time.monotonic() - start < 1.0
+    farm.release()
