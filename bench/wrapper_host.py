@@ -38,6 +38,7 @@ import pstats
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ def compile_encoder_step(layers: int) -> list[tuple[Any, list[Any]]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.driver import compile_graph
-    from kiln.frontend.backend import aot_kiln
+    from kiln.frontend.backend import KilnFallbackWarning, aot_kiln
 
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_bench
@@ -169,8 +170,13 @@ def compile_encoder_step(layers: int) -> list[tuple[Any, list[Any]]]:
 
     inputs = [torch.randint(0, 30000, (8, 256)), torch.randint(0, 2, (8, 256)),
               torch.arange(256)[None, :] < torch.randint(128, 257, (8, 1))]
-    torch.compile(step, backend=lambda gm, ex: aot_kiln(gm, ex, capture))(*inputs)
+    with warnings.catch_warnings():  # a graph Kiln would run eagerly must not be timed
+        warnings.simplefilter("error", KilnFallbackWarning)
+        torch.compile(step, backend=lambda gm, ex: aot_kiln(gm, ex, capture))(*inputs)
     torch._dynamo.reset()
+    if [name.split("_")[0] for _, _, name in graphs] != ["forward", "backward"]:
+        raise RuntimeError(f"expected one forward and one backward graph, got "
+                           f"{[name for _, _, name in graphs]}")
     out = []
     for gm, ins, name in graphs:
         for node in gm.graph.nodes:
