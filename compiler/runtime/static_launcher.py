@@ -161,12 +161,9 @@ class StaticCudaKernel:
             import torch
 
             device = torch.cuda.current_device()
-        if trace.recording():  # (no span object on the launch path otherwise)
-            with trace.span("load cubin", cat="client", kernel=self.name,
-                            bytes=len(self.binary)):
-                loaded = self._load_into(device)
-        else:
-            loaded = self._load_into(device)
+        with trace.span("load cubin", cat="client", kernel=self.name, bytes=len(self.binary)):
+            loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name,
+                                            self.shared, device)
         # torch 2.13 returns (module, function, regs, spills); earlier (function, regs, spills)
         if len(loaded) == 4:
             self.module, self.function = loaded[0], loaded[1]
@@ -176,10 +173,6 @@ class StaticCudaKernel:
             self.stream = _raw_stream(device)
             self._stream_device = device
         self.run = self._bound_run()  # type: ignore[method-assign]
-
-    def _load_into(self, device: int) -> Any:
-        return self.impl._load_kernel(str(cubin_path(self.binary)), self.name, self.shared,
-                                      device)
 
     def _bound_run(self) -> Callable[..., None]:
         """The launch with everything but the arguments and the stream bound once: the
