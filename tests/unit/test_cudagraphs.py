@@ -273,7 +273,7 @@ def test_served_entry_replays_before_the_slow_path() -> None:
             return super().__call__(args)
 
     runner = _Counted(_call, "g7")
-    entry = served_graph(runner, False).__wrapped__  # type: ignore[attr-defined]
+    entry = served_graph(runner, False)
     sets = [[torch.randn(3)] for _ in range(2)]
     for call in range(8):
         x = sets[call % 2][0]
