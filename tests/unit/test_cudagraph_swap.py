@@ -1,5 +1,5 @@
 """CUDA graphs behind a ``SwappableGraph`` (a graph that switches to tuned kernels while it
-runs), on CPU with captures stood in (``tests.unit.test_cudagraphs._CpuRunner``): the
+runs), on CPU with captures stood in (``tests.cudagraph_stand_in``): the
 served entry replays the current runner's recordings before any other work, a switch
 after recordings is seen by the next call (never a replay of the kernels it replaced), the
 first call and bucket tuning keep their path. (On a GPU: tests/gpu/test_cudagraphs_gpu.py.)"""
@@ -20,6 +20,7 @@ from kiln.frontend import hotswap
 from kiln.frontend.aot_cache import served_graph
 from kiln.frontend.hotswap import SwappableGraph
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
+from tests.cudagraph_stand_in import cpu_capture
 from tests.unit.test_cudagraphs import _CpuRunner, _kiln_frames
 
 
@@ -55,7 +56,7 @@ def _doubled(call: Any) -> Any:
 def cpu_captures(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU graphs get CUDA-graph runners whose captures run on CPU (``_CpuRunner``)."""
     monkeypatch.setattr(cudagraphs, "skip_reason", lambda device_type, inputs: None)
-    monkeypatch.setattr(CudaGraphRunner, "_capture", _CpuRunner._capture)
+    monkeypatch.setattr(CudaGraphRunner, "_capture", cpu_capture)
 
 
 def test_switch_after_recordings_replays_the_new_kernels(
