@@ -2,7 +2,7 @@
 on a machine with no GPU: what Kiln runs between Dynamo's call and the CUDA graph's
 replay, against Dynamo's floor.
 
-    python3 bench/replay_host.py [--calls 20000] [--shape 64x128] [--profile]
+    python3 bench/replay_host.py [--calls 40000] [--shape 64x128] [--profile]
 
 gpu_bench's seed function ``((a + b) * c.relu()).sum(-1)`` on CPU tensors, compiled with
 ``backend="kiln", mode="reduce-overhead"`` and called on four input sets in turn (refilled
@@ -17,7 +17,7 @@ host, the same for every caller: not counted here). Rows:
 - kiln, tunable: the runner behind a ``SwappableGraph`` (``frontend.hotswap``), as a graph
   this process compiled while its autotuning is pending gets it: gpu_bench's case.
 
-Columns: CPU µs per call (this thread's CPU time, the best of 10 blocks, the rows' blocks
+Columns: CPU µs per call (this thread's CPU time, the best of 40 blocks, the rows' blocks
 interleaved; ``bench/wrapper_host.host_us``), µs above the floor, Python frames per call
 and the names of Kiln's. Not a GPU measure: the H200 figures come from
 ``bench/gpu_bench.py --only "seed 64x128 fp32 reduce-overhead"``.
@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 SETS = 4
+BLOCKS = 40  # (the best block of each row: a shared machine disturbs some of them)
 
 
 def seed(a: Any, b: Any, c: Any) -> Any:
@@ -120,9 +121,14 @@ def frames_per_call(fn: Callable[..., Any], sets: list[list[Any]], calls: int = 
     return len(codes) / calls, names
 
 
+def _boxed(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
+    """``fn`` called as ``host_us`` calls (one list): the same frame for every row."""
+    return lambda args: fn(*args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--calls", type=int, default=40000)
     parser.add_argument("--shape", default="64x128")
     parser.add_argument("--profile", action="store_true",
                         help="the functions with the most own time in the tunable row")
@@ -136,8 +142,8 @@ def main() -> None:
     sets = [[torch.randn(shape) for _ in range(3)] for _ in range(SETS)]
     rows = compiled_rows(sets)
     recordings = replays_as_no_ops()
-    timed = [(lambda boxed, fn=fn: fn(*boxed), sets[0]) for fn in rows.values()]
-    us = dict(zip(rows, host_us(timed, max(ns.calls // 10, 1))))
+    timed = [(_boxed(fn), list(sets[0])) for fn in rows.values()]
+    us = dict(zip(rows, host_us(timed, max(ns.calls // BLOCKS, 1), BLOCKS)))
     print(f"| seed {ns.shape} fp32 reduce-overhead, replay a no-op ({recordings} "
           "recordings) | host µs per call | above the floor | frames per call | Kiln's |")
     print("|---|---|---|---|---|")
