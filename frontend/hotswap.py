@@ -160,7 +160,8 @@ class SwappableGraph:
                 self.client.publish_tuned(self.key, self.request, merged, self.recorded_s)
 
     def _install(self, graph: CompiledGraph) -> None:
-        """Load ``graph`` here, then switch to it in one assignment (between calls)."""
+        """Load ``graph`` here, then switch to it between calls (``call`` in one
+        assignment; ``replayer`` around it: see the module docstring)."""
         call = self._build(graph, self._hook())
         with self._switch_lock:
             self.replayer = None  # (a replay of the old runner never follows the switch)
