@@ -78,11 +78,23 @@ def expand_cases(cases: list[PoolCase] = MAX_POOL_CASES
     return [(c, d) for c in cases for d in FLOATS]
 
 
-AVG_POOL_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "resnet_like": lambda x: F.avg_pool2d(x, 3, 2, 1),
-    "exclude_pad": lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
-    "ceil_mode": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
-    "ceil_mode_exclude_pad": lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 1),
-                                                    ceil_mode=True, count_include_pad=False),
-    "divisor_override": lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+# avg_pool2d's (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+AVG_POOL_PARAMS: dict[str, tuple[Any, ...]] = {
+    "resnet_like": (3, 2, 1, False, True, None),
+    "exclude_pad": (3, 2, 1, False, False, None),
+    "ceil_mode": (3, 2, 1, True, True, None),
+    "ceil_mode_exclude_pad": ((3, 2), (2, 1), (1, 1), True, False, None),
+    "divisor_override": (2, 2, 0, False, True, 3),
 }
+
+
+def avg_pool_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    k, s, p, ceil, include_pad, divisor = AVG_POOL_PARAMS[name]
+    return lambda x: F.avg_pool2d(x, k, s, p, ceil, include_pad, divisor)
+
+
+def avg_pool_backward_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    k, s, p, ceil, include_pad, divisor = AVG_POOL_PARAMS[name]
+    pair = lambda v: [v, v] if isinstance(v, int) else list(v)  # noqa: E731
+    return lambda g, x: torch.ops.aten.avg_pool2d_backward(
+        g, x, pair(k), pair(s), pair(p), ceil, include_pad, divisor)

@@ -1,6 +1,6 @@
 """2-d pooling as pointwise loops over the output window: max_pool2d (values; indices only
-where something reads them), its backward as a gather over the windows that can pick
-each input element, and avg_pool2d.
+where something reads them) and avg_pool2d, and their backwards as gathers over the
+windows that can reach each input element.
 
 Each output element reads its window's taps, unrolled: a tap outside the input (padding,
 or the last window of ``ceil_mode``) is masked and reads -inf (max) or 0 (sum), so no
@@ -273,8 +273,11 @@ def max_pool2d_with_indices_backward(grad: IRNode, x: IRNode, kernel_size: Any, 
     return Pointwise.create(x.get_device(), dtype, inner_fn, x.get_size())
 
 
-def _avg_divisor(pool: Pool2d, oh: Expr, ow: Expr, count_include_pad: bool) -> Any:
+def _avg_divisor(pool: Pool2d, oh: Expr, ow: Expr, count_include_pad: bool,
+                 divisor_override: int | None) -> Any:
     """ATen's divisor: the window clipped to the padded input, or to the input itself."""
+    if divisor_override:
+        return ops.constant(float(divisor_override), torch.float32)
     sizes = []
     for win, o in ((pool.h, oh), (pool.w, ow)):
         start = ops.index_expr(o * win.stride - win.padding, torch.int64)
@@ -304,11 +307,39 @@ def avg_pool2d(x: IRNode, kernel_size: Any, stride: Any = (), padding: Any = 0,
         total = ops.constant(0.0, torch.float32)
         for value, _, _ in loads(idx):
             total = ops.add(total, ops.to_dtype(value, torch.float32))
-        if divisor_override:
-            divisor = ops.constant(float(divisor_override), torch.float32)
-        else:
-            divisor = _avg_divisor(pool, idx[-2], idx[-1], count_include_pad)
+        divisor = _avg_divisor(pool, idx[-2], idx[-1], count_include_pad, divisor_override)
         return ops.to_dtype(ops.truediv(total, divisor), dtype)
 
     size = (*x.get_size()[:-2], *pool.out_hw)
     return Pointwise.create(x.get_device(), dtype, inner_fn, size)
+
+
+@register_lowering(aten.avg_pool2d_backward)
+def avg_pool2d_backward(grad: IRNode, x: IRNode, kernel_size: Any, stride: Any, padding: Any,
+                        ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None) -> Any:
+    """Each input element sums, over the windows that cover it, the window's gradient
+    over its divisor: a gather, as max_pool2d's backward."""
+    args = (grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+            divisor_override)
+    pool = pool2d_geometry(x, kernel_size, stride, padding, 1, ceil_mode)
+    if isinstance(pool, str):
+        return _fallback(aten.avg_pool2d_backward.default, pool, args)
+    if isinstance(grad, TensorBox) and grad.storage() is not None:
+        grad.realize()  # read once per tap
+    g_load, dtype = grad.make_loader(), grad.get_dtype()
+
+    def inner_fn(idx: Sequence[Expr]) -> Any:
+        *prefix, h, w = idx
+        total = ops.constant(0.0, torch.float32)
+        for oh, h_ok in _candidates(pool.h, h):
+            for ow, w_ok in _candidates(pool.w, w):
+                src = [*prefix, oh, ow]
+                share = ops.masked(ops.logical_and(h_ok, w_ok), lambda src=src: ops.truediv(
+                    ops.to_dtype(g_load(src), torch.float32),
+                    _avg_divisor(pool, src[-2], src[-1], count_include_pad,
+                                 divisor_override)), 0.0)
+                total = ops.add(total, share)
+        return ops.to_dtype(total, dtype)
+
+    return Pointwise.create(x.get_device(), dtype, inner_fn, x.get_size())

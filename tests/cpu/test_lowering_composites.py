@@ -94,11 +94,9 @@ def test_forward_and_backward(comp: Composite, dtype: torch.dtype, draw: Draw,
 
 
 # Ops these graphs reach that have no lowering yet and run eagerly inside the compiled
-# graph: the scatter family (cross entropy's and max's backward, index backward), the
-# backward of avg_pool2d, CPU attention, and cumprod (the backward of prod). Every other
-# op must be lowered (max_pool2d and its backward, avg_pool2d: lowering/pooling.py).
-UNLOWERED = ("aten.scatter", "aten.index_put", "aten.avg_pool2d_backward",
-             "aten._scaled_dot_product", "aten.cumprod")
+# graph: the scatter family (cross entropy's and max's backward, index backward), CPU
+# attention, and cumprod (the backward of prod). Every other op must be lowered.
+UNLOWERED = ("aten.scatter", "aten.index_put", "aten._scaled_dot_product", "aten.cumprod")
 
 # Backward graphs of views, indexing and losses: slice_scatter, select_scatter,
 # index_put / scatter_add (fallbacks), constant padding with negative pads, ...

@@ -17,7 +17,15 @@ from kiln.compiler.compiled_graph import load
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph, lower_and_schedule
 from kiln.compiler.ir.extern import FallbackKernel
-from tests.pooling_cases import AVG_POOL_FNS, FLOATS, MAX_POOL_CASES, case_id, expand_cases
+from tests.pooling_cases import (
+    AVG_POOL_PARAMS,
+    FLOATS,
+    MAX_POOL_CASES,
+    avg_pool_backward_fn,
+    avg_pool_fn,
+    case_id,
+    expand_cases,
+)
 
 CASES = expand_cases()
 
@@ -169,20 +177,35 @@ def test_max_pool_training_step_matches_eager() -> None:
 # -- avg_pool2d -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("name", list(AVG_POOL_FNS))
+@pytest.mark.parametrize("name", list(AVG_POOL_PARAMS))
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_avg_pool_matches_eager(name: str, dtype: torch.dtype, channels_last: bool,
                                 check_lowering: Any) -> None:
     x = torch.randn(2, 3, 9, 10).to(dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    fn = AVG_POOL_FNS[name]
+    fn = avg_pool_fn(name)
     check_lowering(fn, x)
     compiled = compile_graph(trace_aten(fn, [x]), [x], {})
     assert "avg_pool2d" not in compiled.wrapper_source
     out = load(compiled)([x.clone()])[0]
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, fn(x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("name", list(AVG_POOL_PARAMS))
+def test_avg_pool_backward_matches_eager(name: str, dtype: torch.dtype,
+                                         check_lowering: Any) -> None:
+    x = torch.randn(2, 3, 9, 10).to(dtype)
+    grad = torch.randn(avg_pool_fn(name)(x).shape).to(dtype)
+    fn = avg_pool_backward_fn(name)
+    check_lowering(fn, grad, x)
+    compiled = compile_graph(trace_aten(fn, [grad, x]), [grad, x], {})
+    assert "avg_pool2d_backward" not in compiled.wrapper_source
+    out = load(compiled)([grad.clone(), x.clone()])[0]
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, fn(grad, x), rtol=tol, atol=tol)
 
 
 # -- ResNet-18 --------------------------------------------------------------------------

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.pooling_cases import AVG_POOL_FNS, FLOATS, MAX_POOL_CASES, case_id, expand_cases
+from tests.pooling_cases import (
+    AVG_POOL_PARAMS,
+    FLOATS,
+    MAX_POOL_CASES,
+    avg_pool_backward_fn,
+    avg_pool_fn,
+    case_id,
+    expand_cases,
+)
 from tests.triton_interp.helpers import compile_fn, run_compiled
 
 CASES = expand_cases()
@@ -75,13 +83,26 @@ def test_triton_max_pool_backward_matches_eager(case: Any, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("name", list(AVG_POOL_FNS))
+@pytest.mark.parametrize("name", list(AVG_POOL_PARAMS))
 def test_triton_avg_pool_matches_eager(name: str, dtype: torch.dtype) -> None:
     x = torch.randn(2, 3, 9, 10).to(dtype).contiguous(memory_format=torch.channels_last)
-    fn = AVG_POOL_FNS[name]
+    fn = avg_pool_fn(name)
     compiled = compile_fn(fn, [x])
     assert "avg_pool2d" not in compiled.wrapper_source and len(compiled.kernels) == 1
     out = run_compiled(compiled, [x])[0]
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, fn(x), rtol=tol, atol=tol)
     assert out.stride() == fn(x).stride()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("name", list(AVG_POOL_PARAMS))
+def test_triton_avg_pool_backward_matches_eager(name: str, dtype: torch.dtype) -> None:
+    x = torch.randn(2, 3, 9, 10).to(dtype)
+    grad = torch.randn(avg_pool_fn(name)(x).shape).to(dtype)
+    fn = avg_pool_backward_fn(name)
+    compiled = compile_fn(fn, [grad, x])
+    assert "avg_pool2d_backward" not in compiled.wrapper_source and len(compiled.kernels) == 1
+    out = run_compiled(compiled, [grad, x])[0]
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, fn(grad, x), rtol=tol, atol=tol)
