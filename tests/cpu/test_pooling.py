@@ -114,6 +114,23 @@ def test_large_window_falls_back_with_reason(caplog: pytest.LogCaptureFixture) -
     torch.testing.assert_close(load(compiled)([x.clone()])[0], fn(x))
 
 
+def test_dynamic_batch_recompiles_once_and_matches_eager() -> None:
+    """A new batch size makes Dynamo mark the batch symbolic: the window lowering passes
+    it through (height and width stay static), no graph falls back to eager."""
+    import warnings
+
+    from kiln.frontend.backend import KilnFallbackWarning
+
+    torch._dynamo.reset()
+    fn = lambda x: F.max_pool2d(x.relu(), 3, 2, 1) + 1  # noqa: E731
+    compiled = torch.compile(fn, backend="kiln")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        for n in (2, 3, 5):
+            x = torch.randn(n, 4, 10, 10)
+            torch.testing.assert_close(compiled(x), fn(x))
+
+
 # -- the backward ---------------------------------------------------------------------
 
 BACKWARD_CASES = [c for c in MAX_POOL_CASES if c.name in (
