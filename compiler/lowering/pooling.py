@@ -102,10 +102,13 @@ class Pool2d:
         return mask
 
 
-def _pair(value: Sequence[int] | int, default: Sequence[int] | None = None) -> tuple[int, int]:
+def _pair(value: Sequence[int] | int | None, default: Sequence[int] | None = None
+          ) -> tuple[int, int]:
+    """A 2-d parameter as (height, width): one value serves both; empty or None (a
+    stride) takes ``default`` (the kernel size)."""
     if isinstance(value, int):
         return value, value
-    value = list(value) or list(default or ())
+    value = list(value or ()) or list(default or ())
     if len(value) == 1:
         return int(value[0]), int(value[0])
     if len(value) != 2:

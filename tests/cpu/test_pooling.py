@@ -114,6 +114,18 @@ def test_large_window_falls_back_with_reason(caplog: pytest.LogCaptureFixture) -
     torch.testing.assert_close(load(compiled)([x.clone()])[0], fn(x))
 
 
+ARGUMENT_FORMS = {
+    "empty_stride_is_kernel": lambda x: torch.ops.aten.max_pool2d_with_indices(x, [2, 2], []),
+    "one_value_for_both": lambda x: torch.ops.aten.max_pool2d_with_indices(x, [3], [2], [1]),
+    "avg_empty_stride": lambda x: torch.ops.aten.avg_pool2d(x, [2, 2], []),
+}
+
+
+@pytest.mark.parametrize("name", list(ARGUMENT_FORMS))
+def test_argument_forms_as_aten_takes_them(name: str, check_lowering: Any) -> None:
+    check_lowering(ARGUMENT_FORMS[name], torch.randn(2, 3, 8, 8))
+
+
 def test_dynamic_batch_recompiles_once_and_matches_eager() -> None:
     """A new batch size makes Dynamo mark the batch symbolic: the window lowering passes
     it through (height and width stay static), no graph falls back to eager."""
