@@ -116,7 +116,7 @@ class _BasicBlock(nn.Module):
         return F.relu(y + skip)
 
 
-def _resnet18_standin(width: int, classes: int) -> nn.Module:
+def resnet18_standin(width: int, classes: int) -> nn.Module:
     stages, cin = [], width
     for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
         stride = 1 if i == 0 else 2
@@ -136,7 +136,7 @@ def resnet18(device: str, smoke: bool) -> Case:
 
         module: nn.Module = torchvision.models.resnet18()
     except ImportError:
-        module = _resnet18_standin(16 if smoke else 64, 10 if smoke else 1000)
+        module = resnet18_standin(16 if smoke else 64, 10 if smoke else 1000)
         note = "stand-in (torchvision not installed)"
     module = module.eval().to(device=device, dtype=dtype)
     x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)

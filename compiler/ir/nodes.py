@@ -307,18 +307,25 @@ class StorageBox(_Box):
 
 def _inherited_stride_order(data: Loops) -> list[int] | None:
     """A 4-d pointwise result over a channels-last buffer of its shape is laid out
-    channels-last too, so that convolutions around it need no layout conversions."""
+    channels-last too, so that convolutions around it need no layout conversions. So is
+    one that reads no buffer of its shape but a channels-last one of its batch and
+    channels (a pooling window: its output keeps its input's layout, as in eager)."""
     if not isinstance(data, Pointwise) or len(data.ranges) != 4:
         return None
     from ..dependencies import extract_read_writes
 
+    layouts = []
     for name in sorted(extract_read_writes(data).read_names()):
         try:
             layout = V.graph.get_buffer(name).layout
         except (KeyError, AssertionError):
             continue
-        if isinstance(layout, FixedLayout) and tuple(layout.size) == tuple(data.ranges) \
-                and is_channels_last(layout.stride, layout.size):
+        if isinstance(layout, FixedLayout) and len(layout.size) == 4:
+            layouts.append(layout)
+    same = [lay for lay in layouts if tuple(lay.size) == tuple(data.ranges)]
+    batch_channels = [lay for lay in layouts if tuple(lay.size[:2]) == tuple(data.ranges[:2])]
+    for lay in same or batch_channels:
+        if is_channels_last(lay.stride, lay.size):
             return CHANNELS_LAST_ORDER
     return None
 

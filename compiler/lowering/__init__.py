@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     index_views,
     indexing,
     pointwise,
+    pooling,
     reductions,
     scatter,
     views,

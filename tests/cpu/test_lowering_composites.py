@@ -94,10 +94,9 @@ def test_forward_and_backward(comp: Composite, dtype: torch.dtype, draw: Draw,
 
 
 # Ops these graphs reach that have no lowering yet and run eagerly inside the compiled
-# graph: the scatter family (cross entropy's and max's backward, index backward), pooling
-# CPU attention, and cumprod (the backward of prod). Every other op must be lowered.
-UNLOWERED = ("aten.scatter", "aten.index_put", "aten.avg_pool2d", "aten.max_pool2d",
-             "aten._scaled_dot_product", "aten.cumprod")
+# graph: the scatter family (cross entropy's and max's backward, index backward), CPU
+# attention, and cumprod (the backward of prod). Every other op must be lowered.
+UNLOWERED = ("aten.scatter", "aten.index_put", "aten._scaled_dot_product", "aten.cumprod")
 
 # Backward graphs of views, indexing and losses: slice_scatter, select_scatter,
 # index_put / scatter_add (fallbacks), constant padding with negative pads, ...
