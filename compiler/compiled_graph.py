@@ -80,7 +80,10 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     namespace: dict[str, Any] = {"DEVICE": device}
     for spec in compiled.kernels:
         with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
-            namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
+            launcher = namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
+        prefetch = getattr(launcher, "prefetch", None)
+        if prefetch is not None:  # the cubin loads on a helper thread from now on
+            prefetch()
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")

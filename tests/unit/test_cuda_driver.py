@@ -1,0 +1,246 @@
+"""Cubins loaded from memory through the CUDA driver on helper threads
+(``compiler/runtime/cuda_driver.py``), checked on CPU: libcuda is replaced by a recorder
+taking the same ctypes arguments, and torch's static launcher by the launch recorder of
+tests/unit/test_static_launcher.py. The kernels are real sm_90 cubins cross-compiled
+here. A real load and launch, compared with eager: tests/gpu/test_cubin_loader_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kiln.compiler import compiled_graph
+from kiln.compiler.decompositions import trace_aten
+from kiln.compiler.driver import compile_graph
+from kiln.compiler.runtime import cuda_driver, static_launcher
+from kiln.compiler.runtime.cuda_driver import CubinLoader, CudaDriver, CudaDriverError
+from kiln.compiler.runtime.kernel_files import interpreter_active
+from kiln.compiler.runtime.static_launcher import StaticCudaKernel
+from kiln.compiler.runtime.triton_launcher import launch_grid
+from tests.unit.test_cubin import SM90, fake_cuda
+from tests.unit.test_static_launcher import RecordingLauncher
+
+pytestmark = pytest.mark.skipif(interpreter_active(),
+                                reason="Triton was imported for its interpreter")
+
+OPTIN = 232448  # an H100/H200's opt-in shared memory per block
+
+
+@pytest.fixture
+def softmax_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Two kernels (a softmax, a column sum) cross-compiled for sm_90."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
+    args = fake_cuda([torch.randn(64, 300)])
+    gm = trace_aten(lambda a: (torch.softmax(a * 2, -1), a.sum(0) * 3), args)
+    return compile_graph(gm, args, {}, name="g", target=SM90)
+
+
+class RecordingLibcuda:
+    """libcuda's entry points as ctypes calls them: outputs through ``byref``; each call
+    recorded with its thread. ``fail`` maps an entry point to the CUresult it returns."""
+
+    def __init__(self, fail: dict[str, int] | None = None, static_shared: int = 1024
+                 ) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], str]] = []
+        self.fail = fail or {}
+        self.static_shared = static_shared
+        self.handles = iter(range(1000, 100000))
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*args: Any) -> int:
+            with self.lock:
+                self.calls.append((name, args, threading.current_thread().name))
+                if name in self.fail:
+                    return self.fail[name]
+                out: Any = getattr(args[0], "_obj", None) if args else None
+                if name == "cuGetErrorName":
+                    args[1]._obj.value = b"CUDA_ERROR_INVALID_IMAGE"
+                elif name == "cuDeviceGetAttribute":
+                    out.value = OPTIN
+                elif name == "cuFuncGetAttribute":
+                    out.value = self.static_shared
+                elif name == "cuDeviceGet":
+                    out.value = args[1]
+                elif out is not None and hasattr(out, "value"):
+                    out.value = next(self.handles)
+            return 0
+        return call
+
+    def named(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for call, args, _ in self.calls if call == name]
+
+
+def _kernel(graph: Any, lib: RecordingLibcuda, impl: RecordingLauncher, **meta: Any
+            ) -> StaticCudaKernel:
+    spec = graph.kernels[0]
+    binary = graph.binaries[spec.name]
+    if meta:
+        binary = type(binary)(binary.name, binary.target, binary.config, binary.binary,
+                              {**binary.metadata, **meta})
+    return StaticCudaKernel(spec, binary, launch_grid(spec, binary.config), impl=impl,
+                            stream=lambda: 5, device=0,
+                            loader=CubinLoader(CudaDriver(lib), threads=2))
+
+
+def test_a_prefetched_cubin_loads_from_memory_on_a_helper_thread(
+        softmax_graph: Any, tmp_path: Path) -> None:
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    kernel = _kernel(softmax_graph, lib, impl)
+    binary = softmax_graph.binaries[softmax_graph.kernels[0].name]
+    kernel.prefetch()
+    kernel.prefetch()  # once only
+    tensors = [object() for t in kernel_spec_pointers(softmax_graph)]
+    kernel.run(*tensors)
+    kernel.run(*tensors)
+    (image,) = [args[1] for args in lib.named("cuModuleLoadData")]
+    assert image == binary.binary and image[:4] == b"\x7fELF"  # the verified bytes
+    (get,) = lib.named("cuModuleGetFunction")
+    assert get[2] == binary.metadata["name"].encode()
+    threads = {thread for call, _, thread in lib.calls if call.startswith("cuModule")}
+    assert threads and all(t.startswith("kiln-cubin") for t in threads)
+    # the helper thread made the device's primary context current before loading
+    order = [call for call, _, _ in lib.calls]
+    assert order.index("cuCtxSetCurrent") < order.index("cuModuleLoadData")
+    assert lib.named("cuDevicePrimaryCtxRetain") and lib.named("cuDeviceGet")[0][1] == 0
+    # torch's launcher launches the driver's function handle; its own loader never ran
+    assert impl.loads == [] and len(impl.launches) == 2
+    function = get[0]._obj.value
+    assert isinstance(function, int) and impl.launches[0][0] == function == kernel.function
+    assert not (tmp_path / "kcache" / "cubins").exists()  # nothing written to disk
+    assert lib.named("cuFuncSetAttribute") == []  # under 48 KiB: no opt-in
+
+
+def kernel_spec_pointers(graph: Any) -> list[str]:
+    return [t for t in graph.kernels[0].signature.values() if t.startswith("*")]
+
+
+def test_more_than_48k_of_shared_memory_opts_in_as_tritons_loader(softmax_graph: Any
+                                                                 ) -> None:
+    lib, impl = RecordingLibcuda(static_shared=2048), RecordingLauncher()
+    kernel = _kernel(softmax_graph, lib, impl, shared=100_000)
+    kernel.load()
+    (attribute,) = lib.named("cuFuncSetAttribute")
+    assert attribute[1:] == (8, OPTIN - 2048)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert lib.named("cuFuncSetCacheConfig")[0][1] == 1  # PREFER_SHARED
+    assert lib.named("cuDeviceGetAttribute")[0][1] == 97  # ..._PER_BLOCK_OPTIN
+
+
+def test_a_cubin_the_driver_refuses_names_the_kernel_and_loads_through_torch(
+        softmax_graph: Any, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(static_launcher, "_driver_failed", False)
+    lib, impl = RecordingLibcuda(fail={"cuModuleLoadData": 200}), RecordingLauncher()
+    kernel = _kernel(softmax_graph, lib, impl)
+    name = kernel.name
+    with pytest.raises(CudaDriverError, match=f"cuModuleLoadData for kernel {name} failed: "
+                                              "CUDA_ERROR_INVALID_IMAGE"):
+        kernel.loader.driver.load(kernel.binary, name, 0, 0)  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, "kiln.runtime"):
+        kernel.run(*[object() for _ in kernel_spec_pointers(softmax_graph)])
+    assert f"kernel {name}: the CUDA driver did not load its cubin" in caplog.text
+    assert "CUDA_ERROR_INVALID_IMAGE" in caplog.text
+    # torch's loader took over, from a file of the same verified bytes
+    assert len(impl.loads) == 1 and impl.loads[0][0] == kernel.binary
+    assert impl.launches[0][0] == "function"
+
+
+def test_shared_memory_beyond_the_device_is_refused_by_name(softmax_graph: Any) -> None:
+    lib = RecordingLibcuda()
+    kernel = _kernel(softmax_graph, lib, RecordingLauncher(), shared=OPTIN + 1)
+    with pytest.raises(CudaDriverError, match=f"kernel {kernel.name} needs {OPTIN + 1} bytes"):
+        kernel.loader.driver.load(kernel.binary, kernel.name, OPTIN + 1, 0)  # type: ignore[union-attr]
+
+
+def test_the_process_loader_is_off_by_setting_or_without_libcuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_driver.reset_loader()
+    monkeypatch.setenv("KILN_CUBIN_LOADER", "torch")
+    assert cuda_driver.cubin_loader(lambda: CudaDriver(RecordingLibcuda())) is None
+    monkeypatch.delenv("KILN_CUBIN_LOADER")
+
+    def no_libcuda() -> CudaDriver:
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    assert cuda_driver.cubin_loader(no_libcuda) is None
+    assert "libcuda.so.1" in cuda_driver._loader_reason
+    cuda_driver.reset_loader()
+    monkeypatch.setenv("KILN_CUBIN_LOAD_THREADS", "3")
+    loader = cuda_driver.cubin_loader(lambda: CudaDriver(RecordingLibcuda()))
+    assert loader is not None and loader.pool._max_workers == 3
+    cuda_driver.reset_loader()
+
+
+def test_only_torchs_own_launcher_gets_the_process_loader(
+        softmax_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    loader = CubinLoader(CudaDriver(RecordingLibcuda()))
+    monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
+    spec = softmax_graph.kernels[0]
+    binary = softmax_graph.binaries[spec.name]
+    stand_in = StaticCudaKernel(spec, binary, (1, 1, 1), impl=RecordingLauncher(), device=0)
+    assert stand_in.loader is None
+    monkeypatch.setattr(static_launcher, "launcher_impl", RecordingLauncher)
+    assert StaticCudaKernel(spec, binary, (1, 1, 1), device=0).loader is loader
+
+
+def test_loading_a_graph_starts_every_cubin_load_before_its_first_call(
+        softmax_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compiled_graph.load`` hands each static kernel to the loader as it builds it;
+    the first call then only waits. Two graphs sharing a kernel each load it once."""
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    loader = CubinLoader(CudaDriver(lib), threads=2)
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
+    monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
+    monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
+    device = torch.device("cuda", 0)
+    compiled_graph.load(softmax_graph, {}, device)
+    compiled_graph.load(softmax_graph, {}, device)  # a second graph with the same kernels
+    loader.pool.shutdown(wait=True)  # the helpers finish without any call
+    images = [args[1] for args in lib.named("cuModuleLoadData")]
+    kernels = softmax_graph.kernels
+    assert len(images) == 2 * len(kernels) >= 4
+    assert sorted(images) == sorted(2 * [softmax_graph.binaries[k.name].binary
+                                         for k in kernels])
+    assert impl.loads == []
+
+
+def test_a_capture_in_progress_keeps_helpers_off_the_gpu(
+        softmax_graph: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """While another thread captures a CUDA graph (it holds the GPU work lock), a helper
+    loads nothing (a module load would invalidate the capture); the kernel loads its
+    cubin on its own thread at its first launch, with no warning."""
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    lock = threading.RLock()
+    spec = softmax_graph.kernels[0]
+    binary = softmax_graph.binaries[spec.name]
+    kernel = StaticCudaKernel(spec, binary, (1, 1, 1), impl=impl, stream=lambda: 5,
+                              device=0, loader=CubinLoader(CudaDriver(lib), 1, lock))
+    capturing, release = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with lock:
+            capturing.set()
+            release.wait(10)
+
+    other = threading.Thread(target=capture)
+    other.start()
+    capturing.wait(10)
+    kernel.prefetch()
+    assert kernel._pending is not None
+    kernel._pending.exception(10)  # the helper gave up at once
+    assert lib.named("cuModuleLoadData") == []
+    release.set()
+    other.join()
+    with caplog.at_level(logging.WARNING, "kiln.runtime"):
+        kernel.run(*[object() for _ in kernel_spec_pointers(softmax_graph)])
+    assert caplog.text == ""
+    loads = [thread for call, _, thread in lib.calls if call == "cuModuleLoadData"]
+    assert loads == [threading.current_thread().name] and impl.loads == []
