@@ -196,10 +196,10 @@ class FakeModuleLoad:
 
 
 def fake_load(result: Any, trace: Any, loader: str) -> dict[str, Any]:
-    """The Python side of a warm load: each kernel's static launcher built (its load
-    started on a helper thread, as ``compiled_graph.load`` does), then loaded."""
+    """The Python side of a warm load: each kernel's static launcher built, their loads
+    started on helper threads (as ``compiled_graph.load`` does), then each loaded."""
     from kiln.compiler.runtime.cuda_driver import CubinLoader, CudaDriver
-    from kiln.compiler.runtime.static_launcher import StaticCudaKernel
+    from kiln.compiler.runtime.static_launcher import StaticCudaKernel, prefetch_all
     from kiln.compiler.runtime.triton_launcher import launch_grid
 
     compiled, impl = result.compiled, FakeModuleLoad()
@@ -211,7 +211,7 @@ def fake_load(result: Any, trace: Any, loader: str) -> dict[str, Any]:
         kernels.append(StaticCudaKernel(spec, binary, launch_grid(spec, binary.config),
                                         impl=impl, stream=lambda: 0, device=0,
                                         loader=driver))
-        kernels[-1].prefetch()
+    prefetch_all(kernels)
     built = time.perf_counter()
     for kernel in kernels:
         kernel.load()

@@ -80,10 +80,11 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     namespace: dict[str, Any] = {"DEVICE": device}
     for spec in compiled.kernels:
         with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
-            launcher = namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
-        prefetch = getattr(launcher, "prefetch", None)
-        if prefetch is not None:  # the cubin loads on a helper thread from now on
-            prefetch()
+            namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
+    if device.type == "cuda":  # the cubins load on helper threads from now on
+        from .runtime.static_launcher import prefetch_all
+
+        prefetch_all(namespace[spec.name] for spec in compiled.kernels)
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")

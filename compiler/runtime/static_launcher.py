@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,24 @@ def _raw_stream(device: int) -> Callable[[], int]:
     return lambda: get_stream(device)  # type: ignore[no-any-return]
 
 
+def prefetch_all(launchers: Iterable[Any]) -> None:
+    """Start the cubin loads of a graph's static kernels (a bucketed kernel's default
+    one), in order, with one hand-off per helper thread (``CubinLoader.submit_all``)."""
+    waiting: dict[int, list[StaticCudaKernel]] = {}
+    loaders: dict[int, CubinLoader] = {}
+    for launcher in launchers:
+        kernel = launcher if isinstance(launcher, StaticCudaKernel) \
+            else getattr(launcher, "default", None)
+        if (isinstance(kernel, StaticCudaKernel) and kernel.loader is not None
+                and kernel._pending is None and kernel.function is None):
+            loaders[id(kernel.loader)] = kernel.loader
+            waiting.setdefault(id(kernel.loader), []).append(kernel)
+    for ident, kernels in waiting.items():
+        futures = loaders[ident].submit_all([kernel._job() for kernel in kernels])
+        for kernel, future in zip(kernels, futures):
+            kernel._pending = future
+
+
 class StaticCudaKernel:
     """``run(*args)`` launches the cubin over its grid; loaded on the first launch.
 
@@ -179,8 +197,10 @@ class StaticCudaKernel:
     def prefetch(self) -> None:
         """Start loading the cubin on a helper thread (a no-op without a loader)."""
         if self.loader is not None and self._pending is None and self.function is None:
-            self._pending = self.loader.submit(self.binary, self.name, self.shared,
-                                               self._device())
+            self._pending = self.loader.submit(*self._job())
+
+    def _job(self) -> tuple[bytes, str, int, int]:
+        return self.binary, self.name, self.shared, self._device()
 
     def load(self) -> None:
         """Load the cubin into the device's context (or wait for its prefetch). The span

@@ -193,10 +193,10 @@ def test_only_torchs_own_launcher_gets_the_process_loader(
 
 def test_loading_a_graph_starts_every_cubin_load_before_its_first_call(
         softmax_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``compiled_graph.load`` hands each static kernel to the loader as it builds it;
-    the first call then only waits. Two graphs sharing a kernel each load it once."""
+    """``compiled_graph.load`` hands the graph's static kernels to the loader, in their
+    order; the first call then only waits. Two graphs sharing a kernel each load it."""
     lib, impl = RecordingLibcuda(), RecordingLauncher()
-    loader = CubinLoader(CudaDriver(lib), threads=2)
+    loader = CubinLoader(CudaDriver(lib), threads=1)
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
     monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
     monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
@@ -207,9 +207,22 @@ def test_loading_a_graph_starts_every_cubin_load_before_its_first_call(
     images = [args[1] for args in lib.named("cuModuleLoadData")]
     kernels = softmax_graph.kernels
     assert len(images) == 2 * len(kernels) >= 4
-    assert sorted(images) == sorted(2 * [softmax_graph.binaries[k.name].binary
-                                         for k in kernels])
+    assert images == 2 * [softmax_graph.binaries[k.name].binary for k in kernels]
     assert impl.loads == []
+
+
+def test_helpers_share_one_queue_and_load_in_order() -> None:
+    lib = RecordingLibcuda()
+    loader = CubinLoader(CudaDriver(lib), threads=3)
+    jobs = [(bytes([i]) * 8, f"k{i}", 0, 0) for i in range(40)]
+    futures = loader.submit_all(jobs)
+    assert [f.result(10).function for f in futures]  # every one loaded
+    names = [args[2] for args in lib.named("cuModuleGetFunction")]
+    assert sorted(names) == sorted(f"k{i}".encode() for i in range(40))
+    assert loader.pool._work_queue.qsize() == 0 and len(loader.pool._threads) <= 3
+    # started in order: each helper takes the next job from the front of the queue
+    starts = [args[1][0] for args in lib.named("cuModuleLoadData")]
+    assert starts[:3] == sorted(starts[:3]) and set(starts[:3]) <= {0, 1, 2, 3, 4, 5}
 
 
 def test_a_capture_in_progress_keeps_helpers_off_the_gpu(
