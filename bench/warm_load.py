@@ -203,7 +203,8 @@ def fake_load(result: Any, trace: Any, loader: str) -> dict[str, Any]:
     from kiln.compiler.runtime.triton_launcher import launch_grid
 
     compiled, impl = result.compiled, FakeModuleLoad()
-    driver = CubinLoader(CudaDriver(FakeLibcuda())) if loader == "driver" else None
+    threads = int(os.environ.get("KILN_CUBIN_LOAD_THREADS", "4"))
+    driver = CubinLoader(CudaDriver(FakeLibcuda()), threads) if loader == "driver" else None
     start = time.perf_counter()
     kernels = []
     for spec in compiled.kernels:
@@ -220,8 +221,8 @@ def fake_load(result: Any, trace: Any, loader: str) -> dict[str, Any]:
             "first_call_ms": 1e3 * (done - built), "cubins": len(kernels)}
 
 
-def run_child(work: Path, argv: list[str], timeout: float, loader: str = "driver"
-              ) -> dict[str, Any]:
+def run_child(work: Path, argv: list[str], timeout: float, loader: str = "driver",
+              threads: int = 4) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("KILN_") and k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
@@ -229,7 +230,7 @@ def run_child(work: Path, argv: list[str], timeout: float, loader: str = "driver
                KILN_STORE=str(work / "store"), KILN_STATS_FILE="off",
                KILN_FARM_FILE=str(work / "no-farm.json"),
                XDG_CACHE_HOME=str(work / "cache"), TRITON_CACHE_DIR=str(work / "triton"),
-               KILN_CUBIN_LOADER=loader)
+               KILN_CUBIN_LOADER=loader, KILN_CUBIN_LOAD_THREADS=str(threads))
     try:
         proc = subprocess.run([sys.executable, __file__, *argv], env=env, text=True,
                               stdout=subprocess.PIPE, timeout=timeout)
@@ -244,7 +245,8 @@ def run_child(work: Path, argv: list[str], timeout: float, loader: str = "driver
 def report(cold: dict[str, Any], warm: dict[str, Any], args: argparse.Namespace) -> None:
     side = "GPU" if warm["gpu"] else "no GPU: Python side, module load stood in"
     print(f"# warm load, {args.graphs} graphs x {args.kernels} kernels ({side}; "
-          f"cubins loaded by {args.loader}); "
+          f"cubins loaded by {args.loader}"
+          f"{f', {args.threads} threads' if args.loader == 'driver' else ''}); "
           f"cold compile {cold['cold_s']:.1f} s")
     cols = ["lookup_ms", "load_ms", "first_call_ms", "cubin_load_ms", "cubin_helper_ms",
             "second_call_ms", "warm_ms"]
@@ -273,6 +275,9 @@ def main() -> None:
     parser.add_argument("--loader", choices=["driver", "torch"], default="driver",
                         help="how cubins load (KILN_CUBIN_LOADER): from memory through the "
                         "CUDA driver on helper threads, or torch's launcher from files")
+    parser.add_argument("--threads", type=int, default=4,
+                        help="helper threads of the driver loader (KILN_CUBIN_LOAD_THREADS; "
+                        "0: each kernel loads from memory at its first launch)")
     parser.add_argument("--profile", help="cProfile the warm child's later graphs to this path")
     parser.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -285,7 +290,7 @@ def main() -> None:
         cold = run_child(work, ["--child", "cold", *common], args.timeout)
         profile = ["--profile", str(Path(args.profile).resolve())] if args.profile else []
         warm = run_child(work, ["--child", "warm", *common, *profile], args.timeout,
-                         args.loader)
+                         args.loader, args.threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -146,7 +146,9 @@ class LoadDeferred(RuntimeError):
 
 class CubinLoader:
     """Loads cubins on ``threads`` helper threads through a ``CudaDriver``; ``submit``
-    returns at once, and the kernel waits on the future at its first launch.
+    returns at once, and the kernel waits on the future at its first launch. With no
+    threads (``KILN_CUBIN_LOAD_THREADS=0``) nothing is submitted: each kernel loads its
+    cubin from memory on its own thread at its first launch.
 
     ``gpu_lock`` (``cudagraphs.GPU_WORK_LOCK``) is held while a CUDA graph is captured: a
     module load from another thread then would invalidate the capture, so a helper that
@@ -156,8 +158,8 @@ class CubinLoader:
                  gpu_lock: Any = None) -> None:
         self.driver = driver
         self.gpu_lock = gpu_lock
-        self.threads = max(1, threads)
-        self.pool = ThreadPoolExecutor(max_workers=self.threads,
+        self.threads = max(0, threads)  # 0: each kernel loads on its first launch
+        self.pool = ThreadPoolExecutor(max_workers=max(1, self.threads),
                                        thread_name_prefix="kiln-cubin")
 
     def submit(self, image: bytes, name: str, shared: int, device: int

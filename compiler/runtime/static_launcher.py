@@ -143,7 +143,8 @@ def prefetch_all(launchers: Iterable[Any]) -> None:
         kernel = launcher if isinstance(launcher, StaticCudaKernel) \
             else getattr(launcher, "default", None)
         if (isinstance(kernel, StaticCudaKernel) and kernel.loader is not None
-                and kernel._pending is None and kernel.function is None):
+                and kernel.loader.threads and kernel._pending is None
+                and kernel.function is None):
             loaders[id(kernel.loader)] = kernel.loader
             waiting.setdefault(id(kernel.loader), []).append(kernel)
     for ident, kernels in waiting.items():
@@ -196,7 +197,8 @@ class StaticCudaKernel:
 
     def prefetch(self) -> None:
         """Start loading the cubin on a helper thread (a no-op without a loader)."""
-        if self.loader is not None and self._pending is None and self.function is None:
+        if (self.loader is not None and self.loader.threads and self._pending is None
+                and self.function is None):
             self._pending = self.loader.submit(*self._job())
 
     def _job(self) -> tuple[bytes, str, int, int]:
@@ -227,13 +229,14 @@ class StaticCudaKernel:
         if self.loader is None:
             return False
         self.prefetch()
-        assert self._pending is not None
+        pending, loader = self._pending, self.loader
         try:
             try:
-                loaded = self._pending.result()
-            except LoadDeferred:  # a capture was in progress: load it on this thread
-                loaded = self.loader.load_here(self.binary, self.name, self.shared,
-                                               self._device())
+                if pending is None:  # no helper threads: load it here
+                    raise LoadDeferred(self.name)
+                loaded = pending.result()
+            except LoadDeferred:  # or a capture was in progress: load it on this thread
+                loaded = loader.load_here(*self._job())
         except Exception as e:  # noqa: BLE001 - torch's own loader is the next try
             global _driver_failed
             (log.debug if _driver_failed else log.warning)(

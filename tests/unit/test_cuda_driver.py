@@ -257,3 +257,20 @@ def test_a_capture_in_progress_keeps_helpers_off_the_gpu(
     assert caplog.text == ""
     loads = [thread for call, _, thread in lib.calls if call == "cuModuleLoadData"]
     assert loads == [threading.current_thread().name] and impl.loads == []
+
+
+def test_with_no_helper_threads_each_kernel_loads_from_memory_at_its_first_launch(
+        softmax_graph: Any) -> None:
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    spec = softmax_graph.kernels[0]
+    binary = softmax_graph.binaries[spec.name]
+    kernel = StaticCudaKernel(spec, binary, (1, 1, 1), impl=impl, stream=lambda: 5,
+                              device=0, loader=CubinLoader(CudaDriver(lib), threads=0))
+    static_launcher.prefetch_all([kernel])
+    kernel.prefetch()
+    assert kernel._pending is None and lib.named("cuModuleLoadData") == []
+    kernel.run(*[object() for _ in kernel_spec_pointers(softmax_graph)])
+    loads = [(args[1], thread) for call, args, thread in lib.calls
+             if call == "cuModuleLoadData"]
+    assert loads == [(binary.binary, threading.current_thread().name)]
+    assert impl.loads == [] and impl.launches[0][0] == kernel.function
