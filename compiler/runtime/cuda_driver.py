@@ -51,6 +51,8 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuDevicePrimaryCtxRetain": (_P(_HANDLE), ctypes.c_int),
     "cuCtxGetCurrent": (_P(_HANDLE),),
     "cuCtxSetCurrent": (_HANDLE,),
+    "cuCtxPushCurrent_v2": (_HANDLE,),
+    "cuCtxPopCurrent_v2": (_P(_HANDLE),),
     "cuModuleLoadData": (_P(_HANDLE), ctypes.c_void_p),
     "cuModuleGetFunction": (_P(_HANDLE), _HANDLE, ctypes.c_char_p),
     "cuFuncGetAttribute": (_P(ctypes.c_int), ctypes.c_int, _HANDLE),
@@ -82,6 +84,9 @@ class CudaDriver:
         self.lib = lib
         self._contexts: dict[int, int] = {}
         self._lock = threading.Lock()
+        # The context each thread made current (each driver call needs the GIL back
+        # after it: one call fewer per load on helper threads).
+        self._current = threading.local()
         self._check(lib.cuInit(0), "cuInit")
 
     def _check(self, result: int, call: str, kernel: str = "") -> None:
@@ -104,11 +109,29 @@ class CudaDriver:
                 self._contexts[device] = int(ctx.value or 0)
             return self._contexts[device]
 
-    def load(self, image: bytes, name: str, shared: int, device: int) -> tuple[int, int]:
-        """Load ``image`` (a cubin) into ``device``'s primary context on this thread and
-        return (module, function) handles for kernel ``name``."""
+    def load(self, image: bytes, name: str, shared: int, device: int, helper: bool = False
+             ) -> tuple[int, int]:
+        """Load ``image`` (a cubin) into ``device``'s primary context and return (module,
+        function) handles for kernel ``name``. A ``helper`` thread (the loader's own)
+        keeps that context current; any other thread gets its own context back."""
+        lib, context = self.lib, self.context(device)
+        if helper:
+            if getattr(self._current, "context", None) != context:  # once per thread
+                self._check(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent", name)
+                self._current.context = context
+            return self._load(image, name, shared, device)
+        current = _HANDLE()
+        self._check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent", name)
+        if int(current.value or 0) == context:
+            return self._load(image, name, shared, device)
+        self._check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent", name)
+        try:
+            return self._load(image, name, shared, device)
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(_HANDLE()))
+
+    def _load(self, image: bytes, name: str, shared: int, device: int) -> tuple[int, int]:
         lib = self.lib
-        self._check(lib.cuCtxSetCurrent(self.context(device)), "cuCtxSetCurrent", name)
         module, function = _HANDLE(), _HANDLE()
         self._check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData",
                     name)
@@ -191,19 +214,21 @@ class CubinLoader:
             except BaseException as e:  # noqa: BLE001 - the kernel's thread raises it
                 future.set_exception(e)
 
-    def load_here(self, image: bytes, name: str, shared: int, device: int) -> LoadedCubin:
-        """The load on the calling thread."""
+    def load_here(self, image: bytes, name: str, shared: int, device: int,
+                  helper: bool = False) -> LoadedCubin:
+        """The load on the calling thread (its current context left as it was, unless
+        it is a ``helper``)."""
         start = time.perf_counter()
-        module, function = self.driver.load(image, name, shared, device)
+        module, function = self.driver.load(image, name, shared, device, helper)
         return LoadedCubin(module, function, time.perf_counter() - start)
 
     def _load(self, image: bytes, name: str, shared: int, device: int) -> LoadedCubin:
         if self.gpu_lock is None:
-            return self.load_here(image, name, shared, device)
+            return self.load_here(image, name, shared, device, helper=True)
         if not self.gpu_lock.acquire(blocking=False):
             raise LoadDeferred(f"kernel {name}: a CUDA graph capture holds the GPU")
         try:
-            return self.load_here(image, name, shared, device)
+            return self.load_here(image, name, shared, device, helper=True)
         finally:
             self.gpu_lock.release()
 

@@ -50,6 +50,7 @@ class RecordingLibcuda:
         self.fail = fail or {}
         self.static_shared = static_shared
         self.handles = iter(range(1000, 100000))
+        self.current: int | None = None  # cuCtxGetCurrent's answer (None: a new handle)
         self.lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
@@ -70,6 +71,8 @@ class RecordingLibcuda:
                     out.value = self.static_shared
                 elif name == "cuDeviceGet":
                     out.value = args[1]
+                elif name == "cuCtxGetCurrent" and self.current is not None:
+                    out.value = self.current
                 elif out is not None and hasattr(out, "value"):
                     out.value = next(self.handles)
             return 0
@@ -219,6 +222,9 @@ def test_helpers_share_one_queue_and_load_in_order() -> None:
     assert [f.result(10).function for f in futures]  # every one loaded
     names = [args[2] for args in lib.named("cuModuleGetFunction")]
     assert sorted(names) == sorted(f"k{i}".encode() for i in range(40))
+    # each helper made the context current once, not once per load
+    helpers = {thread for call, _, thread in lib.calls if call == "cuModuleLoadData"}
+    assert len(lib.named("cuCtxSetCurrent")) == len(helpers) <= 3
     assert loader.pool._work_queue.qsize() == 0 and len(loader.pool._threads) <= 3
     # started in order: each helper takes the next job from the front of the queue
     starts = [args[1][0] for args in lib.named("cuModuleLoadData")]
@@ -274,3 +280,22 @@ def test_with_no_helper_threads_each_kernel_loads_from_memory_at_its_first_launc
              if call == "cuModuleLoadData"]
     assert loads == [(binary.binary, threading.current_thread().name)]
     assert impl.loads == [] and impl.launches[0][0] == kernel.function
+    # this thread's context (torch's, its device) is left as it was: the device's primary
+    # context is pushed for the load and popped after, never set
+    calls = [call for call, _, _ in lib.calls]
+    assert "cuCtxSetCurrent" not in calls
+    assert calls.index("cuCtxPushCurrent_v2") < calls.index("cuModuleLoadData") \
+        < calls.index("cuCtxPopCurrent_v2")
+    primary = lib.named("cuDevicePrimaryCtxRetain")[0][0]._obj.value
+    assert lib.named("cuCtxPushCurrent_v2") == [(primary,)]
+
+
+def test_a_thread_already_in_the_devices_context_loads_without_switching() -> None:
+    lib = RecordingLibcuda()
+    driver = CudaDriver(lib)
+    primary = driver.context(0)
+    lib.current = primary  # what cuCtxGetCurrent answers from now on
+    driver.load(b"\x7fELF", "k", 0, 0)
+    calls = [call for call, _, _ in lib.calls]
+    assert "cuCtxPushCurrent_v2" not in calls and "cuCtxSetCurrent" not in calls
+    assert calls[-2:] == ["cuModuleLoadData", "cuModuleGetFunction"]
