@@ -189,6 +189,19 @@ def from_artifact(artifact: Artifact) -> CompiledGraph:
     return compiled
 
 
+def cubin_records(manifest: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each kernel's binary in a (verified) manifest: {blob name: (kernel name, binary
+    record)}: what a hit's launchers load (bucket binaries aside). Malformed entries are
+    left out (``from_artifact`` refuses them)."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    kernels = manifest.get("kernels")
+    for entry in kernels if isinstance(kernels, list) else []:
+        record = entry.get("binary") if isinstance(entry, dict) else None
+        if isinstance(record, dict) and isinstance(record.get("blob"), str):
+            out[record["blob"]] = (str(entry.get("name")), record)
+    return out
+
+
 def compile_seconds(manifest: dict[str, Any]) -> float:
     """How long the artifact took to compile when it was made (0 if not recorded)."""
     return float((manifest.get("compile") or {}).get("wall_s", 0.0))

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,11 +167,17 @@ class LoadDeferred(RuntimeError):
     loads it itself at its first launch."""
 
 
+Job = tuple[bytes, str, int, int]  # cubin, kernel name, shared memory, device ordinal
+
+
 class CubinLoader:
-    """Loads cubins on ``threads`` helper threads through a ``CudaDriver``; ``submit``
-    returns at once, and the kernel waits on the future at its first launch. With no
-    threads (``KILN_CUBIN_LOAD_THREADS=0``) nothing is submitted: each kernel loads its
-    cubin from memory on its own thread at its first launch.
+    """Loads cubins on ``threads`` helper threads through a ``CudaDriver``; ``submit_all``
+    returns futures at once, and each kernel waits on its own at its first launch. A job
+    asked again (the same cubin, name, shared memory and device: a kernel shared by two
+    graphs, or one whose load a hit started while its blobs were read) gets the first
+    one's future: one module per cubin per device. With no threads
+    (``KILN_CUBIN_LOAD_THREADS=0``) nothing is submitted: each kernel loads its cubin
+    from memory on its own thread at its first launch.
 
     ``gpu_lock`` (``cudagraphs.GPU_WORK_LOCK``) is held while a CUDA graph is captured: a
     module load from another thread then would invalidate the capture, so a helper that
@@ -182,31 +188,46 @@ class CubinLoader:
         self.driver = driver
         self.gpu_lock = gpu_lock
         self.threads = max(0, threads)  # 0: each kernel loads on its first launch
-        self.pool = ThreadPoolExecutor(max_workers=max(1, self.threads),
-                                       thread_name_prefix="kiln-cubin")
+        self._queue: deque[tuple[Job, Future[LoadedCubin]]] = deque()
+        self._ready = threading.Condition()
+        self._futures: dict[Job, Future[LoadedCubin]] = {}
+        self._helpers: list[threading.Thread] = []
 
     def submit(self, image: bytes, name: str, shared: int, device: int
                ) -> Future[LoadedCubin]:
         return self.submit_all([(image, name, shared, device)])[0]
 
-    def submit_all(self, jobs: Sequence[tuple[bytes, str, int, int]]
-                   ) -> list[Future[LoadedCubin]]:
-        """Futures of ``jobs`` (image, kernel name, shared memory, device), loaded in
-        order by up to ``threads`` helpers that share one queue: a graph's 50 loads cost
-        a few hand-offs, not 50, and its first kernels are ready first."""
-        futures: list[Future[LoadedCubin]] = [Future() for _ in jobs]
-        queue = deque(zip(jobs, futures))
-        for _ in range(min(self.threads, len(queue))):
-            self.pool.submit(self._drain, queue)
-        return futures
+    def submit_all(self, jobs: Sequence[Job]) -> list[Future[LoadedCubin]]:
+        """Futures of ``jobs``, loaded in order by the helpers (one queue: a graph's
+        first kernels are ready first); a job already asked keeps its future unless
+        that load failed."""
+        out, fresh = [], 0
+        with self._ready:
+            for job in jobs:
+                future = self._futures.get(job)
+                if future is None or _failed(future):
+                    future = self._futures[job] = Future()
+                    self._queue.append((job, future))
+                    fresh += 1
+                out.append(future)
+            if fresh:
+                self._start_helpers()
+                self._ready.notify(fresh)
+        return out
 
-    def _drain(self, queue: deque[tuple[tuple[bytes, str, int, int],
-                                        Future[LoadedCubin]]]) -> None:
+    def _start_helpers(self) -> None:
+        while len(self._helpers) < self.threads:
+            helper = threading.Thread(target=self._serve, daemon=True,
+                                      name=f"kiln-cubin-{len(self._helpers)}")
+            helper.start()
+            self._helpers.append(helper)
+
+    def _serve(self) -> None:
         while True:
-            try:
-                job, future = queue.popleft()
-            except IndexError:
-                return
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                job, future = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -231,6 +252,10 @@ class CubinLoader:
             return self.load_here(image, name, shared, device, helper=True)
         finally:
             self.gpu_lock.release()
+
+
+def _failed(future: Future[LoadedCubin]) -> bool:
+    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 _loader: CubinLoader | None = None

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trace
-from ..codegen.kernel_spec import KernelSpec
+from ..codegen.kernel_spec import KernelSpec, check_kernel_name
 from ..kernel_compile import KernelBinary
 from .cuda_driver import CubinLoader, LoadDeferred, LoadedCubin, cubin_loader
 from .kernel_files import cache_root
@@ -132,6 +132,64 @@ def _raw_stream(device: int) -> Callable[[], int]:
 
     get_stream = torch._C._cuda_getCurrentRawStream
     return lambda: get_stream(device)  # type: ignore[no-any-return]
+
+
+CubinRecords = Callable[[dict[str, Any]], dict[str, tuple[str, dict[str, Any]]]]
+
+
+class CubinPrefetch:
+    """A store lookup's observer (``artifact_store.BlobObserver``): each cubin of a hit
+    that this GPU can launch statically starts loading on the loader's helpers as soon
+    as its blob is read and matched its digest, while the other blobs are still read
+    (file reads and hashing free the GIL) and the graph is decoded and built. The graph's
+    kernels then find those loads (``CubinLoader`` keeps one future per job).
+    ``records`` names each kernel's binary blob in a manifest (``workers.artifact``)."""
+
+    def __init__(self, loader: CubinLoader, device: int, arch: int,
+                 records: CubinRecords) -> None:
+        self.loader, self.device, self.arch, self.records = loader, device, arch, records
+        self.wanted: dict[str, tuple[str, int]] = {}
+
+    def manifest(self, meta: dict[str, Any]) -> None:
+        self.wanted = {}
+        for blob, (kernel, record) in self.records(meta).items():
+            metadata = record.get("metadata")
+            target = record.get("target")
+            if not (isinstance(metadata, dict) and isinstance(target, dict)
+                    and int(target.get("arch", -1)) == self.arch):
+                continue
+            try:
+                check_launchable(metadata)
+                scratch_count(metadata)
+            except StaticLaunchUnsupported:
+                continue
+            name = check_kernel_name(str(metadata.get("name") or kernel))
+            self.wanted[blob] = (name, int(metadata.get("shared", 0) or 0))
+
+    def blob(self, name: str, data: bytes) -> None:
+        wanted = self.wanted.get(name)
+        if wanted is not None:
+            self.loader.submit_all([(data, wanted[0], wanted[1], self.device)])
+
+
+def cubin_prefetch(records: CubinRecords) -> CubinPrefetch | None:
+    """The observer for a lookup in this process, where cubins can load early: CUDA
+    already initialized here (a lookup never initializes it), the static launcher on,
+    and the driver's loader with helper threads."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    try:
+        launcher_impl()
+    except StaticLaunchUnsupported:
+        return None
+    loader = cubin_loader()
+    if loader is None or not loader.threads:
+        return None
+    device = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device)
+    return CubinPrefetch(loader, device, major * 10 + minor, records)
 
 
 def prefetch_all(launchers: Iterable[Any]) -> None:

@@ -6,6 +6,7 @@ here. A real load and launch, compared with eager: tests/gpu/test_cubin_loader_g
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -178,7 +179,7 @@ def test_the_process_loader_is_off_by_setting_or_without_libcuda(
     cuda_driver.reset_loader()
     monkeypatch.setenv("KILN_CUBIN_LOAD_THREADS", "3")
     loader = cuda_driver.cubin_loader(lambda: CudaDriver(RecordingLibcuda()))
-    assert loader is not None and loader.pool._max_workers == 3
+    assert loader is not None and loader.threads == 3
     cuda_driver.reset_loader()
 
 
@@ -197,20 +198,25 @@ def test_only_torchs_own_launcher_gets_the_process_loader(
 def test_loading_a_graph_starts_every_cubin_load_before_its_first_call(
         softmax_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``compiled_graph.load`` hands the graph's static kernels to the loader, in their
-    order; the first call then only waits. Two graphs sharing a kernel each load it."""
+    order; the first call then only waits. A second graph with the same kernels shares
+    their modules: each cubin is loaded once per device."""
     lib, impl = RecordingLibcuda(), RecordingLauncher()
     loader = CubinLoader(CudaDriver(lib), threads=1)
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
     monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
     monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
     device = torch.device("cuda", 0)
-    compiled_graph.load(softmax_graph, {}, device)
-    compiled_graph.load(softmax_graph, {}, device)  # a second graph with the same kernels
-    loader.pool.shutdown(wait=True)  # the helpers finish without any call
+    first = compiled_graph.load(softmax_graph, {}, device)
+    second = compiled_graph.load(softmax_graph, {}, device)  # another graph, same kernels
+    for future in list(loader._futures.values()):
+        future.result(10)  # the helpers finish without any call
     images = [args[1] for args in lib.named("cuModuleLoadData")]
     kernels = softmax_graph.kernels
-    assert len(images) == 2 * len(kernels) >= 4
-    assert images == 2 * [softmax_graph.binaries[k.name].binary for k in kernels]
+    assert len(kernels) >= 2
+    assert images == [softmax_graph.binaries[k.name].binary for k in kernels]
+    for spec in kernels:  # both graphs launch the same function handle
+        one, two = first.__globals__[spec.name], second.__globals__[spec.name]
+        assert one is not two and one._pending is two._pending is not None
     assert impl.loads == []
 
 
@@ -225,7 +231,7 @@ def test_helpers_share_one_queue_and_load_in_order() -> None:
     # each helper made the context current once, not once per load
     helpers = {thread for call, _, thread in lib.calls if call == "cuModuleLoadData"}
     assert len(lib.named("cuCtxSetCurrent")) == len(helpers) <= 3
-    assert loader.pool._work_queue.qsize() == 0 and len(loader.pool._threads) <= 3
+    assert not loader._queue and len(loader._helpers) == 3
     # started in order: each helper takes the next job from the front of the queue
     starts = [args[1][0] for args in lib.named("cuModuleLoadData")]
     assert starts[:3] == sorted(starts[:3]) and set(starts[:3]) <= {0, 1, 2, 3, 4, 5}
@@ -299,3 +305,84 @@ def test_a_thread_already_in_the_devices_context_loads_without_switching() -> No
     calls = [call for call, _, _ in lib.calls]
     assert "cuCtxPushCurrent_v2" not in calls and "cuCtxSetCurrent" not in calls
     assert calls[-2:] == ["cuModuleLoadData", "cuModuleGetFunction"]
+
+
+@pytest.fixture
+def stored_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The softmax graph (sm_90 cubins) published to a real store on disk: (store, key,
+    compiled graph)."""
+    from kiln.artifact_store import open_store
+    from kiln.frontend.artifact import to_artifact
+    from kiln.frontend.keys import compute_key
+    from kiln.frontend.serialize import make_request
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
+    args = fake_cuda([torch.randn(64, 300)])
+    gm = trace_aten(lambda a: (torch.softmax(a * 2, -1), a.sum(0) * 3), args)
+    compiled = compile_graph(gm, args, {}, name="g", target=SM90)
+    request = make_request(gm, args, options={}, target=SM90, versions={"v": 1})
+    key = compute_key(request)
+    store = open_store(f"file://{tmp_path}/store", stats_file=False, local_cache=False)
+    assert store.publish(to_artifact(key, request, compiled))
+    return store, key.key, compiled
+
+
+def test_a_hits_cubins_start_loading_while_its_blobs_are_read(
+        stored_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each verified cubin blob goes to the helpers as the lookup reads it, before the
+    graph is decoded; the loaded graph's kernels then find those loads (one module per
+    cubin), and outputs come from the same function handles."""
+    from kiln.compiler.runtime.static_launcher import CubinPrefetch
+    from kiln.frontend.artifact import cubin_records, from_artifact
+
+    store, key, compiled = stored_graph
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    loader = CubinLoader(CudaDriver(lib), threads=1)
+    seen: list[str] = []
+    class Watched(CubinPrefetch):
+        def blob(self, name: str, data: bytes) -> None:
+            seen.append(name)
+            super().blob(name, data)
+
+    observer = Watched(loader, 0, 90, cubin_records)
+    artifact = store.get(key, observer=observer)
+    assert artifact is not None
+    cubins = {f"kernels/{spec.name}.cubin" for spec in compiled.kernels}
+    assert cubins <= set(seen) and set(observer.wanted) == cubins
+    early = dict(loader._futures)
+    assert len(early) == len(compiled.kernels)  # submitted during the lookup
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
+    monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
+    monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7,
+                        raising=False)
+    call = compiled_graph.load(from_artifact(artifact), {}, torch.device("cuda", 0))
+    for spec in compiled.kernels:
+        kernel = call.__globals__[spec.name]
+        assert kernel._pending in early.values()
+        kernel.run(*[object() for t in spec.signature.values() if t.startswith("*")])
+    assert len(lib.named("cuModuleLoadData")) == len(compiled.kernels)  # no second load
+    assert impl.loads == [] and len(impl.launches) == len(compiled.kernels)
+
+
+def test_a_cubin_failing_its_digest_is_never_loaded_and_named(stored_graph: Any,
+                                                              tmp_path: Path) -> None:
+    """A damaged cubin blob in the store: the observer never hears of it, nothing is
+    loaded from it, and the lookup is a miss whose problem names the kernel's blob."""
+    from kiln.compiler.runtime.static_launcher import CubinPrefetch
+    from kiln.frontend.artifact import cubin_records
+
+    store, key, compiled = stored_graph
+    spec = compiled.kernels[0]
+    digest = hashlib.sha256(compiled.binaries[spec.name].binary).hexdigest()
+    (tmp_path / "store" / "cas" / digest[:2] / digest).write_bytes(b"\x7fELF tampered")
+    lib = RecordingLibcuda()
+    loader = CubinLoader(CudaDriver(lib), threads=1)
+    outcome = store.lookup(key, observer=CubinPrefetch(loader, 0, 90, cubin_records))
+    assert outcome.artifact is None and outcome.status == "damaged"
+    assert any(f"kernels/{spec.name}.cubin" in detail for _, detail in outcome.problems)
+    for future in list(loader._futures.values()):
+        future.result(10)
+    images = [args[1] for args in lib.named("cuModuleLoadData")]
+    assert b"\x7fELF tampered" not in images  # the others (verified) may have started
+    assert compiled.binaries[spec.name].binary not in images
