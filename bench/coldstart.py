@@ -3,7 +3,9 @@ the first output, each measurement in a fresh process, model construction exclud
 
 Models (bench/coldstart_models.py): HF GPT-2 forward (config, random weights), torchvision
 ResNet-18 forward, a transformer-encoder training step (embedding, 4 layers, MLM-style
-loss, fwd+bwd, bf16 autocast on GPU), and a 24-layer decoder-only transformer forward.
+loss, fwd+bwd, bf16 autocast on GPU), a 24-layer decoder-only transformer forward, and
+torchvision ResNet-50 forward (``resnet50``: 53 convolutions of four widths, for a worker
+sweep over layers that differ: ``--sweep-model resnet50``).
 
 Modes:
     inductor_cold    stock torch.compile, empty Inductor/Triton caches

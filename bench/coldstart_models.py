@@ -143,6 +143,19 @@ def resnet18(device: str, smoke: bool) -> Case:
     return Case("resnet18", module, (x,), _forward(x), _tol(dtype, loose=True), note)
 
 
+def resnet50(device: str, smoke: bool) -> Case:
+    """torchvision ResNet-50 forward (53 convolutions in 16 bottleneck blocks of four
+    widths): a large model whose layers differ, for the worker sweep (deep24's 24
+    identical layers compile as 3 distinct regions)."""
+    import torchvision  # (no stand-in: the sweep needs the real model)
+
+    batch, size = (2, 64) if smoke else (32, 224)
+    dtype = torch.float32 if smoke or device == "cpu" else torch.bfloat16
+    module = torchvision.models.resnet50().eval().to(device=device, dtype=dtype)
+    x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    return Case("resnet50", module, (x,), _forward(x), _tol(dtype, loose=True), "53 convs")
+
+
 # ---------------------------------------------------------------------------------------
 # A transformer-encoder training step: embedding, 4 layers, MLM-style loss, fwd + bwd.
 
@@ -197,7 +210,8 @@ def deep24(device: str, smoke: bool) -> Case:
 
 
 MODELS: dict[str, Callable[[str, bool], Case]] = {
-    "gpt2": gpt2, "resnet18": resnet18, "encoder_train": encoder_train, "deep24": deep24}
+    "gpt2": gpt2, "resnet18": resnet18, "encoder_train": encoder_train, "deep24": deep24,
+    "resnet50": resnet50}
 
 
 def _tol(dtype: torch.dtype, loose: bool = False) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kiln.compiler import trace
 from kiln.frontend import warmup
 from kiln.frontend.warmup import Warmup, plan, run
+from tests.warmup_helpers import compile_after_the_warmup
 
 
 class Attention(torch.nn.Module):
@@ -90,12 +91,7 @@ def test_a_model_compiled_with_the_warm_up_matches_eager(tmp_path: object,
         return made_now
 
     monkeypatch.setattr(warmup, "_scratch", scratch)
-    if on_callers_thread:
-        from kiln.frontend import client as kiln_client
-
-        real_overlap = kiln_client.overlap
-        monkeypatch.setattr(kiln_client, "overlap", lambda work, warm, warm_here: real_overlap(
-            work, warm, warm_here=True))
+    compile_after_the_warmup(monkeypatch, warm_here=True if on_callers_thread else None)
     reset_clients()
     torch.manual_seed(0)
     model = Attention(dim=256 if on_callers_thread else 128).cuda().half()

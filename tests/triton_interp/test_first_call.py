@@ -6,7 +6,6 @@ timeline holds the first call with its library calls."""
 
 from __future__ import annotations
 
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kiln.frontend import compile as kiln_compile
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import reset_clients
 from kiln.frontend.warmup import Warmup, plan
+from tests.warmup_helpers import compile_after_the_warmup
 
 OPTIONS: dict[str, Any] = {"cpu_backend": "triton-interpret"}
 
@@ -40,32 +40,7 @@ def test_a_warmed_graph_matches_eager_and_its_first_call_is_on_the_timeline(
         return made[-1]
 
     monkeypatch.setattr(kiln_compile.Warmup, "for_graph", staticmethod(on_cpu_too))
-    from kiln.frontend import client as kiln_client
-
-    real_overlap = kiln_client.overlap
-
-    def compile_after_the_warmup(work: Any, warm: Any, warm_here: bool) -> Any:
-        """The compile waits for the warm-up to end: a compile that ends first stops the
-        warm-up after its call in flight (tests/unit/test_warmup.py), which would make the
-        count of calls below a race with the interpreter's compile time."""
-        if warm is None:
-            return real_overlap(work, warm, warm_here=warm_here)
-        done = threading.Event()
-
-        def warm_then_done(stop: threading.Event | None = None) -> None:
-            try:
-                warm(stop)
-            finally:
-                done.set()
-
-        def work_after() -> Any:
-            assert done.wait(120), "the warm-up did not end"
-            return work()
-
-        return real_overlap(work_after, warm_then_done,
-                            warm_here=True if on_callers_thread else warm_here)
-
-    monkeypatch.setattr(kiln_client, "overlap", compile_after_the_warmup)
+    compile_after_the_warmup(monkeypatch, warm_here=True if on_callers_thread else None)
     torch.manual_seed(0)
     hidden = 48 if on_callers_thread else 64  # another graph: no cache serves it
     model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(),
