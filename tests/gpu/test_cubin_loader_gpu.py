@@ -100,3 +100,34 @@ def test_a_damaged_cubin_is_refused_by_the_driver_naming_the_kernel(
     got = load(compiled)(list(args))  # the real cubins still load and run
     for out, ref in zip(got, first(*args)):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_hits_cubins_load_while_its_blobs_are_read_and_match_eager(
+        fresh: Path, tmp_path: Path) -> None:
+    """A graph published to a store on disk, looked up as the client does: its cubins
+    start loading during the lookup (CUDA is up here), the loaded graph's kernels use
+    those modules, and the outputs match eager."""
+    from kiln.artifact_store import open_store
+    from kiln.compiler.runtime.static_launcher import cubin_prefetch
+    from kiln.frontend.artifact import cubin_records, from_artifact, to_artifact
+    from kiln.frontend.keys import compute_key
+    from kiln.frontend.serialize import make_request
+
+    torch.manual_seed(0)
+    compiled, args = _graph(first, "first")
+    request = make_request(trace_aten(first, args), args, options={}, target=target(),
+                           versions={"v": 1})
+    key = compute_key(request)
+    store = open_store(f"file://{tmp_path}/store", stats_file=False, local_cache=False)
+    assert store.publish(to_artifact(key, request, compiled))
+    observer = cubin_prefetch(cubin_records)
+    assert observer is not None, cuda_driver._loader_reason
+    artifact = store.get(key.key, observer=observer)
+    assert artifact is not None and len(observer.wanted) == len(compiled.kernels)
+    early = set(map(id, observer.loader._futures.values()))
+    call = load(from_artifact(artifact))
+    assert all(id(k._pending) in early for k in _static_kernels(call))
+    got = call(list(args))
+    for out, ref in zip(got, first(*args)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
