@@ -32,6 +32,7 @@ log = logging.getLogger("kiln.runtime")
 # cuda.h enumerators used here.
 _MAX_SHARED_PER_BLOCK_OPTIN = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 _FUNC_SHARED_SIZE_BYTES = 1  # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+_FUNC_NUM_REGS = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
 _FUNC_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _CACHE_PREFER_SHARED = 1  # CU_FUNC_CACHE_PREFER_SHARED
 _STATIC_SHARED_MAX = 48 * 1024  # above it a kernel opts in to more shared memory
@@ -137,6 +138,12 @@ class CudaDriver:
                     name)
         self._check(lib.cuModuleGetFunction(ctypes.byref(function), module,
                                             name.encode()), "cuModuleGetFunction", name)
+        # With lazy loading (CUDA_MODULE_LOADING=LAZY, the default) part of a function's
+        # load may wait for its first use: asking its registers, as torch's loader does,
+        # finishes it here rather than at the kernel's first launch.
+        regs = ctypes.c_int()
+        self._check(lib.cuFuncGetAttribute(ctypes.byref(regs), _FUNC_NUM_REGS, function),
+                    "cuFuncGetAttribute", name)
         if shared > _STATIC_SHARED_MAX:
             self._opt_in_shared(function, name, shared, device)
         return int(module.value or 0), int(function.value or 0)

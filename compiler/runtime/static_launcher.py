@@ -2,13 +2,14 @@
 _StaticCudaLauncher``, what Inductor uses): no Triton JIT, no launcher stub built with the
 C compiler, nothing imported but the cubin. This is the warm path of a hit.
 
-A loaded graph starts its cubins' loads at once on helper threads, from memory, through
-the CUDA driver (``cuda_driver``: the GIL is free meanwhile, so the loads overlap the
-client's own work), and each kernel waits for its own at its first launch. Where the
-driver cannot be used (``KILN_CUBIN_LOADER=torch``, or it fails), the cubin goes to a
-file named by its sha256 under the kernel cache (torch's launcher loads from a path), and
-is loaded on the kernel's first launch, so a graph of 50 kernels pays only for those it
-runs. ``StaticLaunchUnsupported`` names why a kernel cannot take this
+Cubins load from memory through the CUDA driver on helper threads (``cuda_driver``: the
+GIL is free during each driver call, so the loads overlap the client's own work): a hit's
+cubins start as their blobs are read and verified (``CubinPrefetch``, a store lookup's
+observer), the others when their graph is loaded (``prefetch_all``), and each kernel waits
+for its own at its first launch. Where the driver cannot be used
+(``KILN_CUBIN_LOADER=torch``, or a load fails), the cubin goes to a file named by its
+sha256 under the kernel cache (torch's launcher loads from a path), loaded at the
+kernel's first launch. ``StaticLaunchUnsupported`` names why a kernel cannot take this
 path (a torch without the launcher, scratch memory, clusters, cooperative grids); the
 caller then uses Triton's own launcher. ``KILN_STATIC_LAUNCHER=0`` turns it off.
 """
@@ -283,7 +284,8 @@ class StaticCudaKernel:
 
     def _load_from_memory(self, span: dict[str, Any]) -> bool:
         """The prefetched (or, now, the driver's) load; False where there is no loader or
-        it failed (said once per kernel), and torch's launcher loads the file instead."""
+        it failed (a warning for the process's first failure), and torch's launcher loads
+        the file instead."""
         if self.loader is None:
             return False
         self.prefetch()

@@ -304,7 +304,8 @@ def test_a_thread_already_in_the_devices_context_loads_without_switching() -> No
     driver.load(b"\x7fELF", "k", 0, 0)
     calls = [call for call, _, _ in lib.calls]
     assert "cuCtxPushCurrent_v2" not in calls and "cuCtxSetCurrent" not in calls
-    assert calls[-2:] == ["cuModuleLoadData", "cuModuleGetFunction"]
+    assert calls[-3:] == ["cuModuleLoadData", "cuModuleGetFunction", "cuFuncGetAttribute"]
+    assert lib.named("cuFuncGetAttribute")[0][1] == 4  # NUM_REGS: the function fully loaded
 
 
 @pytest.fixture
