@@ -79,6 +79,9 @@ class ObjectIO:
         self.fs = fs
         self.root = root.rstrip("/")
         self.is_local = isinstance(fs, LocalFileSystem)
+        # fsspec's own local file system (not a subclass that changes its I/O) is read
+        # with open(): a warm hit reads ~100 blobs, and cat_file costs ~10 us more each.
+        self._plain_reads = type(fs) is LocalFileSystem
 
     def blob_path(self, digest: str) -> str:
         return f"{self.root}/{CAS_DIR}/{digest[:2]}/{digest}"
@@ -94,6 +97,12 @@ class ObjectIO:
 
     def read(self, path: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
+        if self._plain_reads:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except (FileNotFoundError, IsADirectoryError):
+                return None
         try:
             data = self.fs.cat_file(path)
         except FileNotFoundError:

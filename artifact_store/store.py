@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .artifact import Artifact, check_blob_name, check_key
 from .cas import AC_DIR, sha256_hex
@@ -56,13 +56,26 @@ class _Prepared:
         self.record = record
 
 
+class BlobObserver(Protocol):
+    """Told of a lookup's verified bytes as they arrive (the client starts loading cubins
+    while the other blobs are still read): `manifest` with the verified manifest's
+    metadata, then `blob` for each blob once it matched its digest. Their errors are
+    logged and ignored; the lookup's result does not depend on them."""
+
+    def manifest(self, meta: dict[str, Any]) -> None: ...
+
+    def blob(self, name: str, data: bytes) -> None: ...
+
+
 @dataclass
 class Lookup:
     """Why a lookup found what it found, for tools that must tell the cases apart
-    (`kiln inspect`): `problems` names each refusal, one (kind, detail) per tier."""
+    (`kiln inspect`): `problems` names each refusal, one (kind, detail) per tier.
+    `observer` hears of the verified manifest and blobs as they are read."""
 
     artifact: Artifact | None = None
     problems: list[tuple[str, str]] = field(default_factory=list)
+    observer: BlobObserver | None = None
 
     # kinds of problem, worst first
     KINDS = ("damaged", "refused", "unsupported", "unavailable", "invalid")
@@ -152,16 +165,19 @@ class Store:
 
     # Reads
 
-    def get(self, key: str, *, kind: str = "") -> Artifact | None:
+    def get(self, key: str, *, kind: str = "", observer: BlobObserver | None = None
+            ) -> Artifact | None:
         """The verified artifact for `key`, or None (a miss, whatever the reason).
 
         `kind` (e.g. "kernel") counts the lookup as `<kind>_hits` / `<kind>_misses`
-        instead of the graph `hits` / `misses` that `kiln stats` reports."""
-        return self.lookup(key, kind=kind).artifact
+        instead of the graph `hits` / `misses` that `kiln stats` reports. `observer`
+        (`BlobObserver`) hears of verified bytes as they are read."""
+        return self.lookup(key, kind=kind, observer=observer).artifact
 
-    def lookup(self, key: str, *, kind: str = "") -> Lookup:
+    def lookup(self, key: str, *, kind: str = "", observer: BlobObserver | None = None
+               ) -> Lookup:
         """`get`, telling a missing artifact from a damaged, refused or unreadable one."""
-        outcome = Lookup()
+        outcome = Lookup(observer=observer)
         op = f"{kind}_get" if kind else "get"
         found = self._lookup(op, key, with_blobs=True, outcome=outcome)
         prefix = f"{kind}_" if kind else ""
@@ -319,8 +335,9 @@ class Store:
         record = self._verify(tier, key, raw, outcome)
         if record is None or not with_blobs:
             return None if record is None else (record, None)
+        observer = self._observing(outcome.observer, record)
         try:
-            blobs = tier.read_blobs(record.blobs)
+            blobs = tier.read_blobs(record.blobs, observer)
         except IntegrityError as exc:
             self._damaged(tier, key, raw, exc, outcome)
             return None
@@ -330,6 +347,24 @@ class Store:
             return None
         tier.touch(key)
         return record, blobs
+
+    def _observing(self, observer: BlobObserver | None, record: ManifestRecord
+                   ) -> Callable[[str, bytes], None] | None:
+        """The observer told of a verified manifest; its `blob`, errors swallowed."""
+        if observer is None:
+            return None
+        try:
+            observer.manifest(record.meta)
+        except Exception as exc:  # an observer's fault never changes a lookup
+            logger.debug("Kiln artifact store: blob observer failed: %s", exc)
+            return None
+
+        def blob(name: str, data: bytes) -> None:
+            try:
+                observer.blob(name, data)
+            except Exception as exc:
+                logger.debug("Kiln artifact store: blob observer failed on %s: %s", name, exc)
+        return blob
 
     def _verify(self, tier: Tier, key: str, raw: bytes, outcome: Lookup
                 ) -> ManifestRecord | None:

@@ -90,8 +90,10 @@ class Tier:
     def read_manifest(self, key: str) -> bytes | None:
         return self._call(0, self.io.read, self.io.manifest_path(key))  # type: ignore[no-any-return]
 
-    def read_blobs(self, refs: Mapping[str, BlobRef]) -> dict[str, bytes]:
-        """Every blob a manifest names, each checked against its digest.
+    def read_blobs(self, refs: Mapping[str, BlobRef],
+                   observer: Callable[[str, bytes], None] | None = None) -> dict[str, bytes]:
+        """Every blob a manifest names, each checked against its digest; `observer`
+        is told of each (by name) once it matched its digest, as the blobs arrive.
 
         IntegrityError naming what is missing or corrupt (`missing`/`corrupt` hold
         digests); other exceptions are faults of the tier. Blobs are fetched and hashed
@@ -103,8 +105,17 @@ class Tier:
         calls = [(self._fetch_verified, (digest, sizes[digest])) for digest in digests]
         if self.uses_threads or (total >= PARALLEL_HASH_BYTES and len(digests) > 1):
             results = self.pool.run_all(self.deadline(total), calls)
+            if observer is not None:
+                _tell(observer, refs, dict(zip(digests, results)))
         else:
-            results = [fetch(*args) for fetch, args in calls]
+            results = []
+            names = _names_by_digest(refs) if observer is not None else {}
+            for fetch, args in calls:
+                data = fetch(*args)
+                results.append(data)
+                if observer is not None and data is not None and data is not _CORRUPT:
+                    for name in names[args[0]]:
+                        observer(name, data)
         by_digest = dict(zip(digests, results))
         missing = sorted(n for n, r in refs.items() if by_digest[r.digest] is None)
         corrupt = sorted(n for n, r in refs.items() if by_digest[r.digest] is _CORRUPT)
@@ -318,3 +329,19 @@ class _EvictionLock:
             self._handle.close()
 
 
+
+
+def _names_by_digest(refs: Mapping[str, BlobRef]) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for name, ref in refs.items():
+        names.setdefault(ref.digest, []).append(name)
+    return names
+
+
+def _tell(observer: Callable[[str, bytes], None], refs: Mapping[str, BlobRef],
+          by_digest: Mapping[str, Any]) -> None:
+    """The observer told of every verified blob (fetched on pool threads, all at once)."""
+    for name, ref in refs.items():
+        data = by_digest.get(ref.digest)
+        if data is not None and data is not _CORRUPT:
+            observer(name, data)

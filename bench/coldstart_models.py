@@ -150,7 +150,9 @@ def resnet50(device: str, smoke: bool) -> Case:
     import torchvision  # (no stand-in: the sweep needs the real model)
 
     batch, size = (2, 64) if smoke else (32, 224)
-    dtype = torch.float32 if smoke or device == "cpu" else torch.bfloat16
+    # fp16, not bf16: through 16 random-weight blocks bf16's rounding alone moved eager
+    # against itself compiled (Inductor's too) past the tolerance on the H200 (06:37 UTC).
+    dtype = torch.float32 if smoke or device == "cpu" else torch.float16
     module = torchvision.models.resnet50().eval().to(device=device, dtype=dtype)
     x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
     return Case("resnet50", module, (x,), _forward(x), _tol(dtype, loose=True), "53 convs")

@@ -81,6 +81,10 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     for spec in compiled.kernels:
         with trace.span("load kernel", cat="client", kernel=spec.name, graph=compiled.name):
             namespace[spec.name] = _launcher(compiled, spec, device, on_new_bucket)
+    if device.type == "cuda":  # the cubins load on helper threads from now on
+        from .runtime.static_launcher import prefetch_all
+
+        prefetch_all(namespace[spec.name] for spec in compiled.kernels)
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
@@ -180,5 +184,18 @@ def _static_launcher(spec: KernelSpec, binary: KernelBinary, device: int | None 
 
 
 def _arch_matches(binary: KernelBinary, device: torch.device) -> bool:
-    major, minor = torch.cuda.get_device_capability(device)
-    return int(binary.target.get("arch", -1)) == major * 10 + minor
+    return int(binary.target.get("arch", -1)) == _arch(device.index)
+
+
+_ARCHES: dict[int, int] = {}
+
+
+def _arch(index: int | None) -> int:
+    """The compute capability of a CUDA device as 90 for sm_90 (asked once per device:
+    a graph of 50 kernels asked it 50 times)."""
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _ARCHES:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCHES[index] = major * 10 + minor
+    return _ARCHES[index]

@@ -50,6 +50,7 @@ from .tensor_meta import (
     _dtype_name,
     _torch_attr,
     dtype_from_name,
+    tensor_wire,
 )
 
 # Bump when the graph or request encoding changes: it is the key's "schema" part.
@@ -395,7 +396,7 @@ def _encode_val(val: Any, symbols: SymbolTable | None = None) -> Any:
     if val is None or isinstance(val, (bool, int, float)):
         return val
     if isinstance(val, torch.Tensor):
-        return ["tensor", TensorMeta.from_tensor(val, symbols).to_wire()]
+        return ["tensor", tensor_wire(val, symbols)]
     if isinstance(val, (list, tuple)):
         tag = "list" if isinstance(val, list) else "tuple"
         return [tag, [_encode_val(v, symbols) for v in val]]

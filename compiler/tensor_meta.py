@@ -136,6 +136,17 @@ class TensorMeta:
         return meta
 
 
+def tensor_wire(t: torch.Tensor, symbols: SymbolTable | None = None) -> list[Any]:
+    """``TensorMeta.from_tensor(t, symbols).to_wire()``; for a tensor whose sizes,
+    strides and offset are plain ints (every node of a static graph: hundreds per
+    request, serialized on every lookup), the same list without building the meta."""
+    shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    if type(offset) is int and all(type(n) is int for n in shape) \
+            and all(type(n) is int for n in stride):
+        return [list(shape), list(stride), _dtype_name(t.dtype), t.device.type, offset]
+    return TensorMeta.from_tensor(t, symbols).to_wire()
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool):
         return value

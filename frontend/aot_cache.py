@@ -475,8 +475,14 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool,
     """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
     extern calls must not record autograd), autocast off when it was on at trace time
     (the graph is already cast), the inputs passed as one list, and the symbolic
-    dimensions of ``dynamic`` outputs marked on them. A CUDA-graph runner (``served``)
-    replays a recording before any of that: a replay runs no op."""
+    dimensions of ``dynamic`` outputs marked on them. A CUDA-graph runner, or a
+    ``SwappableGraph`` around one (``served``), replays a recording before any of that: a
+    replay runs no op.
+
+    Not wrapped in ``torch._dynamo.disable``: the entry is only ever the backend's answer
+    to Dynamo, which wraps what a backend returns in its own ``disable`` (``OutputGraph``,
+    torch 2.11 and 2.13), after unwrapping any ``disable`` already around it; a layer here
+    was dropped there at once and only cost a wrapper at compile time."""
     def forward(*args: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad:
@@ -494,7 +500,7 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool,
     entry = served(forward) if callable(served) else forward
     if dynamic:
         entry = _marking_dynamic(entry, dynamic)
-    return torch._dynamo.disable(entry)  # type: ignore[no-any-return]
+    return entry
 
 
 # The attribute through which AOTAutograd's runtime tells Dynamo an output's dynamic dims.

@@ -6,10 +6,11 @@ from kiln.workers.artifact import (
     WRAPPER_BLOB,
     ArtifactFormatError,
     compile_seconds,
+    cubin_records,
     from_artifact,
     superseding,
     to_artifact,
 )
 
 __all__ = ["LAYOUT_VERSION", "WRAPPER_BLOB", "ArtifactFormatError", "compile_seconds",
-           "from_artifact", "superseding", "to_artifact"]
+           "cubin_records", "from_artifact", "superseding", "to_artifact"]

@@ -37,6 +37,7 @@ from kiln.artifact_store.stats import merge_counters, persist_counters
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
+from kiln.compiler.runtime.static_launcher import cubin_prefetch
 from kiln.workers.kernel_store import KernelStore
 from kiln.workers.pipeline import (
     CompileFailure,
@@ -46,7 +47,7 @@ from kiln.workers.pipeline import (
     test_delay,
 )
 
-from .artifact import compile_seconds, from_artifact, to_artifact
+from .artifact import compile_seconds, cubin_records, from_artifact, to_artifact
 from .config import KilnConfig
 from .farm import Farm, FarmNotUp, FarmTimeout, FarmUnavailable, InProcessFarm, farm_for
 from .keys import KeyInfo, compute_key
@@ -206,7 +207,8 @@ class KilnClient:
     def _lookup(self, key: KeyInfo) -> CompileResult | None:
         start = time.perf_counter()
         with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
-            artifact = self.store.get(key.key)
+            # a hit's cubins start loading as their blobs arrive (static_launcher)
+            artifact = self.store.get(key.key, observer=cubin_prefetch(cubin_records))
             found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:

@@ -12,6 +12,14 @@ each bucket tuned (``bucket_tunes``).
 
 A tuning that fails leaves the heuristic kernels running: one warning (from the tuning
 thread), and no more tuning of that graph in this process.
+
+Under CUDA graphs (``compiler.runtime.cudagraphs``) each load is a new runner with no
+recording: ``replayer`` names the runner of ``call`` (from the end of the first call on),
+and ``served`` gives ``frontend.aot_cache.served_graph`` an entry that replays its
+recordings before any other work, reading ``replayer`` at each call. A switch sets
+``replayer`` to None before ``call`` changes and to the new runner after, so no call that
+starts after a switch replays a recording of the kernels it replaced; the new runner warms
+up and records on the calls that miss.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
+from kiln.compiler.runtime.cudagraphs import CudaGraphRunner, replaying
 from kiln.workers.buckets import Seen, can_tune_buckets, tune_buckets
 
 from .client import KilnClient
@@ -65,6 +74,8 @@ class SwappableGraph:
         self._pending_lock = threading.Lock()
         self._pending: Seen = {}
         self._requested: set[tuple[str, str]] = set()
+        self._switch_lock = threading.Lock()  # ``call`` and ``replayer`` change together
+        self.replayer: CudaGraphRunner | None = None  # replayed by ``served``'s entry
         self.call = build(compiled, self._hook())
         self.called = False
         client.on_tuned(key.key, self.tuned)
@@ -79,9 +90,16 @@ class SwappableGraph:
         """The first output (on the timeline with its library calls and cubin loads:
         ``frontend.first_call``); this graph's held tuning may start after it."""
         out = traced_first_call(self.call, args, self.key.key)
-        self.called = True
+        with self._switch_lock:
+            self.called = True
+            self.replayer = _runner_of(self.call)
         self.client.tuner.release(self.key.key)
         return out
+
+    def served(self, slow: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(*inputs)`` for ``served_graph`` (see the module docstring): ``slow``
+        itself where the graph runs without CUDA graphs."""
+        return replaying(self, slow) if _runner_of(self.call) is not None else slow
 
     def _hook(self) -> NewBucket | None:
         return self._new_bucket if self._tune_buckets and not self.failed else None
@@ -142,10 +160,19 @@ class SwappableGraph:
                 self.client.publish_tuned(self.key, self.request, merged, self.recorded_s)
 
     def _install(self, graph: CompiledGraph) -> None:
-        """Load ``graph`` here, then switch to it in one assignment (between calls)."""
+        """Load ``graph`` here, then switch to it between calls (``call`` in one
+        assignment; ``replayer`` around it: see the module docstring)."""
         call = self._build(graph, self._hook())
-        self.compiled, self.call = graph, call
+        with self._switch_lock:
+            self.replayer = None  # (a replay of the old runner never follows the switch)
+            self.compiled, self.call = graph, call
+            if self.called:
+                self.replayer = _runner_of(call)
         self.swaps += 1
         self.client.counters.add(hot_swaps=1)
         log.info("kiln: graph %s switched to tuned kernels (switch %d)", self.key.key[:16],
                  self.swaps)
+
+
+def _runner_of(call: Callable[..., Any]) -> CudaGraphRunner | None:
+    return call if isinstance(call, CudaGraphRunner) else None

@@ -178,12 +178,28 @@ def from_artifact(artifact: Artifact) -> CompiledGraph:
             binaries[spec.name] = _read_binary(artifact, entry["binary"])
     graph = dict(manifest["graph"])
     buckets, bucket_binaries = _read_buckets(artifact, graph, kernels)
-    return CompiledGraph.from_dict({
+    compiled = CompiledGraph.from_dict({
         **graph, "buckets": buckets, "bucket_binaries": bucket_binaries,
-        "wrapper_source": _blob(artifact, WRAPPER_BLOB).decode(),
-        "kernels": [k.to_dict() for k in kernels],
-        "binaries": {name: b.to_dict() for name, b in binaries.items()},
+        "wrapper_source": _blob(artifact, WRAPPER_BLOB).decode(), "kernels": [],
+        "binaries": {},
     })
+    # The kernels and binaries checked above, as they are (a warm hit's decode: no
+    # second round trip through dicts for 50 kernels).
+    compiled.kernels, compiled.binaries = kernels, binaries
+    return compiled
+
+
+def cubin_records(manifest: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each kernel's binary in a (verified) manifest: {blob name: (kernel name, binary
+    record)}: what a hit's launchers load (bucket binaries aside). Malformed entries are
+    left out (``from_artifact`` refuses them)."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    kernels = manifest.get("kernels")
+    for entry in kernels if isinstance(kernels, list) else []:
+        record = entry.get("binary") if isinstance(entry, dict) else None
+        if isinstance(record, dict) and isinstance(record.get("blob"), str):
+            out[record["blob"]] = (str(entry.get("name")), record)
+    return out
 
 
 def compile_seconds(manifest: dict[str, Any]) -> float:

@@ -246,22 +246,8 @@ class CudaGraphRunner:
 
     def served(self, slow: Callable[..., Any]) -> Callable[..., Any]:
         """``fn(*inputs)`` for a caller that passes the inputs unboxed (``frontend.
-        aot_cache.served_graph``): a call at an address set that has its own recording is
-        replayed right here; any other goes to ``slow`` (which calls this runner with the
-        grad and autocast handling a plain or recording call needs; a replay needs none)."""
-        direct, data_ptr = self.direct, _DATA_PTR
-
-        def replay_or_call(*inputs: Any) -> Any:
-            now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
-            rec = direct.get(now)
-            if rec is None:
-                return slow(*inputs)
-            self.calls += 1
-            self.last_pointers = now
-            rec.launch()
-            return rec.outputs
-
-        return replay_or_call
+        aot_cache.served_graph``): :func:`replaying` this runner."""
+        return replaying(types.SimpleNamespace(replayer=self), slow)
 
     def _plan(self) -> _Plan:
         plan, rec = self.plan, self.recording
@@ -359,6 +345,31 @@ class CudaGraphRunner:
         self.recording = None
         self.direct.clear()
         return self.call(inputs)
+
+
+def replaying(owner: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(*inputs)`` that replays a recording of ``owner.replayer`` (a
+    :class:`CudaGraphRunner`, or None) reading these inputs in place, if it has one, and
+    goes to ``slow`` otherwise (which calls the runner with the grad and autocast handling
+    a plain or recording call needs; a replay runs no op and needs none). The runner is
+    read at each call: an owner that switches to a new runner (``frontend.hotswap``: tuned
+    kernels) or to None is seen by the next call, which never replays a recording of the
+    runner it left."""
+    data_ptr = _DATA_PTR
+
+    def replay_or_call(*inputs: Any) -> Any:
+        runner = owner.replayer
+        if runner is not None:
+            now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
+            rec = runner.direct.get(now)
+            if rec is not None:
+                runner.calls += 1
+                runner.last_pointers = now
+                rec.launch()
+                return rec.outputs
+        return slow(*inputs)
+
+    return replay_or_call
 
 
 def warn_plain(name: str, reason: str) -> None:

@@ -2,9 +2,13 @@
 _StaticCudaLauncher``, what Inductor uses): no Triton JIT, no launcher stub built with the
 C compiler, nothing imported but the cubin. This is the warm path of a hit.
 
-The cubin goes to a file named by its sha256 under the kernel cache (the launcher loads
-from a path), and is loaded on the kernel's first launch, so a graph of 50 kernels pays
-only for those it runs. ``StaticLaunchUnsupported`` names why a kernel cannot take this
+A loaded graph starts its cubins' loads at once on helper threads, from memory, through
+the CUDA driver (``cuda_driver``: the GIL is free meanwhile, so the loads overlap the
+client's own work), and each kernel waits for its own at its first launch. Where the
+driver cannot be used (``KILN_CUBIN_LOADER=torch``, or it fails), the cubin goes to a
+file named by its sha256 under the kernel cache (torch's launcher loads from a path), and
+is loaded on the kernel's first launch, so a graph of 50 kernels pays only for those it
+runs. ``StaticLaunchUnsupported`` names why a kernel cannot take this
 path (a torch without the launcher, scratch memory, clusters, cooperative grids); the
 caller then uses Triton's own launcher. ``KILN_STATIC_LAUNCHER=0`` turns it off.
 """
@@ -15,13 +19,15 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from .. import trace
-from ..codegen.kernel_spec import KernelSpec
+from ..codegen.kernel_spec import KernelSpec, check_kernel_name
 from ..kernel_compile import KernelBinary
+from .cuda_driver import CubinLoader, LoadDeferred, LoadedCubin, cubin_loader
 from .kernel_files import cache_root
 
 log = logging.getLogger("kiln.runtime")
@@ -34,6 +40,9 @@ _SCALAR_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1":
 _MUST_BE_OFF = ("launch_cooperative_grid", "launch_pdl")
 # Scratch buffers newer Triton kernels take as trailing arguments (None when unused).
 _SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
+
+
+_driver_failed = False  # a failed load from memory is a warning once, then debug
 
 
 class StaticLaunchUnsupported(RuntimeError):
@@ -125,18 +134,101 @@ def _raw_stream(device: int) -> Callable[[], int]:
     return lambda: get_stream(device)  # type: ignore[no-any-return]
 
 
+CubinRecords = Callable[[dict[str, Any]], dict[str, tuple[str, dict[str, Any]]]]
+
+
+class CubinPrefetch:
+    """A store lookup's observer (``artifact_store.BlobObserver``): each cubin of a hit
+    that this GPU can launch statically starts loading on the loader's helpers as soon
+    as its blob is read and matched its digest, while the other blobs are still read
+    (file reads and hashing free the GIL) and the graph is decoded and built. The graph's
+    kernels then find those loads (``CubinLoader`` keeps one future per job).
+    ``records`` names each kernel's binary blob in a manifest (``workers.artifact``)."""
+
+    def __init__(self, loader: CubinLoader, device: int, arch: int,
+                 records: CubinRecords) -> None:
+        self.loader, self.device, self.arch, self.records = loader, device, arch, records
+        self.wanted: dict[str, tuple[str, int]] = {}
+
+    def manifest(self, meta: dict[str, Any]) -> None:
+        self.wanted = {}
+        for blob, (kernel, record) in self.records(meta).items():
+            metadata = record.get("metadata")
+            target = record.get("target")
+            if not (isinstance(metadata, dict) and isinstance(target, dict)
+                    and int(target.get("arch", -1)) == self.arch):
+                continue
+            try:
+                check_launchable(metadata)
+                scratch_count(metadata)
+            except StaticLaunchUnsupported:
+                continue
+            name = check_kernel_name(str(metadata.get("name") or kernel))
+            self.wanted[blob] = (name, int(metadata.get("shared", 0) or 0))
+
+    def blob(self, name: str, data: bytes) -> None:
+        wanted = self.wanted.get(name)
+        if wanted is not None:
+            self.loader.submit_all([(data, wanted[0], wanted[1], self.device)])
+
+
+def cubin_prefetch(records: CubinRecords) -> CubinPrefetch | None:
+    """The observer for a lookup in this process, where cubins can load early: CUDA
+    already initialized here (a lookup never initializes it), the static launcher on,
+    and the driver's loader with helper threads."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    try:
+        launcher_impl()
+    except StaticLaunchUnsupported:
+        return None
+    loader = cubin_loader()
+    if loader is None or not loader.threads:
+        return None
+    device = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device)
+    return CubinPrefetch(loader, device, major * 10 + minor, records)
+
+
+def prefetch_all(launchers: Iterable[Any]) -> None:
+    """Start the cubin loads of a graph's static kernels (a bucketed kernel's default
+    one), in order, with one hand-off per helper thread (``CubinLoader.submit_all``)."""
+    waiting: dict[int, list[StaticCudaKernel]] = {}
+    loaders: dict[int, CubinLoader] = {}
+    for launcher in launchers:
+        kernel = launcher if isinstance(launcher, StaticCudaKernel) \
+            else getattr(launcher, "default", None)
+        if (isinstance(kernel, StaticCudaKernel) and kernel.loader is not None
+                and kernel.loader.threads and kernel._pending is None
+                and kernel.function is None):
+            loaders[id(kernel.loader)] = kernel.loader
+            waiting.setdefault(id(kernel.loader), []).append(kernel)
+    for ident, kernels in waiting.items():
+        futures = loaders[ident].submit_all([kernel._job() for kernel in kernels])
+        for kernel, future in zip(kernels, futures):
+            kernel._pending = future
+
+
 class StaticCudaKernel:
     """``run(*args)`` launches the cubin over its grid; loaded on the first launch.
 
     A kernel with dynamic sizes (``spec.size_args``) has no fixed grid: each launch runs
-    one program per ``XBLOCK`` elements of its ``xnumel`` argument."""
+    one program per ``XBLOCK`` elements of its ``xnumel`` argument. ``loader`` loads the
+    cubin from memory on a helper thread (``prefetch``); by default the process's driver
+    loader with torch's own launcher, none with a stand-in ``impl``."""
 
     def __init__(self, spec: KernelSpec, binary: KernelBinary, grid: tuple[int, int, int],
                  impl: Any = None, stream: Callable[[], int] | None = None,
-                 fallback: Callable[[], Any] | None = None, device: int | None = None
-                 ) -> None:
+                 fallback: Callable[[], Any] | None = None, device: int | None = None,
+                 loader: CubinLoader | None | bool = True) -> None:
         meta = binary.metadata
         check_launchable(meta)
+        if loader is True:
+            loader = cubin_loader() if impl is None else None
+        self.loader: CubinLoader | None = loader or None
+        self._pending: Future[LoadedCubin] | None = None
         self.impl = impl if impl is not None else launcher_impl()
         self.name = str(meta.get("name") or spec.name)
         self.arg_tys = arg_types(spec, meta)
@@ -154,25 +246,67 @@ class StaticCudaKernel:
         self._instead: Any = None
         self._stream_device: int | None = None  # the stream is that device's current one
 
-    def load(self) -> None:
-        """Load the cubin into the device's context."""
-        device = self.device
-        if device is None:
+    def _device(self) -> int:
+        if self.device is None:
             import torch
 
-            device = torch.cuda.current_device()
-        with trace.span("load cubin", cat="client", kernel=self.name, bytes=len(self.binary)):
-            loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name,
-                                            self.shared, device)
-        # torch 2.13 returns (module, function, regs, spills); earlier (function, regs, spills)
-        if len(loaded) == 4:
-            self.module, self.function = loaded[0], loaded[1]
-        else:
-            self.function = loaded[0]
+            self.device = torch.cuda.current_device()
+        return self.device
+
+    def prefetch(self) -> None:
+        """Start loading the cubin on a helper thread (a no-op without a loader)."""
+        if (self.loader is not None and self.loader.threads and self._pending is None
+                and self.function is None):
+            self._pending = self.loader.submit(*self._job())
+
+    def _job(self) -> tuple[bytes, str, int, int]:
+        return self.binary, self.name, self.shared, self._device()
+
+    def load(self) -> None:
+        """Load the cubin into the device's context (or wait for its prefetch). The span
+        is this thread's time in it; ``helper_ms`` the load's own time on its helper."""
+        device = self._device()
+        with trace.span("load cubin", cat="client", kernel=self.name,
+                        bytes=len(self.binary)) as span:
+            if not self._load_from_memory(span):
+                loaded = self.impl._load_kernel(str(cubin_path(self.binary)), self.name,
+                                                self.shared, device)
+                # torch 2.13 returns (module, function, regs, spills); earlier without module
+                if len(loaded) == 4:
+                    self.module, self.function = loaded[0], loaded[1]
+                else:
+                    self.function = loaded[0]
         if self.stream is None:
             self.stream = _raw_stream(device)
             self._stream_device = device
         self.run = self._bound_run()  # type: ignore[method-assign]
+
+    def _load_from_memory(self, span: dict[str, Any]) -> bool:
+        """The prefetched (or, now, the driver's) load; False where there is no loader or
+        it failed (said once per kernel), and torch's launcher loads the file instead."""
+        if self.loader is None:
+            return False
+        self.prefetch()
+        pending, loader = self._pending, self.loader
+        try:
+            try:
+                if pending is None:  # no helper threads: load it here
+                    raise LoadDeferred(self.name)
+                loaded = pending.result()
+            except LoadDeferred:  # or a capture was in progress: load it on this thread
+                loaded = loader.load_here(*self._job())
+        except Exception as e:  # noqa: BLE001 - torch's own loader is the next try
+            global _driver_failed
+            (log.debug if _driver_failed else log.warning)(
+                "kiln: kernel %s: the CUDA driver did not load its cubin (%s); loading it "
+                "through torch's launcher", self.name, e)
+            _driver_failed, self.loader = True, None
+            return False
+        finally:
+            self._pending = None
+        self.module, self.function = loaded.module, loaded.function
+        span["helper_ms"] = 1e3 * loaded.seconds
+        return True
 
     def _bound_run(self) -> Callable[..., None]:
         """The launch with everything but the arguments and the stream bound once: the

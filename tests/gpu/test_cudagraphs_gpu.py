@@ -139,3 +139,67 @@ def test_embedding_backward_scatter_on_gpu(dtype: torch.dtype) -> None:
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.5,
                                                                         "rtol": 2e-2}
     torch.testing.assert_close(got, emb.weight.grad, **tol)
+
+
+@pytest.mark.gpu
+def test_switch_of_kernels_after_recordings_is_replayed_from_the_next_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph behind a ``SwappableGraph`` (as gpu_bench's are while their autotuning is
+    pending; forced here, with autotuning off so that no tuning switches it meanwhile):
+    its input sets replay from the served entry with no Python call of the wrapper; after
+    a switch of kernels every call computes with the new ones (twice the graph's outputs,
+    a stand-in that shows which kernels ran), never a replay of the old recordings; the
+    new runner records each set again and then replays it with no wrapper call either."""
+    from kiln.frontend import hotswap
+
+    made: list[hotswap.SwappableGraph] = []
+
+    class Noted(hotswap.SwappableGraph):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(hotswap, "wants_swap", lambda *args: True)
+    monkeypatch.setattr(hotswap, "SwappableGraph", Noted)
+    torch._dynamo.reset()
+    seed = lambda a, b, c: ((a + b) * c.relu()).sum(-1)  # noqa: E731
+    fn = torch.compile(seed, backend="kiln", dynamic=False,
+                       options={"cudagraphs": True, "autotune": False})
+    sets = [[torch.randn(64, 128, device="cuda") for _ in range(3)] for _ in range(4)]
+    wrapper_calls: list[int] = []
+
+    def calls(scale: int, count: int) -> None:
+        for call in range(count):
+            args = sets[call % 4]
+            for a in args:
+                a.normal_()
+            torch.testing.assert_close(fn(*args), scale * seed(*args), atol=1e-4,
+                                       rtol=1e-4)
+
+    def tuned(compiled: object, hook: object) -> CudaGraphRunner:
+        runner = build(compiled, hook)
+        inner = runner.call
+
+        def doubled(args: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            wrapper_calls.append(2)
+            return tuple(o * 2 for o in inner(args))
+
+        runner.call = doubled
+        return runner
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        calls(1, 12)
+        (graph,) = made
+        old = graph.replayer
+        assert old is not None and old is graph.call and len(old.direct) == 4
+        build = graph._build
+        graph._build = tuned  # type: ignore[method-assign,assignment]
+        graph._install(graph.compiled)  # what a finished tuning does (on its thread)
+        assert graph.replayer is graph.call and graph.replayer is not old
+        calls(2, 12)
+        new = graph.replayer
+        assert new is not None and new is not old and len(new.direct) == 4
+        recorded = len(wrapper_calls)  # warm-up calls and captures
+        calls(2, 8)
+    assert len(wrapper_calls) == recorded  # replays only

@@ -28,6 +28,7 @@ from kiln.compiler.runtime.cudagraphs import (
     static_inputs,
 )
 from kiln.frontend.config import KilnConfig
+from tests.cudagraph_stand_in import CpuGraph, cpu_capture
 
 
 def _call(args: list[Any]) -> tuple[Any, ...]:
@@ -87,30 +88,12 @@ def test_reduce_overhead_on_a_cpu_model_warns_once_and_matches_eager() -> None:
         torch.testing.assert_close(out, (x * y).relu().sum(-1))
 
 
-class _CpuGraph:
-    """What a CUDA graph does, over CPU tensors: each replay reads the tensors it was
-    recorded with as they are now and writes the outputs it was recorded with."""
-
-    def __init__(self, call: Any, inputs: list[torch.Tensor], outputs: tuple[Any, ...]
-                 ) -> None:
-        self.call, self.inputs, self.outputs, self.replays = call, inputs, outputs, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        for out, fresh in zip(self.outputs, self.call(list(self.inputs))):
-            out.copy_(fresh)
-
-
 class _CpuRunner(CudaGraphRunner):
     """The runner's every decision and its replay path (copy-in plan, one foreach copy,
     copy-back of mutated inputs, recordings keyed by address), with capture done on CPU:
     like a CUDA capture, it runs nothing (the outputs come from a call on clones)."""
 
-    def _capture(self, graph_inputs: list[Any]) -> Any:
-        outputs = self.call([x.clone() for x in graph_inputs])
-        graph = _CpuGraph(self.call, graph_inputs, outputs)
-        return cudagraphs._Recording(graph, list(cudagraphs._pointers(graph_inputs)),
-                                     graph_inputs, outputs)
+    _capture = cpu_capture
 
 
 def _copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -273,7 +256,7 @@ def test_served_entry_replays_before_the_slow_path() -> None:
             return super().__call__(args)
 
     runner = _Counted(_call, "g7")
-    entry = served_graph(runner, False).__wrapped__  # type: ignore[attr-defined]
+    entry = served_graph(runner, False)
     sets = [[torch.randn(3)] for _ in range(2)]
     for call in range(8):
         x = sets[call % 2][0]
@@ -284,7 +267,7 @@ def test_served_entry_replays_before_the_slow_path() -> None:
 
 
 def test_first_replay_falls_back_to_the_python_method() -> None:
-    graph = _CpuGraph(_call, [torch.ones(2)], (torch.zeros(2),))
+    graph = CpuGraph(_call, [torch.ones(2)], (torch.zeros(2),))
     rec = cudagraphs._Recording(graph, [0], graph.inputs, graph.outputs)
 
     def refuses() -> None:
@@ -340,7 +323,7 @@ def test_a_replay_through_dynamo_runs_as_many_python_frames_as_a_ready_output(
     recordings: list[Any] = []
 
     def capture(runner: CudaGraphRunner, graph_inputs: list[Any]) -> Any:
-        recordings.append(_CpuRunner._capture(runner, graph_inputs))  # type: ignore[arg-type]
+        recordings.append(cpu_capture(runner, graph_inputs))
         return recordings[-1]
 
     monkeypatch.setattr(cudagraphs, "skip_reason", lambda device_type, inputs: None)

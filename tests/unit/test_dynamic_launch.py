@@ -107,6 +107,7 @@ def test_dynamic_kernels_of_a_loaded_graph_use_the_static_launcher(
     impl = RecordingLauncher()
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
     monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
+    monkeypatch.setenv("KILN_CUBIN_LOADER", "torch")  # the recorder loads (on a GPU host too)
     compiled = CompiledGraph(graph.name, "cuda", graph.wrapper_source, [spec],
                              binaries={spec.name: binary})
     launcher = compiled_graph._launcher(compiled, spec, torch.device("cuda", 1))

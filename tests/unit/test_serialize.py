@@ -459,3 +459,19 @@ def test_other_higher_order_ops_are_refused() -> None:
         ["call_function", ["hop", "cond"], [["node", 0]], [], []]]], use_bin_type=True)
     with pytest.raises(SerializationError, match="cond"):
         deserialize_graph(wire)
+
+
+def test_node_metadata_of_static_tensors_is_the_metas_own_wire() -> None:
+    """``tensor_wire``'s shortcut for plain-int sizes (every node of a static graph, on
+    every lookup) writes exactly what ``TensorMeta.to_wire`` does: keys do not move."""
+    from kiln.compiler.tensor_meta import tensor_wire
+
+    base = torch.randn(6, 10)
+    with FakeTensorMode():
+        fake = torch.empty_strided((3, 5), (1, 7), dtype=torch.bfloat16, device="cuda")
+    cases = [base, base.t(), base[2:, 3:7], torch.tensor(3, dtype=torch.int64),
+             torch.zeros(0, 4, dtype=torch.bool), base.unsqueeze(1).expand(6, 4, 10), fake]
+    for t in cases:
+        assert tensor_wire(t) == TensorMeta.from_tensor(t).to_wire(), t.shape
+    assert tensor_wire(base[2:, 3:7])[4] == 23 and tensor_wire(fake)[2:4] == ["bfloat16",
+                                                                               "cuda"]
