@@ -108,35 +108,67 @@ def free_index_symbols(expr: Expr) -> set[sympy.Symbol]:
     return {s for s in expr.free_symbols if isinstance(s, sympy.Symbol)}
 
 
+def index_upper_bound(e: Expr, var_ranges: dict[sympy.Symbol, Expr]) -> int | None:
+    """An exclusive upper bound of an index expression whose terms have non-negative
+    coefficients, from the ranges of its variables; None when there is none."""
+    if isinstance(e, sympy.Integer):
+        return int(e) + 1
+    if isinstance(e, sympy.Symbol):
+        r = var_ranges.get(e)
+        return int(r) if isinstance(r, sympy.Integer) else None
+    if isinstance(e, sympy.Mul):
+        coeff, rest = e.as_coeff_Mul()
+        ub = index_upper_bound(rest, var_ranges)
+        if ub is None or not isinstance(coeff, sympy.Integer) or coeff < 0:
+            return None
+        return int(coeff) * (ub - 1) + 1
+    if isinstance(e, sympy.Add):
+        bounds = [index_upper_bound(a, var_ranges) for a in e.args]
+        if any(b is None for b in bounds):
+            return None
+        return sum(b - 1 for b in bounds if b is not None) + 1
+    if isinstance(e, FloorDiv):
+        ub = index_upper_bound(e.args[0], var_ranges)
+        if ub is None or not isinstance(e.args[1], sympy.Integer):
+            return None
+        return (ub - 1) // int(e.args[1]) + 1
+    if isinstance(e, ModularIndexing) and isinstance(e.args[2], sympy.Integer):
+        return int(e.args[2])
+    return None
+
+
+def index_lower_bound(e: Expr) -> int | None:
+    """A lower bound of an index expression over non-negative loop variables (the
+    variables' lower bound is 0); None when there is none."""
+    if isinstance(e, sympy.Integer):
+        return int(e)
+    if isinstance(e, sympy.Symbol):
+        return 0 if e.is_nonnegative else None
+    if isinstance(e, sympy.Mul):
+        coeff, rest = e.as_coeff_Mul()
+        lb = index_lower_bound(rest)
+        if lb is None or not isinstance(coeff, sympy.Integer) or coeff < 0 or lb < 0:
+            return None
+        return int(coeff) * lb
+    if isinstance(e, sympy.Add):
+        bounds = [index_lower_bound(a) for a in e.args]
+        return None if any(b is None for b in bounds) else sum(b for b in bounds if b)
+    if isinstance(e, FloorDiv):
+        lb = index_lower_bound(e.args[0])
+        if lb is None or lb < 0 or not isinstance(e.args[1], sympy.Integer):
+            return None
+        return lb // int(e.args[1])
+    if isinstance(e, ModularIndexing):
+        lb = index_lower_bound(e.args[0])
+        return 0 if lb is not None and lb >= 0 else None
+    return None
+
+
 def simplify_with_ranges(expr: Expr, var_ranges: dict[sympy.Symbol, Expr]) -> Expr:
     """Drop divisions and moduli that the ranges of the variables make trivial."""
 
     def upper_bound(e: Expr) -> int | None:
-        # An upper bound (exclusive) of a non-negative expression, if linear in the vars.
-        if isinstance(e, sympy.Integer):
-            return int(e) + 1
-        if isinstance(e, sympy.Symbol):
-            r = var_ranges.get(e)
-            return int(r) if isinstance(r, sympy.Integer) else None
-        if isinstance(e, sympy.Mul):
-            coeff, rest = e.as_coeff_Mul()
-            ub = upper_bound(rest)
-            if ub is None or not isinstance(coeff, sympy.Integer) or coeff < 0:
-                return None
-            return int(coeff) * (ub - 1) + 1
-        if isinstance(e, sympy.Add):
-            bounds = [upper_bound(a) for a in e.args]
-            if any(b is None for b in bounds):
-                return None
-            return sum(b - 1 for b in bounds if b is not None) + 1
-        if isinstance(e, FloorDiv):
-            ub = upper_bound(e.args[0])
-            if ub is None or not isinstance(e.args[1], sympy.Integer):
-                return None
-            return (ub - 1) // int(e.args[1]) + 1
-        if isinstance(e, ModularIndexing) and isinstance(e.args[2], sympy.Integer):
-            return int(e.args[2])
-        return None
+        return index_upper_bound(e, var_ranges)
 
     def visit_mod(base: Expr, divisor: Expr, modulus: Expr) -> Expr:
         ub = upper_bound(base)

@@ -15,7 +15,14 @@ from typing import Any
 import sympy
 import torch
 
-from ...ir.sym import Expr, FloorDiv, simplify_with_ranges
+from ...ir.layout import Layout
+from ...ir.sym import (
+    Expr,
+    FloorDiv,
+    index_lower_bound,
+    index_upper_bound,
+    simplify_with_ranges,
+)
 from ...sizevars import free_size_symbols
 from ...virtualized import V
 from ..common import (
@@ -189,11 +196,13 @@ class TritonKernel:
                 else " + 0*xindex"
         return text
 
-    def mask(self) -> str:
+    def mask(self, guards: bool = True) -> str:
+        """The lanes that run: the block's, and (``guards``) the masked bodies' around."""
         parts = ["xmask"]
         if self.is_reduction and self.uses_r:
             parts.append("rmask")
-        parts += self.mask_stack
+        if guards:
+            parts += self.mask_stack
         return " & ".join(parts)
 
     def _block_index(self, index: Expr) -> Expr:
@@ -207,7 +216,20 @@ class TritonKernel:
             and isinstance(e.args[1], sympy.Integer) and int(e.args[1]) % step == 0,
             lambda e: FloorDiv(XOFFSET, e.args[1]))
 
-    def _load_mask(self, index: Expr) -> str:
+    def _always_in_bounds(self, name: str, index: Expr) -> bool:
+        """Whether ``index`` stays inside buffer ``name`` for every lane of the block: a
+        masked body's load there needs no guard of its own (its value is used only where
+        the guard holds), so the same load under several guards (a window's taps reading
+        a per-channel vector) is one load."""
+        lower = index_lower_bound(index)
+        upper = index_upper_bound(index, self.var_ranges)
+        if lower is None or upper is None or lower < 0:
+            return False
+        layout = V.graph.get_buffer(name).layout
+        extent = layout.storage_size() if isinstance(layout, Layout) else None
+        return isinstance(extent, sympy.Integer) and layout.offset == 0 and upper <= extent
+
+    def _load_mask(self, index: Expr, guards: bool = True) -> str:
         """A reduction's load masked by the block dimensions its address varies along:
         a per-row value (mean, rstd) loads as [XBLOCK, 1], not once per element. A value
         per r alone loads as [1, RBLOCK] only in a column reduction (where that is the
@@ -217,11 +239,11 @@ class TritonKernel:
         used = index.free_symbols
         if not self.is_reduction or not used & {XINDEX, RINDEX} or \
                 used - {XINDEX, RINDEX, XOFFSET} - free_size_symbols([index]):
-            return self.mask()  # pointwise, constant or indirect addresses: the full mask
+            return self.mask(guards)  # pointwise, constant or indirect addresses: full mask
         if RINDEX in used and XINDEX not in used and not self.outer:
-            return self.mask()
+            return self.mask(guards)
         parts = [m for m, sym in (("xmask", XINDEX), ("rmask", RINDEX)) if sym in used]
-        return " & ".join(parts + self.mask_stack)
+        return " & ".join(parts + (self.mask_stack if guards else []))
 
     # -- the ops protocol ---------------------------------------------------------------
 
@@ -237,7 +259,8 @@ class TritonKernel:
         dtype = V.graph.get_dtype(name)
         ptr = self.args.input(name)
         other = ", other=0.0" if dtype.is_floating_point else ", other=0"
-        expr = f"tl.load({ptr} + ({idx}), {self._load_mask(simplified)}{other})"
+        guards = bool(self.mask_stack) and not self._always_in_bounds(name, simplified)
+        expr = f"tl.load({ptr} + ({idx}), {self._load_mask(simplified, guards)}{other})"
         if dtype in (torch.float16, torch.bfloat16):
             expr += ".to(tl.float32)"
         if dtype == torch.bool:
