@@ -220,21 +220,20 @@ def test_loading_a_graph_starts_every_cubin_load_before_its_first_call(
     assert impl.loads == []
 
 
-def test_helpers_share_one_queue_and_load_in_order() -> None:
+def test_helpers_share_one_queue_and_each_sets_its_context_once() -> None:
     lib = RecordingLibcuda()
     loader = CubinLoader(CudaDriver(lib), threads=3)
     jobs = [(bytes([i]) * 8, f"k{i}", 0, 0) for i in range(40)]
     futures = loader.submit_all(jobs)
-    assert [f.result(10).function for f in futures]  # every one loaded
+    assert all(f.result(10).function for f in futures)  # every one loaded
+    assert loader.submit_all(jobs[:5]) == futures[:5]  # asked again: the same loads
     names = [args[2] for args in lib.named("cuModuleGetFunction")]
     assert sorted(names) == sorted(f"k{i}".encode() for i in range(40))
     # each helper made the context current once, not once per load
     helpers = {thread for call, _, thread in lib.calls if call == "cuModuleLoadData"}
     assert len(lib.named("cuCtxSetCurrent")) == len(helpers) <= 3
     assert not loader._queue and len(loader._helpers) == 3
-    # started in order: each helper takes the next job from the front of the queue
-    starts = [args[1][0] for args in lib.named("cuModuleLoadData")]
-    assert starts[:3] == sorted(starts[:3]) and set(starts[:3]) <= {0, 1, 2, 3, 4, 5}
+    assert len(lib.named("cuModuleLoadData")) == 40
 
 
 def test_a_capture_in_progress_keeps_helpers_off_the_gpu(
