@@ -239,13 +239,10 @@ class GraphLowering(torch.fx.Interpreter):
                     buf.freeze_layout(sympify_tuple(meta.stride()))
         out = realize_input(value)
         if isinstance(meta, torch.Tensor) and _is_dense(meta) and _owned_by_graph(out) \
-                and not _same_strides(out, meta) and not (
-                    self.options.get("padded_outputs") and _padded_matmul_rows(out, meta)):
-            # A buffer laid out for speed is returned as eager lays it out. Where every
-            # output goes to the user (``padded_outputs``: an inference graph), a padded
-            # matmul's rows stay padded, as Inductor returns them: the copy is a pass over
-            # the whole output (GPT-2's logits). A forward graph's outputs may be saved
-            # for a backward compiled for eager's strides: those are copied.
+                and not _same_strides(out, meta) and not _padded_matmul_rows(out, meta):
+            # A buffer laid out for speed is returned as eager lays it out; a padded
+            # matmul's rows stay padded, as Inductor returns them: the copy would cost a
+            # pass over the whole output (GPT-2's logits), more than the padding saves.
             return _strided_copy(out, sympify_tuple(meta.stride()))
         return out
 

@@ -1,7 +1,6 @@
-"""A padded matmul returned as an inference graph's output (GPT-2's lm_head at a small
-stand-in shape): values equal eager's, and the output is a view of the padded product
-(rows of an aligned width), with no copy kernel. Padding is a GPU decision; here it is
-forced on CPU."""
+"""A padded matmul returned as a graph output (GPT-2's lm_head at a small stand-in shape):
+values equal eager's, and the output is a view of the padded product (rows of an aligned
+width), with no copy kernel. Padding is a GPU decision; here it is forced on CPU."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.compiler.decompositions import trace_aten
-from kiln.compiler.driver import compile_graph
 from kiln.compiler.lowering import extern_ops
-from tests.triton_interp.helpers import OPTIONS, assert_close_to_eager, run_compiled
+from tests.triton_interp.helpers import assert_close_to_eager, compile_fn, run_compiled
 
 TOL = {torch.float16: {"atol": 1e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
 
@@ -44,7 +41,7 @@ def test_padded_matmul_output_matches_eager_without_a_copy(
         shapes: list[tuple[int, ...]], strides: Callable[[int], tuple[int, ...]]) -> None:
     monkeypatch.setattr(extern_ops, "_row_padding", _always_pad)
     args = [torch.randn(s, dtype=dtype) for s in shapes]
-    compiled = compile_graph(trace_aten(fn, args), args, {**OPTIONS, "padded_outputs": True})
+    compiled = compile_fn(fn, args)
     assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0"]
     (out,) = run_compiled(compiled, args)
     ref = fn(*args)

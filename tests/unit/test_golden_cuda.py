@@ -33,9 +33,8 @@ def _fake(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float16,
         return [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
 
 
-def _compile(fn: Callable[..., Any], args: list[torch.Tensor],
-             options: dict[str, Any] | None = None) -> CompiledGraph:
-    return compile_graph(trace_aten(fn, args), args, options or {}, compile_kernels=False)
+def _compile(fn: Callable[..., Any], args: list[torch.Tensor]) -> CompiledGraph:
+    return compile_graph(trace_aten(fn, args), args, {}, compile_kernels=False)
 
 
 def _body(compiled: CompiledGraph) -> list[str]:
@@ -50,22 +49,17 @@ def test_matmul_with_unaligned_width_pads_the_weight() -> None:
     assert "buf0 = empty_strided_cuda((1024, 1008), (1008, 1), torch.float16)" \
         in body
     assert "buf1 = torch.mm(arg0_1, buf0)" in body
-    # Outside an inference graph (a forward's outputs may be saved for its backward), the
-    # padded product is returned as eager lays it out: one copy of its first 1001 columns.
-    assert "buf2 = empty_strided_cuda((2048, 1001), (1001, 1), torch.float16)" \
-        in body
-    assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0",
-                                                  "triton_poi_fused_copy_1"]
+    # The padded product is returned with its padded rows, as Inductor returns it: no copy.
+    assert "return (reinterpret_tensor(buf1, (2048, 1001), (1008, 1), 0), )" in body
+    assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0"]
     pad = compiled.kernels[0].source
     assert "xnumel = 1032192" in pad and "tl.where(" in pad
 
 
 def test_gpt2_lm_head_returns_padded_logits_without_a_copy() -> None:
-    """GPT-2's tied lm_head (vocabulary 50257, odd) in an inference graph: one
-    weight-padding kernel and the library matmul; the logits come back as a view of the
-    padded product, not copied (the 0.217 ms ``triton_poi_fused_copy`` on the H200)."""
-    compiled = _compile(lambda x, w: F.linear(x, w), _fake((8, 512, 768), (50257, 768)),
-                        {"padded_outputs": True})
+    """GPT-2's tied lm_head (vocabulary 50257, odd): one weight-padding kernel and the
+    library matmul; the logits come back as a view of the padded product, not copied."""
+    compiled = _compile(lambda x, w: F.linear(x, w), _fake((8, 512, 768), (50257, 768)))
     body = _body(compiled)
     assert "buf0 = empty_strided_cuda((768, 50264), (1, 768), torch.float16)" in body
     assert "buf1 = torch.mm(reinterpret_tensor(arg0_1, (4096, 768), (768, 1), 0), buf0)" \
@@ -78,8 +72,7 @@ def test_gpt2_lm_head_returns_padded_logits_without_a_copy() -> None:
 
 def test_padded_matmul_feeding_pointwise_still_returns_eager_strides() -> None:
     """Only a matmul returned as it is keeps padded rows: a fused epilogue writes eager's."""
-    compiled = _compile(lambda a, b: (a @ b).relu(), _fake((2048, 1024), (1024, 1001)),
-                        {"padded_outputs": True})
+    compiled = _compile(lambda a, b: (a @ b).relu(), _fake((2048, 1024), (1024, 1001)))
     body = _body(compiled)
     assert "buf2 = empty_strided_cuda((2048, 1001), (1001, 1), torch.float16)" in body
     assert len(compiled.kernels) == 2
