@@ -19,7 +19,12 @@ from kiln.compiler import compiled_graph
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph
 from kiln.compiler.runtime import cuda_driver, static_launcher
-from kiln.compiler.runtime.cuda_driver import CubinLoader, CudaDriver, CudaDriverError
+from kiln.compiler.runtime.cuda_driver import (
+    CubinLoader,
+    CudaDriver,
+    CudaDriverError,
+    LoadDeferred,
+)
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from kiln.compiler.runtime.static_launcher import StaticCudaKernel
 from kiln.compiler.runtime.triton_launcher import launch_grid
@@ -386,3 +391,48 @@ def test_a_cubin_failing_its_digest_is_never_loaded_and_named(stored_graph: Any,
     images = [args[1] for args in lib.named("cuModuleLoadData")]
     assert b"\x7fELF tampered" not in images  # the others (verified) may have started
     assert compiled.binaries[spec.name].binary not in images
+
+
+def test_an_early_load_deferred_during_the_lookup_is_retried_under_the_same_job(
+        stored_graph: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While something holds the GPU work lock during the lookup (a CUDA graph capture,
+    or an autotune benchmark of an earlier graph still running in the background), the
+    early loads are deferred; the graph's kernels then ask again under the same jobs:
+    new futures (not the lookup's), one load each, and no second job."""
+    from kiln.compiler.runtime.static_launcher import CubinPrefetch
+    from kiln.frontend.artifact import cubin_records, from_artifact
+
+    store, key, compiled = stored_graph
+    lib, impl = RecordingLibcuda(), RecordingLauncher()
+    lock = threading.RLock()
+    loader = CubinLoader(CudaDriver(lib), threads=1, gpu_lock=lock)
+    held, release = threading.Event(), threading.Event()
+
+    def benchmark() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    other = threading.Thread(target=benchmark)
+    other.start()
+    held.wait(10)
+    artifact = store.get(key, observer=CubinPrefetch(loader, 0, 90, cubin_records))
+    early = list(loader._futures.values())
+    assert len(early) == len(compiled.kernels)
+    assert all(isinstance(f.exception(10), LoadDeferred) for f in early)
+    release.set()
+    other.join()
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", impl, raising=False)
+    monkeypatch.setattr(compiled_graph, "_arch_matches", lambda binary, device: True)
+    monkeypatch.setattr(static_launcher, "cubin_loader", lambda: loader)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7,
+                        raising=False)
+    assert artifact is not None
+    call = compiled_graph.load(from_artifact(artifact), {}, torch.device("cuda", 0))
+    for spec in compiled.kernels:
+        kernel = call.__globals__[spec.name]
+        assert kernel._pending not in early  # retried: a new future, same job
+        kernel.run(*[object() for t in spec.signature.values() if t.startswith("*")])
+        assert kernel.module
+    assert len(loader._futures) == len(compiled.kernels)
+    assert len(lib.named("cuModuleLoadData")) == len(compiled.kernels)
