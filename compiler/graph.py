@@ -35,7 +35,7 @@ from .ir.nodes import (
 from .ir.sym import sympify_tuple
 from .ir.template import GemmSelection
 from .lowering import lowerings
-from .lowering.fallbacks import eager_reason, effectful_lowerings
+from .lowering.fallbacks import EagerInstead, eager_reason, effectful_lowerings
 from .lowering.symbolic import SYMBOLIC_OPS
 from .sizevars import SizeVars, SymbolicTensor
 from .virtualized import V
@@ -181,6 +181,8 @@ class GraphLowering(torch.fx.Interpreter):
         if reason is None:
             try:
                 return lowerings[target](*args, **kwargs)
+            except EagerInstead as e:  # the lowering chose ATen's kernel here
+                reason = str(e)
             except Exception as e:  # noqa: BLE001 - the op runs eagerly instead
                 reason = f"its lowering failed: {type(e).__name__}: {e}"
                 log.warning("kiln: graph %s, node %s: %s; running %s eagerly inside the "

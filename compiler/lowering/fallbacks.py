@@ -4,7 +4,9 @@ effectful higher-order op whose nodes always do.
 ``GraphLowering`` asks ``eager_reason`` before it looks a node's op up in the
 ``lowerings`` registry: an op with no lowering, or one that touches complex values (the
 code generators have no complex type), becomes a ``FallbackKernel`` and the rest of the
-graph stays compiled. A lowering that raises does too (the graph logs a warning).
+graph stays compiled. A lowering that raises does too (the graph logs a warning); one
+that raises ``EagerInstead`` chose ATen's kernel for these arguments (a window too large
+to unroll, say): the node runs eagerly the same way, its reason at debug level.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import torch
 from ..ir.extern import make_fallback_call
 from ..ir.nodes import IRNode
 from .registry import Lowering, lowerings
+
+
+class EagerInstead(Exception):
+    """Raised by a lowering, before it builds any IR, when ATen's kernel is the better
+    choice for these arguments; the message says why (a choice, not a fault)."""
 
 
 def eager_reason(target: Any, args: Any, kwargs: Any, node: torch.fx.Node | None

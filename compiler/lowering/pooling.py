@@ -8,12 +8,12 @@ padded copy of the input exists. The input's producer stays inlined when it is c
 batch norm and relu on a convolution's output: one kernel reads the convolution's output
 and writes the pooled values); a window reads it several times, so an expensive one is
 realized first. Windows of more than ``MAX_WINDOW_TAPS`` taps would unroll into long
-kernels: they run ATen's kernel instead, with the reason in the debug log.
+kernels: they run ATen's kernel instead (``EagerInstead``: the graph's fallback, with
+the reason in the debug log).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +21,12 @@ from typing import Any
 import sympy
 import torch
 
-from ..ir.extern import make_fallback_call
 from ..ir.nodes import IRNode, Pointwise, StorageBox, TensorBox
 from ..ir.sym import Expr, FloorDiv
-from ..virtualized import V, ops
+from ..virtualized import ops
+from .fallbacks import EagerInstead
 from .registry import register_lowering
 
-log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 # Taps of one window above which it is not unrolled (Inductor draws the line at 25 too).
@@ -135,13 +134,16 @@ def pool2d_geometry(x: IRNode, kernel_size: Any, stride: Any, padding: Any, dila
     return Pool2d(*wins)
 
 
-def _fallback(op: Any, reason: str, args: Sequence[Any]) -> Any:
-    """Run ``op`` through ATen, logging why (at debug level: it is a choice, not a fault)."""
-    node = V.graph.current_node
-    name = node.name if node is not None else "?"
-    log.debug("node %s (%s) runs eagerly inside the graph: %s", name, op, reason)
-    V.graph.fallback_reasons[name] = f"{op}: {reason}"
-    return make_fallback_call(op, list(args), {})
+def _unrolled(x: IRNode, kernel_size: Any, stride: Any, padding: Any, dilation: Any,
+              ceil_mode: bool, values: bool = False) -> Pool2d:
+    """The windows of a pooling of ``x`` (``values``: a forward, which reads ``x``'s
+    values), or ``EagerInstead`` naming why ATen's kernel runs it."""
+    pool = pool2d_geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
+    if isinstance(pool, str):
+        raise EagerInstead(pool)
+    if values and not x.get_dtype().is_floating_point:
+        raise EagerInstead(f"{x.get_dtype()} values")
+    return pool
 
 
 def window_input(x: IRNode) -> IRNode:
@@ -212,11 +214,7 @@ def max_pool2d_with_indices(x: IRNode, kernel_size: Any, stride: Any = (), paddi
                             dilation: Any = 1, ceil_mode: bool = False) -> Any:
     """Values and indices as two pointwise loops over the output; the indices loop makes
     a kernel only if something reads it (training saves it for the backward)."""
-    args = (x, kernel_size, stride, padding, dilation, ceil_mode)
-    pool = pool2d_geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
-    if isinstance(pool, str) or not x.get_dtype().is_floating_point:
-        reason = pool if isinstance(pool, str) else f"{x.get_dtype()} values"
-        return _fallback(aten.max_pool2d_with_indices.default, reason, args)
+    pool = _unrolled(x, kernel_size, stride, padding, dilation, ceil_mode, values=True)
     dtype = x.get_dtype()
     loads = _window_loads(window_input(x), pool, float("-inf"))
     size = (*x.get_size()[:-2], *pool.out_hw)
@@ -249,10 +247,7 @@ def max_pool2d_with_indices_backward(grad: IRNode, x: IRNode, kernel_size: Any, 
                                      indices: IRNode) -> Any:
     """Each input element sums the gradients of the windows whose tap at it was chosen:
     a gather over the taps that can reach it, no scatter."""
-    args = (grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
-    pool = pool2d_geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
-    if isinstance(pool, str):
-        return _fallback(aten.max_pool2d_with_indices_backward.default, pool, args)
+    pool = _unrolled(x, kernel_size, stride, padding, dilation, ceil_mode)
     for t in (grad, indices):
         if isinstance(t, TensorBox) and t.storage() is not None:
             t.realize()  # read once per tap
@@ -298,11 +293,7 @@ def avg_pool2d(x: IRNode, kernel_size: Any, stride: Any = (), padding: Any = 0,
                ceil_mode: bool = False, count_include_pad: bool = True,
                divisor_override: int | None = None) -> Any:
     """The window's sum (masked taps add 0) over ATen's divisor, in fp32."""
-    args = (x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    pool = pool2d_geometry(x, kernel_size, stride, padding, 1, ceil_mode)
-    if isinstance(pool, str) or not x.get_dtype().is_floating_point:
-        reason = pool if isinstance(pool, str) else f"{x.get_dtype()} values"
-        return _fallback(aten.avg_pool2d.default, reason, args)
+    pool = _unrolled(x, kernel_size, stride, padding, 1, ceil_mode, values=True)
     dtype = x.get_dtype()
     loads = _window_loads(window_input(x), pool, 0.0)
 
@@ -323,11 +314,7 @@ def avg_pool2d_backward(grad: IRNode, x: IRNode, kernel_size: Any, stride: Any, 
                         divisor_override: int | None) -> Any:
     """Each input element sums, over the windows that cover it, the window's gradient
     over its divisor: a gather, as max_pool2d's backward."""
-    args = (grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-            divisor_override)
-    pool = pool2d_geometry(x, kernel_size, stride, padding, 1, ceil_mode)
-    if isinstance(pool, str):
-        return _fallback(aten.avg_pool2d_backward.default, pool, args)
+    pool = _unrolled(x, kernel_size, stride, padding, 1, ceil_mode)
     if isinstance(grad, TensorBox) and grad.storage() is not None:
         grad.realize()  # read once per tap
     g_load, dtype = grad.make_loader(), grad.get_dtype()
