@@ -103,19 +103,16 @@ class Tier:
         digests = sorted(sizes)
         total = sum(sizes.values())
         calls = [(self._fetch_verified, (digest, sizes[digest])) for digest in digests]
+        seen = _verified(observer, refs)
         if self.uses_threads or (total >= PARALLEL_HASH_BYTES and len(digests) > 1):
             results = self.pool.run_all(self.deadline(total), calls)
-            if observer is not None:
-                _tell(observer, refs, dict(zip(digests, results)))
+            for digest, data in zip(digests, results):  # (all at once)
+                seen(digest, data)
         else:
             results = []
-            names = _names_by_digest(refs) if observer is not None else {}
-            for fetch, args in calls:
-                data = fetch(*args)
-                results.append(data)
-                if observer is not None and data is not None and data is not _CORRUPT:
-                    for name in names[args[0]]:
-                        observer(name, data)
+            for fetch, args in calls:  # each told as it arrives
+                results.append(fetch(*args))
+                seen(args[0], results[-1])
         by_digest = dict(zip(digests, results))
         missing = sorted(n for n, r in refs.items() if by_digest[r.digest] is None)
         corrupt = sorted(n for n, r in refs.items() if by_digest[r.digest] is _CORRUPT)
@@ -329,19 +326,19 @@ class _EvictionLock:
             self._handle.close()
 
 
-
-
-def _names_by_digest(refs: Mapping[str, BlobRef]) -> dict[str, list[str]]:
+def _verified(observer: Callable[[str, bytes], None] | None, refs: Mapping[str, BlobRef]
+              ) -> Callable[[str, Any], None]:
+    """``seen(digest, result)``: tells ``observer`` the names of a blob that matched its
+    digest (not a missing or corrupt one); a no-op without an observer."""
+    if observer is None:
+        return lambda digest, data: None
     names: dict[str, list[str]] = {}
     for name, ref in refs.items():
         names.setdefault(ref.digest, []).append(name)
-    return names
 
-
-def _tell(observer: Callable[[str, bytes], None], refs: Mapping[str, BlobRef],
-          by_digest: Mapping[str, Any]) -> None:
-    """The observer told of every verified blob (fetched on pool threads, all at once)."""
-    for name, ref in refs.items():
-        data = by_digest.get(ref.digest)
+    def seen(digest: str, data: Any) -> None:
         if data is not None and data is not _CORRUPT:
-            observer(name, data)
+            for name in names[digest]:
+                observer(name, data)
+
+    return seen
