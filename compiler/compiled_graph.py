@@ -184,18 +184,6 @@ def _static_launcher(spec: KernelSpec, binary: KernelBinary, device: int | None 
 
 
 def _arch_matches(binary: KernelBinary, device: torch.device) -> bool:
-    return int(binary.target.get("arch", -1)) == _arch(device.index)
+    from .runtime.static_launcher import device_arch
 
-
-_ARCHES: dict[int, int] = {}
-
-
-def _arch(index: int | None) -> int:
-    """The compute capability of a CUDA device as 90 for sm_90 (asked once per device:
-    a graph of 50 kernels asked it 50 times)."""
-    if index is None:
-        index = torch.cuda.current_device()
-    if index not in _ARCHES:
-        major, minor = torch.cuda.get_device_capability(index)
-        _ARCHES[index] = major * 10 + minor
-    return _ARCHES[index]
+    return int(binary.target.get("arch", -1)) == device_arch(device.index)

@@ -189,8 +189,23 @@ def cubin_prefetch(records: CubinRecords) -> CubinPrefetch | None:
     if loader is None or not loader.threads:
         return None
     device = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(device)
-    return CubinPrefetch(loader, device, major * 10 + minor, records)
+    return CubinPrefetch(loader, device, device_arch(device), records)
+
+
+_ARCHES: dict[int, int] = {}
+
+
+def device_arch(index: int | None) -> int:
+    """The compute capability of a CUDA device as 90 for sm_90 (asked once per device:
+    a graph of 50 kernels asked it 50 times)."""
+    import torch
+
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _ARCHES:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCHES[index] = major * 10 + minor
+    return _ARCHES[index]
 
 
 def prefetch_all(launchers: Iterable[Any]) -> None:
@@ -201,15 +216,24 @@ def prefetch_all(launchers: Iterable[Any]) -> None:
     for launcher in launchers:
         kernel = launcher if isinstance(launcher, StaticCudaKernel) \
             else getattr(launcher, "default", None)
-        if (isinstance(kernel, StaticCudaKernel) and kernel.loader is not None
-                and kernel.loader.threads and kernel._pending is None
-                and kernel.function is None):
+        if isinstance(kernel, StaticCudaKernel) and kernel.loader is not None \
+                and kernel._prefetchable():
             loaders[id(kernel.loader)] = kernel.loader
             waiting.setdefault(id(kernel.loader), []).append(kernel)
     for ident, kernels in waiting.items():
         futures = loaders[ident].submit_all([kernel._job() for kernel in kernels])
         for kernel, future in zip(kernels, futures):
             kernel._pending = future
+
+
+def _result_unless_deferred(pending: Future[LoadedCubin] | None) -> LoadedCubin | None:
+    """A helper's load, or None where there is none or the helper deferred it."""
+    if pending is None:
+        return None
+    try:
+        return pending.result()
+    except LoadDeferred:
+        return None
 
 
 class StaticCudaKernel:
@@ -256,9 +280,13 @@ class StaticCudaKernel:
 
     def prefetch(self) -> None:
         """Start loading the cubin on a helper thread (a no-op without a loader)."""
-        if (self.loader is not None and self.loader.threads and self._pending is None
-                and self.function is None):
+        if self.loader is not None and self._prefetchable():
             self._pending = self.loader.submit(*self._job())
+
+    def _prefetchable(self) -> bool:
+        """A loader with helpers, and neither a load started nor the cubin loaded."""
+        return bool(self.loader is not None and self.loader.threads
+                    and self._pending is None and self.function is None)
 
     def _job(self) -> tuple[bytes, str, int, int]:
         return self.binary, self.name, self.shared, self._device()
@@ -291,11 +319,8 @@ class StaticCudaKernel:
         self.prefetch()
         pending, loader = self._pending, self.loader
         try:
-            try:
-                if pending is None:  # no helper threads: load it here
-                    raise LoadDeferred(self.name)
-                loaded = pending.result()
-            except LoadDeferred:  # or a capture was in progress: load it on this thread
+            loaded = _result_unless_deferred(pending)
+            if loaded is None:  # no helper threads, or a capture deferred it: load it here
                 loaded = loader.load_here(*self._job())
         except Exception as e:  # noqa: BLE001 - torch's own loader is the next try
             global _driver_failed
