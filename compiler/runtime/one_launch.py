@@ -72,15 +72,17 @@ def aligned(inputs: Sequence[Any]) -> bool:
 
 
 class _Ops(TorchDispatchMode):
-    """Notes the ops dispatched under it other than allocations."""
+    """Notes the ops the wrapper dispatches under it, other than allocations (not those
+    of a launcher's own, while ``in_kernel``: Triton's interpreter copies its tensors)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.other: list[str] = []
+        self.in_kernel = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func.name() not in _ALLOCATIONS:
+        if not self.in_kernel and func.name() not in _ALLOCATIONS:
             self.other.append(func.name())
         return func(*args, **(kwargs or {}))
 
@@ -88,12 +90,17 @@ class _Ops(TorchDispatchMode):
 class _Spy:
     """Stands in for one kernel of a wrapper's namespace: notes each launch, forwards."""
 
-    def __init__(self, kernel: Any, launches: list[tuple[Any, tuple[Any, ...]]]) -> None:
-        self.kernel, self.launches = kernel, launches
+    def __init__(self, kernel: Any, launches: list[tuple[Any, tuple[Any, ...]]],
+                 ops: _Ops) -> None:
+        self.kernel, self.launches, self.ops = kernel, launches, ops
 
     def run(self, *args: Any) -> None:
         self.launches.append((self.kernel, args))
-        self.kernel.run(*args)
+        self.ops.in_kernel = True
+        try:
+            self.kernel.run(*args)
+        finally:
+            self.ops.in_kernel = False
 
 
 def _is_kernel(value: Any) -> bool:
@@ -112,7 +119,7 @@ def watched_call(call: Callable[[list[Any]], Any], inputs: list[Any]
     kernels = {name: v for name, v in namespace.items() if _is_kernel(v)}
     launches: list[tuple[Any, tuple[Any, ...]]] = []
     ops = _Ops()
-    namespace.update({name: _Spy(v, launches) for name, v in kernels.items()})
+    namespace.update({name: _Spy(v, launches, ops) for name, v in kernels.items()})
     try:
         with ops:
             outputs = call(list(inputs))
