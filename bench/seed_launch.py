@@ -10,8 +10,9 @@ four input sets in turn as gpu_bench does. Rows:
 - kiln plain (no CUDA graphs); kiln replay (reduce-overhead with the one-launch path
   off: each call replays a CUDA graph); kiln one launch (reduce-overhead as it ships:
   the graph's one kernel launched directly, ``compiler.runtime.one_launch``);
-- no Dynamo: a bare ``CUDAGraph.replay()`` of a graph holding Kiln's kernel, a bare
-  launch of that kernel through torch's static launcher (arguments built once), one
+- no Dynamo: a bare ``CUDAGraph.replay()`` of a graph holding Kiln's kernel (one graph;
+  and one graph per input set, replayed in turn, as kiln replay does), a bare launch of
+  that kernel through torch's static launcher (arguments built once), one
   eager ``torch.sum`` and an empty Python function.
 
 Columns, µs per call: ``events`` (gpu_bench's way: CUDA events around each call, the
@@ -94,15 +95,22 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     one = _runner_one_launch()
     args = one.arguments(tuple(sets[0]))
     one(sets[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one.launch(args, one.stream())
+    graphs = {}  # one graph per input set, keyed by its first input's address
+    for inputs in sets:
+        graphs[inputs[0].data_ptr()] = graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one.launch(one.arguments(tuple(inputs)), one.stream())
+    graph = graphs[sets[0][0].data_ptr()]
     replay = torch._C._CUDAGraph.replay
     launch, stream, outputs = one.launch, one.stream, one.outputs
     out1 = torch.empty(sets[0][0].shape[0], device="cuda")
 
     def bare_graph_replay(*a: Any) -> Any:
         replay(graph)
+        return outputs
+
+    def bare_graph_replay_4(*a: Any) -> Any:  # (what replays per address set do)
+        replay(graphs[a[0].data_ptr()])
         return outputs
 
     def bare_static_launch(*a: Any) -> Any:
@@ -119,6 +127,7 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     torch.cuda.synchronize()
     torch.testing.assert_close(outputs[0], seed(*sets[0]), rtol=1e-5, atol=1e-5)
     return {"bare CUDAGraph.replay (Kiln's kernel)": bare_graph_replay,
+            "bare CUDAGraph.replay, a graph per input set": bare_graph_replay_4,
             "bare static launch (Kiln's kernel)": bare_static_launch,
             "one torch.sum(out=)": one_torch_sum, "empty Python function": nothing}
 
