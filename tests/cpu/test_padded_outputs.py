@@ -64,3 +64,39 @@ def test_inference_graph_returns_padded_rows() -> None:
     assert y.stride() == (1004, 1)  # fp32 rows padded to 16 bytes, not copied
     torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-2)
+
+
+class _MatmulChain(torch.nn.Module):
+    """Blocks that end in a matmul of odd width: each block's product is the next block's
+    input, so a cut between blocks hands a (padded) matmul product to the next region."""
+
+    def __init__(self, width: int = 1001, blocks: int = 4) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(blocks))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            h = torch.tanh(h * 0.5 + 0.25).sigmoid() * h - h.relu() * 0.125
+            h = (h + 1.0).abs().sqrt() - h.exp().clamp(max=4.0) * 0.25
+            h = h @ w
+        return h
+
+
+def test_regions_pass_padded_products_on_and_return_padded_rows() -> None:
+    from kiln.frontend.client import process_counters
+
+    torch.manual_seed(3)
+    model = _MatmulChain().eval()
+    x = torch.randn(24, 1001)
+    compiled = torch.compile(model, backend="kiln", dynamic=False,
+                             options={"regions": "on", "region_nodes": 16})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        out = compiled(x)
+        ref = model(x)
+    assert process_counters()["regions"] >= 2
+    # Between regions, stitch gives each region the strides it was compiled for; the
+    # user's output keeps its padded rows.
+    assert out.stride() == (1004, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
