@@ -130,7 +130,10 @@ def watched_call(call: Callable[[list[Any]], Any], inputs: list[Any]
     if len(launches) != 1:
         return outputs, f"it launches {len(launches)} kernels"
     constants = [v for v in namespace.values() if isinstance(v, torch.Tensor)]
-    return outputs, one_launch(*launches[0], inputs, outputs, constants)
+    try:
+        return outputs, one_launch(*launches[0], inputs, outputs, constants)
+    except Exception as e:  # noqa: BLE001 - the recording still serves: it replays
+        return outputs, f"its launch could not be bound ({type(e).__name__}: {e})"
 
 
 def _storage(x: torch.Tensor) -> int:

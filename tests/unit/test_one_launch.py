@@ -251,3 +251,24 @@ def test_a_swap_launches_the_new_kernel_never_the_old(
     assert len(old_launches) == 1  # not one launch of the old kernel since the switch
     assert new.one_launch is not None
     assert new.one_launch.kernel == "doubling"
+
+
+def test_a_launch_that_cannot_be_bound_leaves_the_replay(
+        captures: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault while binding the one launch (here: the launcher's entry refuses) is a
+    reason on the recording, not a failed capture: the graph replays, outputs match."""
+    from kiln.compiler.runtime import one_launch as module
+
+    def refuses(kernel: Any) -> Any:
+        raise RuntimeError("no launcher entry")
+
+    monkeypatch.setattr(module, "_launcher", refuses)
+    fn = _compiled_seed()
+    sets = [[torch.randn(8, 16) for _ in range(3)] for _ in range(2)]
+    for i in range(8):
+        torch.testing.assert_close(fn(*sets[i % 2]), _seed(*sets[i % 2]))
+    (runner,) = {id(r): r for r in captures}.values()
+    assert runner.one_launch is None and runner.plain_reason is None
+    assert {rec.one for rec in runner.direct.values()} == {
+        "its launch could not be bound (RuntimeError: no launcher entry)"}
+    assert sorted(rec.graph.replays for rec in runner.direct.values()) == [3, 3]
