@@ -93,13 +93,15 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     import torch
 
     one = _runner_one_launch()
-    args = one.arguments(tuple(sets[0]))
-    one(sets[0])
+    def arguments(inputs: list[Any]) -> tuple[Any, ...]:
+        return one.arguments(tuple(inputs), tuple(x.data_ptr() for x in inputs))
+
+    args = arguments(sets[0])
     graphs = {}  # one graph per input set, keyed by its first input's address
     for inputs in sets:
         graphs[inputs[0].data_ptr()] = graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            one.launch(one.arguments(tuple(inputs)), one.stream())
+            one.launch(arguments(inputs), one.stream())
     graph = graphs[sets[0][0].data_ptr()]
     replay = torch._C._CUDAGraph.replay
     launch, stream, outputs = one.launch, one.stream, one.outputs

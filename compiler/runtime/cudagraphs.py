@@ -234,9 +234,9 @@ class CudaGraphRunner:
         self.calls += 1
         if self.plain_reason is not None:
             return self.call(inputs)
-        if self.one_launch is not None and aligned(inputs):
-            return self.one_launch(inputs)
         now = _pointers(inputs)
+        if self.one_launch is not None and aligned(now):
+            return self.one_launch(inputs, now)
         rec = self.direct.get(now)
         if rec is not None:  # the hot path: inputs where a recording reads them
             self.last_pointers = now
@@ -386,13 +386,13 @@ def replaying(owner: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
     def replay_or_call(*inputs: Any) -> Any:
         runner = owner.replayer
         if runner is not None:
+            now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
             one = runner.one_launch  # (``OneLaunch.__call__`` and ``aligned``, inlined)
-            if one is not None and not any_bits(bits, map(data_ptr, inputs), 0) % ALIGNMENT:
+            if one is not None and not any_bits(bits, now, 0) % ALIGNMENT:
                 runner.calls += 1
-                both = inputs + one.tail
+                both = (now if one.by_address else inputs) + one.tail
                 one.launch(both if one.pick is None else one.pick(both), one.stream())
                 return one.outputs
-            now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
             rec = runner.direct.get(now)
             if rec is not None:
                 runner.calls += 1

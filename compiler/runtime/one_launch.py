@@ -44,7 +44,12 @@ Launch = Callable[[tuple[Any, ...], Any], None]
 
 @dataclass(frozen=True)
 class OneLaunch:
-    """The launch that serves a call: ``launch(arguments(inputs), stream())``."""
+    """The launch that serves a call: ``launch(arguments(inputs, addresses), stream())``.
+
+    ``by_address``: the kernel takes the inputs' addresses (torch's launcher: given a
+    tensor, it would call its ``data_ptr`` and ask the driver about the address, per
+    argument and launch); the tail's tensors are then addresses too (``keep`` holds
+    them). Otherwise it takes the tensors."""
 
     kernel: str
     launch: Launch
@@ -52,23 +57,27 @@ class OneLaunch:
     tail: tuple[Any, ...]  # after the inputs: outputs, constants, scalars, scratch
     pick: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None  # None: inputs + tail
     outputs: Any
+    by_address: bool = False
+    keep: tuple[torch.Tensor, ...] = ()  # what the tail's addresses point into
 
-    def arguments(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        both = inputs + self.tail
+    def arguments(self, inputs: tuple[Any, ...], addresses: tuple[int, ...]
+                  ) -> tuple[Any, ...]:
+        both = (addresses if self.by_address else inputs) + self.tail
         return both if self.pick is None else self.pick(both)
 
-    def __call__(self, inputs: Sequence[Any]) -> Any:
-        """Launch over ``inputs`` (aligned: see :func:`aligned`); the outputs."""
-        self.launch(self.arguments(tuple(inputs)), self.stream())
+    def __call__(self, inputs: Sequence[Any], addresses: tuple[int, ...]) -> Any:
+        """Launch over ``inputs`` at ``addresses`` (aligned: see :func:`aligned`); the
+        outputs."""
+        self.launch(self.arguments(tuple(inputs), addresses), self.stream())
         return self.outputs
 
 
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-def aligned(inputs: Sequence[Any]) -> bool:
-    """Every input starts on a 16-byte boundary (C calls only)."""
-    return not functools.reduce(operator.or_, map(_DATA_PTR, inputs), 0) % ALIGNMENT
+def aligned(addresses: Sequence[int]) -> bool:
+    """Every input address is on a 16-byte boundary (C calls only)."""
+    return not functools.reduce(operator.or_, addresses, 0) % ALIGNMENT
 
 
 class _Ops(TorchDispatchMode):
@@ -166,13 +175,17 @@ def one_launch(kernel: Any, args: tuple[Any, ...], inputs: Sequence[Any], output
             return f"argument {i} of kernel {_name(kernel)} is a buffer of its own"
         order.append(len(inputs) + len(tail))
         tail.append(arg)
-    launch, stream, extra = _launcher(kernel)
+    launch, stream, extra, by_address = _launcher(kernel)
     for arg in extra:  # (a static kernel's scratch slots: its ``run`` adds them)
         order.append(len(inputs) + len(tail))
         tail.append(arg)
     identity = order == list(range(len(inputs) + len(tail)))
     pick = None if identity else _picker(order)
-    return OneLaunch(_name(kernel), launch, stream, tuple(tail), pick, outputs)
+    if not by_address:
+        return OneLaunch(_name(kernel), launch, stream, tuple(tail), pick, outputs)
+    keep = tuple(a for a in tail if isinstance(a, torch.Tensor))
+    addresses = tuple(_DATA_PTR(a) if isinstance(a, torch.Tensor) else a for a in tail)
+    return OneLaunch(_name(kernel), launch, stream, addresses, pick, outputs, True, keep)
 
 
 def _picker(order: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
@@ -191,10 +204,10 @@ def _name(kernel: Any) -> str:
 _no_stream = type(None)  # (a C call that gives None)
 
 
-def _launcher(kernel: Any) -> tuple[Launch, Callable[[], Any], tuple[Any, ...]]:
-    """``(launch, stream, extra)``: torch's launcher's C entry with the kernel bound
-    where ``kernel`` is a loaded static kernel with a fixed grid (``extra``: its scratch
-    arguments), else its ``run``."""
+def _launcher(kernel: Any) -> tuple[Launch, Callable[[], Any], tuple[Any, ...], bool]:
+    """``(launch, stream, extra, by_address)``: torch's launcher's C entry with the
+    kernel bound where ``kernel`` is a loaded static kernel with a fixed grid (``extra``:
+    its scratch arguments; it takes addresses), else its ``run`` (it takes tensors)."""
     from .static_launcher import StaticCudaKernel
 
     if isinstance(kernel, StaticCudaKernel) and kernel.function is not None \
@@ -206,6 +219,6 @@ def _launcher(kernel: Any) -> tuple[Launch, Callable[[], Any], tuple[Any, ...]]:
         stream = kernel.stream if device is None else functools.partial(
             torch._C._cuda_getCurrentRawStream, device)
         assert stream is not None
-        return launch, stream, kernel.scratch
+        return launch, stream, kernel.scratch, True
     run = kernel.run
-    return (lambda args, stream: run(*args)), _no_stream, ()
+    return (lambda args, stream: run(*args)), _no_stream, (), False

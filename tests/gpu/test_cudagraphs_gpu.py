@@ -72,7 +72,7 @@ def test_preallocated_input_sets_are_read_in_place_with_one_launch() -> None:
         one = runner.one_launch
         assert one is not None and runner.recordings + len(runner.direct) == 1
         # torch's launcher's C entry with the kernel bound, the caller's inputs first
-        assert isinstance(one.launch, functools.partial) and one.pick is None
+        assert isinstance(one.launch, functools.partial) and one.pick is None and one.by_address
         assert one.kernel.startswith("triton_") and isinstance(
             fn_kernel(runner, one.kernel), StaticCudaKernel)
         for _ in range(3):

@@ -109,7 +109,7 @@ def test_misaligned_inputs_take_the_recorded_path(captures: list[Any]) -> None:
     (runner,) = {id(r): r for r in captures}.values()
     runner.one_launch, launches = _counted(runner.one_launch)
     odd = [torch.randn(8 * 16 + 1)[1:].view(8, 16) for _ in range(3)]
-    assert not aligned(odd) and aligned(sets[0])
+    assert not aligned([x.data_ptr() for x in odd]) and aligned([x.data_ptr() for x in sets[0]])
     for _ in range(3):
         for x in odd:
             x.copy_(torch.randn(8, 16))
@@ -164,7 +164,7 @@ def test_one_launch_declines_what_it_cannot_serve() -> None:
     constant = torch.randn(4)
     served = one_launch(kernel, (out, constant, y, x), [x, y], (out[:2],), [constant])
     assert isinstance(served, OneLaunch) and served.pick is not None
-    assert served.arguments((x, y)) == (out, constant, y, x)
+    assert not served.by_address and served.arguments((x, y), (1, 2)) == (out, constant, y, x)
 
 
 class _Launcher:
@@ -180,7 +180,9 @@ class _Launcher:
 def test_a_static_kernel_is_launched_through_the_launchers_entry() -> None:
     """A loaded static kernel is launched by torch's launcher's entry with its function,
     grid, warps, shared memory, argument codes and scratch slots bound once; only the
-    arguments and the stream are passed per call."""
+    arguments and the stream are passed per call, the tensors as their addresses (the
+    inputs' taken once per call; given a tensor, the launcher asks the driver about its
+    address at every launch)."""
     impl = _Launcher()
     kernel = object.__new__(StaticCudaKernel)  # (what ``load`` leaves, minus a GPU)
     kernel.__dict__.update(impl=impl, function="function", grid=(4, 1, 1), num_warps=2,
@@ -189,10 +191,12 @@ def test_a_static_kernel_is_launched_through_the_launchers_entry() -> None:
                            name="triton_poi_0")
     x, y, out = torch.randn(4), torch.randn(4), torch.empty(4)
     served = one_launch(kernel, (x, y, out), [x, y], (out,))
-    assert isinstance(served, OneLaunch) and served.pick is None
+    assert isinstance(served, OneLaunch) and served.pick is None and served.by_address
+    assert served.keep == (out,)
     a, b = torch.randn(4), torch.randn(4)
-    assert served([a, b]) == (out,)
-    assert impl.launches == [("function", 4, 1, 1, 2, 64, "OOO", (a, b, out, None), 7)]
+    assert served([a, b], (a.data_ptr(), b.data_ptr())) == (out,)
+    assert impl.launches == [("function", 4, 1, 1, 2, 64, "OOO",
+                              (a.data_ptr(), b.data_ptr(), out.data_ptr(), None), 7)]
 
 
 class _Doubling:
