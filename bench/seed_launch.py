@@ -12,7 +12,8 @@ four input sets in turn as gpu_bench does. Rows:
   the graph's one kernel launched directly, ``compiler.runtime.one_launch``);
 - no Dynamo: a bare ``CUDAGraph.replay()`` of a graph holding Kiln's kernel (one graph;
   and one graph per input set, replayed in turn, as kiln replay does), a bare launch of
-  that kernel through torch's static launcher (arguments built once), one
+  that kernel through torch's static launcher (arguments built once: addresses, as the
+  one-launch path passes them, and tensors, as Kiln's wrappers pass them), one
   eager ``torch.sum`` and an empty Python function.
 
 Columns, µs per call: ``events`` (gpu_bench's way: CUDA events around each call, the
@@ -93,6 +94,7 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     import torch
 
     one = _runner_one_launch()
+
     def arguments(inputs: list[Any]) -> tuple[Any, ...]:
         return one.arguments(tuple(inputs), tuple(x.data_ptr() for x in inputs))
 
@@ -119,6 +121,13 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
         launch(args, stream())
         return outputs
 
+    tensor_of = {x.data_ptr(): x for x in (*sets[0], *one.keep)}
+    tensor_args = tuple(tensor_of.get(x, x) if isinstance(x, int) else x for x in args)
+
+    def bare_static_launch_tensors(*a: Any) -> Any:  # (what Kiln's wrappers pass)
+        launch(tensor_args, stream())
+        return outputs
+
     def one_torch_sum(*a: Any) -> Any:
         return torch.sum(a[0], dim=-1, out=out1)
 
@@ -130,7 +139,8 @@ def bare_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     torch.testing.assert_close(outputs[0], seed(*sets[0]), rtol=1e-5, atol=1e-5)
     return {"bare CUDAGraph.replay (Kiln's kernel)": bare_graph_replay,
             "bare CUDAGraph.replay, a graph per input set": bare_graph_replay_4,
-            "bare static launch (Kiln's kernel)": bare_static_launch,
+            "bare static launch (Kiln's kernel), addresses": bare_static_launch,
+            "bare static launch (Kiln's kernel), tensors": bare_static_launch_tensors,
             "one torch.sum(out=)": one_torch_sum, "empty Python function": nothing}
 
 
