@@ -276,3 +276,44 @@ def test_a_launch_that_cannot_be_bound_leaves_the_replay(
     assert {rec.one for rec in runner.direct.values()} == {
         "its launch could not be bound (RuntimeError: no launcher entry)"}
     assert sorted(rec.graph.replays for rec in runner.direct.values()) == [3, 3]
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    return (x.t() * 2).contiguous()
+
+
+def test_an_input_in_the_outputs_memory_is_not_launched(captures: list[Any]) -> None:
+    """``y = f(y)``: a call fed the previous call's output would have the kernel read what
+    it writes (a transpose in place mixes old and new values); such calls take the
+    runner's other paths, through Dynamo's entry and the runner's own call alike, and
+    match eager each time; fresh inputs are still launched."""
+    torch._dynamo.reset()
+    fn = torch.compile(_transposed, backend="kiln", mode="reduce-overhead", dynamic=False)
+    sets = [[torch.randn(16, 16)] for _ in range(2)]
+    for i in range(4):
+        torch.testing.assert_close(fn(*sets[i % 2]), _transposed(*sets[i % 2]))
+    (runner,) = {id(r): r for r in captures}.values()
+    one = runner.one_launch
+    assert one is not None
+    launched: list[int] = []
+
+    def launch(args: tuple[Any, ...], stream: Any) -> None:
+        launched.append(1)
+        one.launch(args, stream)
+
+    runner.one_launch = dataclasses.replace(one, launch=launch)
+    y, fed_back = torch.randn(16, 16), 0
+    for step in range(8):  # (the other paths answer in a recording's own outputs: the
+        # next call, fed those, is launched again)
+        own = y.data_ptr() == one.outputs[0].data_ptr()
+        fed_back += own
+        want, before = _transposed(y.clone()), len(launched)
+        y = fn(y) if step % 2 else runner([y])[0]
+        torch.testing.assert_close(y, want)
+        assert len(launched) == before + (not own)
+    assert fed_back >= 3
+    # What the check prevents: the kernel launched over its own output.
+    y = one.outputs[0]
+    want = _transposed(y.clone())
+    one([y], (y.data_ptr(),))
+    assert not torch.allclose(y, want)
