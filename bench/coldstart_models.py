@@ -223,8 +223,8 @@ def resnet50_train(device: str, smoke: bool) -> Case:
     x = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, classes, (batch,), device=device)
     autocast = device == "cuda" and not smoke
-    scaled = _GradScales([module.fc.weight, module.layer4[-1].conv3.weight,
-                          module.layer1[0].conv1.weight, module.conv1.weight])
+    scaled = _GradScales([module.get_parameter(n) for n in (
+        "fc.weight", "layer4.2.conv3.weight", "layer1.0.conv1.weight", "conv1.weight")])
 
     def step(m: nn.Module) -> list[torch.Tensor]:
         m.zero_grad(set_to_none=True)
