@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .errors import LoweringError, MalformedGraphError
-from .ir.extern import make_fallback_call, realize_input
+from .ir.extern import _MATMULS, ExternKernel, make_fallback_call, realize_input
 from .ir.layout import FixedLayout, FlexibleLayout, MutationLayout, contiguous_strides
 from .ir.nodes import (
     Buffer,
@@ -241,9 +241,13 @@ class GraphLowering(torch.fx.Interpreter):
                     buf.freeze_layout(sympify_tuple(meta.stride()))
         out = realize_input(value)
         if isinstance(meta, torch.Tensor) and _is_dense(meta) and _owned_by_graph(out) \
-                and not _same_strides(out, meta):
-            # A buffer laid out for speed (a padded matmul output) is returned as eager
-            # lays it out.
+                and not _same_strides(out, meta) and not (
+                    self.options.get("padded_outputs") and _padded_matmul_rows(out, meta)):
+            # A buffer laid out for speed is returned as eager lays it out. Where every
+            # output goes to the user (``padded_outputs``: an inference graph), a padded
+            # matmul's rows stay padded, as Inductor returns them: the copy is a pass over
+            # the whole output (GPT-2's logits). A forward graph's outputs may be saved
+            # for a backward compiled for eager's strides: those are copied.
             return _strided_copy(out, sympify_tuple(meta.stride()))
         return out
 
@@ -363,6 +367,22 @@ def _same_strides(node: IRNode, meta: torch.Tensor) -> bool:
     stride = node.layout.stride if isinstance(node, ReinterpretView) else \
         node.get_layout().stride  # type: ignore[attr-defined]
     return all(int(a) == b or n == 1 for a, b, n in zip(stride, meta.stride(), meta.shape))
+
+
+def _padded_matmul_rows(node: IRNode, meta: torch.Tensor) -> bool:
+    """True when ``node`` views a library matmul's output whose rows were widened to an
+    aligned stride (``_padded_matmul``), where eager's output is contiguous."""
+    if not (isinstance(node, ReinterpretView) and isinstance(node.data, ExternKernel)
+            and node.data.op_overload in _MATMULS and meta.is_contiguous() and meta.dim() >= 2):
+        return False
+    sizes, row = list(meta.shape), int(node.layout.stride[-2])
+    if not sizes[-1] < row < sizes[-1] + 16:
+        return False
+    expected = [1, row]
+    for size in reversed(sizes[1:-1]):
+        expected.append(expected[-1] * size)
+    return all(int(a) == b or n == 1 for a, b, n in
+               zip(node.layout.stride, reversed(expected), sizes))
 
 
 def _is_dense(t: torch.Tensor) -> bool:

@@ -84,7 +84,7 @@ NON_OUTPUT_OPTIONS = frozenset(
 # Anything else in a request (debug folders, log settings, a store) is dropped there:
 # a caller never picks a path on a worker.
 COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_autotune",
-                             "allow_tf32"})
+                             "allow_tf32", "padded_outputs"})
 
 # Op namespaces a request may name (``torch.ops.<namespace>``); never private or dunder
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.

@@ -85,12 +85,15 @@ def target_for(device: torch.device) -> dict[str, Any]:
     return cpu
 
 
-def request_options(config: KilnConfig) -> dict[str, Any]:
+def request_options(config: KilnConfig, name: str = "") -> dict[str, Any]:
     """Options that reach the compiler and the key: those that change compiled code
     (``frontend.config.SETTINGS``'s ``in_key``; autotuning changes chosen configs), and,
     only when on, max-autotune (matmuls lower otherwise; fp32 templates follow torch's
-    TF32 flag)."""
+    TF32 flag). An inference graph (``name`` from ``aot_kiln``) returns only the user's
+    outputs: they may keep a padded matmul's row stride (no copy to eager's strides)."""
     options = config.compiler_options()
+    if name.startswith("inference_"):
+        options["padded_outputs"] = True
     if config.max_autotune:
         options.update(max_autotune=True, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
     if torch.are_deterministic_algorithms_enabled():
@@ -99,9 +102,11 @@ def request_options(config: KilnConfig) -> dict[str, Any]:
 
 
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                  config: KilnConfig, target: dict[str, Any] | None = None) -> CompileRequest:
+                  config: KilnConfig, target: dict[str, Any] | None = None,
+                  name: str = "") -> CompileRequest:
     target = target if target is not None else target_for(input_device(example_inputs))
-    return make_request(gm, example_inputs, options=request_options(config), target=target)
+    return make_request(gm, example_inputs, options=request_options(config, name),
+                        target=target)
 
 
 def compile_request(request: CompileRequest, config: KilnConfig, name: str = "graph"
@@ -116,7 +121,7 @@ def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     start = time.perf_counter()
     began_us = trace.now_us()
     with trace.span("serialize request", cat="client", graph=name):
-        request = build_request(gm, example_inputs, config)
+        request = build_request(gm, example_inputs, config, name=name)
     built = time.perf_counter()
     client = client_for(config)
     regional = compile_as_regions(client, gm, example_inputs, config, name, request)

@@ -258,7 +258,7 @@ def _traced(gm: torch.fx.GraphModule, inputs: Sequence[Any], name: str, config: 
     if reason is not None:
         return TracedGraph(name, None, reason, list(dict.fromkeys(notes)))
     try:
-        request = make_request(gm, inputs, options=request_options(config), target=target,
+        request = make_request(gm, inputs, options=request_options(config, name), target=target,
                                versions=versions)
     except SerializationError as e:
         return TracedGraph(name, None, f"cannot be keyed: {e}", list(dict.fromkeys(notes)))

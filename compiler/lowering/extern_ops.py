@@ -19,18 +19,13 @@ aten = torch.ops.aten
 
 
 # GPU matmuls whose output rows are not 16-byte aligned fall onto slow library kernels
-# (GPT-2's vocabulary of 50257): such outputs get padded rows, unless the graph returns
-# them as they are (eager's strides would need a copy of the whole output).
+# (GPT-2's vocabulary of 50257): such outputs get padded rows.
 PAD_MIN_ELEMENTS = 2**20
 
 
 def _row_padding(a: IRNode, b: IRNode) -> int:
-    return _aligned_row_multiple(a, b) if a.get_device().type == "cuda" else 1
-
-
-def _aligned_row_multiple(a: IRNode, b: IRNode) -> int:
     dtype = b.get_dtype()
-    if not dtype.is_floating_point or _returned_as_is():
+    if a.get_device().type != "cuda" or not dtype.is_floating_point:
         return 1
     multiple = max(1, 16 // dtype.itemsize)
     width = sympy.sympify(b.get_size()[-1])
@@ -40,31 +35,6 @@ def _aligned_row_multiple(a: IRNode, b: IRNode) -> int:
     if n % multiple == 0 or n * m < PAD_MIN_ELEMENTS:
         return 1
     return multiple
-
-
-def _returned_as_is() -> bool:
-    """True when the op being lowered reaches the graph's outputs through views only: its
-    padded rows would cost a copy to eager's strides (a pass over the whole output: GPT-2's
-    logits), and the library's unaligned kernel costs no more than that (H200, GPT-2's
-    lm_head: Inductor's unpadded GEMM 0.460 ms, Kiln's padded one 0.461 ms plus a 0.217 ms
-    copy)."""
-    node = V.graph.current_node
-    return node is not None and _reaches_output(node)
-
-
-def _reaches_output(node: Any) -> bool:
-    for user in node.users:
-        if user.op == "output":
-            return True
-        if _is_view_op(user.target) and _reaches_output(user):
-            return True
-    return False
-
-
-def _is_view_op(target: Any) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _padded_matmul(op: Any, a: IRNode, b: IRNode) -> TensorBox:

@@ -33,8 +33,9 @@ def _fake(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float16,
         return [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
 
 
-def _compile(fn: Callable[..., Any], args: list[torch.Tensor]) -> CompiledGraph:
-    return compile_graph(trace_aten(fn, args), args, {}, compile_kernels=False)
+def _compile(fn: Callable[..., Any], args: list[torch.Tensor],
+             options: dict[str, Any] | None = None) -> CompiledGraph:
+    return compile_graph(trace_aten(fn, args), args, options or {}, compile_kernels=False)
 
 
 def _body(compiled: CompiledGraph) -> list[str]:
@@ -44,40 +45,44 @@ def _body(compiled: CompiledGraph) -> list[str]:
 
 
 def test_matmul_with_unaligned_width_pads_the_weight() -> None:
-    compiled = _compile(lambda a, b: (a @ b).relu(), _fake((2048, 1024), (1024, 1001)))
+    compiled = _compile(lambda a, b: a @ b, _fake((2048, 1024), (1024, 1001)))
     body = _body(compiled)
     assert "buf0 = empty_strided_cuda((1024, 1008), (1008, 1), torch.float16)" \
         in body
     assert "buf1 = torch.mm(arg0_1, buf0)" in body
-    # The consumer reads the padded product through the slice and writes eager's layout.
+    # Outside an inference graph (a forward's outputs may be saved for its backward), the
+    # padded product is returned as eager lays it out: one copy of its first 1001 columns.
     assert "buf2 = empty_strided_cuda((2048, 1001), (1001, 1), torch.float16)" \
         in body
     assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0",
-                                                  "triton_poi_fused_relu_1"]
+                                                  "triton_poi_fused_copy_1"]
     pad = compiled.kernels[0].source
     assert "xnumel = 1032192" in pad and "tl.where(" in pad
 
 
-def test_gpt2_lm_head_returned_as_is_is_not_padded() -> None:
-    """GPT-2's tied lm_head (vocabulary 50257, odd), logits returned: padding would need a
-    copy of the logits to eager's strides (the 0.217 ms ``triton_poi_fused_copy`` on the
-    H200), so the library matmul writes them directly: no kernel, eager's strides."""
-    compiled = _compile(lambda x, w: F.linear(x, w), _fake((8, 512, 768), (50257, 768)))
-    assert not compiled.kernels
+def test_gpt2_lm_head_returns_padded_logits_without_a_copy() -> None:
+    """GPT-2's tied lm_head (vocabulary 50257, odd) in an inference graph: one
+    weight-padding kernel and the library matmul; the logits come back as a view of the
+    padded product, not copied (the 0.217 ms ``triton_poi_fused_copy`` on the H200)."""
+    compiled = _compile(lambda x, w: F.linear(x, w), _fake((8, 512, 768), (50257, 768)),
+                        {"padded_outputs": True})
     body = _body(compiled)
-    assert "buf0 = torch.mm(reinterpret_tensor(arg0_1, (4096, 768), (768, 1), 0), " \
-        "reinterpret_tensor(arg1_1, (768, 50257), (1, 768), 0))" in body
-    assert "return (reinterpret_tensor(buf0, (8, 512, 50257), (25731584, 50257, 1), 0), )" \
+    assert "buf0 = empty_strided_cuda((768, 50264), (1, 768), torch.float16)" in body
+    assert "buf1 = torch.mm(reinterpret_tensor(arg0_1, (4096, 768), (768, 1), 0), buf0)" \
         in body
-    assert sum("empty_strided_cuda(" in ln for ln in body) == 0
+    assert "return (reinterpret_tensor(buf1, (8, 512, 50257), (25735168, 50264, 1), 0), )" \
+        in body
+    assert [k.name for k in compiled.kernels] == ["triton_poi_fused_ge_logical_and_lt_0"]
+    assert sum("empty_strided_cuda(" in ln for ln in body) == 1
 
 
-def test_matmul_returned_and_consumed_is_not_padded() -> None:
-    """A product both returned and read inside (logits and their softmax): not padded."""
-    compiled = _compile(lambda a, b: (lambda y: (y, y.softmax(-1)))(a @ b),
-                        _fake((2048, 1024), (1024, 1001)))
-    assert "torch.mm(arg0_1, arg1_1)" in compiled.wrapper_source
-    assert not any("ge_logical_and_lt" in k.name for k in compiled.kernels)
+def test_padded_matmul_feeding_pointwise_still_returns_eager_strides() -> None:
+    """Only a matmul returned as it is keeps padded rows: a fused epilogue writes eager's."""
+    compiled = _compile(lambda a, b: (a @ b).relu(), _fake((2048, 1024), (1024, 1001)),
+                        {"padded_outputs": True})
+    body = _body(compiled)
+    assert "buf2 = empty_strided_cuda((2048, 1001), (1001, 1), torch.float16)" in body
+    assert len(compiled.kernels) == 2
 
 
 def test_aligned_matmul_is_not_padded() -> None:
