@@ -1,8 +1,9 @@
 """A training frame whose backward compiles beside its forward (``aot_kiln``'s
 ``backward_now``, what the backend asks for when a farm is up and the graphs will be cut
 into regions): both graphs are compiled before the forward runs, each regional graph
-waits for its regions at its first call, loss and gradients match eager, and a region
-that fails while deferred runs its graph eagerly with one warning naming graph and stage.
+(inference too) waits for its regions at its first call, outputs and gradients match
+eager, and a region that fails while deferred runs its graph eagerly with one warning
+naming graph and stage.
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ def test_backward_compiles_beside_the_forward_and_regions_wait_for_the_first_cal
     compiles = c["compiles"]
     check_against_eager(model, compiled, torch.randn(4, 8), made)
     assert counters()["compiles"] == compiles
+
+
+def test_an_inference_graph_waits_for_its_regions_at_its_first_call() -> None:
+    torch.manual_seed(8)
+    model, made = Stack().eval(), {}  # type: ignore[var-annotated]
+    compiled = torch.compile(model, backend=kiln_with(True, made))
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), **TOL)
+        torch.testing.assert_close(compiled(2 * x), model(2 * x), **TOL)
+    assert [n.split("_")[0] for n in made] == ["inference"]
+    assert all(isinstance(fn, DeferredGraph) for fn in made.values())
+    assert counters()["regional_graphs"] == 1
 
 
 def test_without_it_the_backward_compiles_at_the_first_backward_call() -> None:
