@@ -19,7 +19,12 @@ from kiln.frontend.client import KilnClient
 from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.farm import RayFarm
-from kiln.frontend.regions import DeferredGraph, compile_regional, regions_deferred
+from kiln.frontend.regions import (
+    DeferredGraph,
+    compile_regional,
+    overlap_backward,
+    regions_deferred,
+)
 from tests.regions_models import Stack, aten_graph
 
 
@@ -66,6 +71,19 @@ def test_a_deferred_training_graph_returns_at_submit_and_waits_at_its_first_call
     c = client.counters.snapshot()
     assert (c["regional_graphs"], c["regions"], c["regions_distinct"]) == (1, 6, 3)
     assert c["compiles_farm"] == 3 and c.get("compiles_local", 0) == 0
+
+
+def test_the_backend_overlaps_farm_work_only_with_a_farm_and_a_graph_to_cut(
+        farm: RayFarm) -> None:
+    options = {"regions": "on", "region_nodes": 15}
+    large = torch.fx.symbolic_trace(Stack(layers=6))
+    small = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    through_farm = KilnConfig.resolve({**options, "farm": str(farm.address)})
+    assert overlap_backward(large, through_farm)
+    assert not overlap_backward(small, through_farm)
+    assert not overlap_backward(large, KilnConfig.resolve({**options, "farm": "inprocess"}))
+    assert not overlap_backward(large, KilnConfig.resolve({**options, "regions": "off",
+                                                           "farm": str(farm.address)}))
 
 
 @pytest.fixture(scope="module")
