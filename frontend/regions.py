@@ -312,7 +312,8 @@ class _Finish:
 
 
 # ---------------------------------------------------------------------------------------
-# Deferred waiting: a training graph's forward and backward compile at once.
+# Deferred waiting: the farm compiles while the client goes on (forward and backward
+# at once; an inference graph while the frame's trace ends).
 
 
 _deferral = threading.local()
@@ -364,7 +365,8 @@ class DeferredGraph:
     def __init__(self, finish: Callable[[], Callable[..., Any]], graph: torch.fx.GraphModule,
                  name: str) -> None:
         self._boxed_call = True  # on the instance: AOTAutograd calls it with a list
-        self._finish, self._graph, self.name = finish, graph, name
+        self._finish, self.name = finish, name
+        self._graph: torch.fx.GraphModule | None = graph
         self._fn: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
@@ -380,11 +382,14 @@ class DeferredGraph:
         try:  # loaded as at compile time: AOTAutograd compiles with autocast off
             with trace.span("wait for regions", cat="client", graph=self.name), \
                     torch._C._DisableAutocast():
-                return self._finish()
+                fn = self._finish()
         except Exception as e:
+            assert self._graph is not None  # dropped only once resolved
             return eager_instead(self._graph, self.name, e)
         finally:
             flush_trace()
+        self._graph = None  # kept only to run eagerly
+        return fn
 
     def __call__(self, args: list[Any]) -> Any:
         fn = self._fn if self._fn is not None else self.resolve()
