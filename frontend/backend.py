@@ -21,6 +21,7 @@ import torch
 
 from kiln.compiler import trace
 from kiln.compiler.decompositions import kiln_decompositions
+from kiln.workers import foreground
 
 from .config import KilnConfig
 from .trace import flush as flush_trace
@@ -130,7 +131,11 @@ def aot_kiln(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_fn(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            return graph_compiler(graph, inputs, f"{kind}_{model_id}")
+            with foreground.compiling(f"{kind}_{model_id}"):
+                compiled = graph_compiler(graph, inputs, f"{kind}_{model_id}")
+            if kind == "forward":  # its backward comes at the first backward pass:
+                foreground.expect(f"backward_{model_id}")  # tuning waits for it
+            return compiled
 
         return compile_fn
 
