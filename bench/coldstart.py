@@ -5,7 +5,9 @@ Models (bench/coldstart_models.py): HF GPT-2 forward (config, random weights), t
 ResNet-18 forward, a transformer-encoder training step (embedding, 4 layers, MLM-style
 loss, fwd+bwd, bf16 autocast on GPU), a 24-layer decoder-only transformer forward, and
 torchvision ResNet-50 forward (``resnet50``: 53 convolutions of four widths, for a worker
-sweep over layers that differ: ``--sweep-model resnet50``).
+sweep over layers that differ: ``--sweep-model resnet50``), and a ResNet-50 training step
+(``resnet50_train``: forward, loss and backward, frozen BatchNorm, fp16 autocast; its
+forward and backward graphs both compiled as regions: ``--sweep-model resnet50_train``).
 
 Modes:
     inductor_cold    stock torch.compile, empty Inductor/Triton caches
@@ -78,7 +80,8 @@ PRIMING = {"inductor_warm": "inductor_cold", "inductor_mega": "inductor_cold",
            "kiln_warm": "kiln_inprocess", "kiln_warm_new": "kiln_inprocess"}
 RESULT = "COLDSTART_RESULT "
 FARM_UP_S = 40.0  # `kiln farm up` with its warm-up, on the 16-core host (for --budget)
-TRAINING_MODELS = frozenset({"encoder_train"})  # their graphs take the AOT path warm too
+# Training steps: their graphs take the AOT path warm too.
+TRAINING_MODELS = frozenset({"encoder_train", "resnet50_train"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,6 +341,12 @@ class Bench:
                 if model == self.args.sweep_model and env.get("KILN_REGIONS") != "off" \
                         and not row["regions"]:
                     problems.append(f"{model} was not compiled as regions")
+                elif model == self.args.sweep_model and model in TRAINING_MODELS \
+                        and env.get("KILN_REGIONS") != "off" \
+                        and row["counters"].get("regional_graphs", 0) < 2 \
+                        and not row["counters"].get("region_plan_hits"):
+                    problems.append(f"{model}: its forward and backward graphs were not "
+                                    f"both compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
                 said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
                 problems += said[-3:]

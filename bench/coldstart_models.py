@@ -10,7 +10,7 @@ stand-in of the same architecture written here is used, and the row says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +158,107 @@ def resnet50(device: str, smoke: bool) -> Case:
     return Case("resnet50", module, (x,), _forward(x), _tol(dtype, loose=True), "53 convs")
 
 
+class _Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.downsample is None else self.downsample(x)
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + skip)
+
+
+class _ResNet50(nn.Module):
+    """torchvision's ResNet-50 layout (blocks 3, 4, 6, 3; attribute names alike), for a
+    machine without torchvision."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1, self.maxpool = nn.BatchNorm2d(64), nn.MaxPool2d(3, 2, 1)
+        cin, stages = 64, []
+        for i, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
+            layer = []
+            for b in range(blocks):
+                layer.append(_Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
+                cin = 4 * width
+            stages.append(nn.Sequential(*layer))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _resnet50_module(num_classes: int) -> tuple[nn.Module, str]:
+    try:
+        import torchvision
+    except ImportError:
+        return _ResNet50(num_classes), "stand-in (torchvision not installed)"
+    return torchvision.models.resnet50(num_classes=num_classes), ""
+
+
+def resnet50_train(device: str, smoke: bool) -> Case:
+    """A torchvision ResNet-50 training step (forward, cross-entropy loss, backward; no
+    optimizer): the sweep's large model with the most compile work per second of the
+    client's own trace (Dynamo and AOTAutograd run once for both graphs, and the backward
+    graph has more kernels than the forward). fp32 weights under fp16 autocast on a GPU.
+    BatchNorm keeps its statistics (eval mode, as fine-tuning with frozen BatchNorm
+    does): with batch statistics, the backward through BatchNorm cancels so much that
+    Inductor's gradients of a late conv differed from eager's by 9-22% of their largest
+    value in fp32 on this CPU machine, so no comparison with eager could pass."""
+    batch, size, classes = (2, 64, 10) if smoke else (32, 224, 1000)
+    built, note = _resnet50_module(classes)
+    module = built.to(device).eval()  # frozen BatchNorm statistics (see above)
+    x = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    autocast = device == "cuda" and not smoke
+    scaled = _GradScales([module.get_parameter(n) for n in (
+        "fc.weight", "layer4.2.conv3.weight", "layer1.0.conv1.weight", "conv1.weight")])
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.float16, enabled=autocast):
+            loss = F.cross_entropy(m(x).float(), labels)
+        loss.backward()
+        return [loss.detach(), *scaled()]
+
+    tol = _tol(torch.float16 if autocast else torch.float32, loose=True)
+    note = ", ".join(filter(None, ["53 convs, fwd+bwd",
+                                   "fp16 autocast" if autocast else "fp32", note]))
+    return Case("resnet50_train", module, (x,), step, tol, note)
+
+
+class _GradScales:
+    """Gradients over the largest magnitude each had in the first (eager) step: compared
+    with eager, a tolerance then means the same for a gradient of 1e-4 as for one of 1 (a
+    fixed atol would pass any small gradient), and a wrong scale still fails."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self.scales: list[torch.Tensor] = []
+
+    def __call__(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                raise RuntimeError("a watched parameter got no gradient")
+            grads.append(p.grad.detach().float())
+        if not self.scales:  # the first step is eager's (coldstart's child runs it first)
+            self.scales = [g.abs().max().clamp_min(1e-30) for g in grads]
+        return [g / s for g, s in zip(grads, self.scales)]
+
+
 # ---------------------------------------------------------------------------------------
 # A transformer-encoder training step: embedding, 4 layers, MLM-style loss, fwd + bwd.
 
@@ -213,7 +314,7 @@ def deep24(device: str, smoke: bool) -> Case:
 
 MODELS: dict[str, Callable[[str, bool], Case]] = {
     "gpt2": gpt2, "resnet18": resnet18, "encoder_train": encoder_train, "deep24": deep24,
-    "resnet50": resnet50}
+    "resnet50": resnet50, "resnet50_train": resnet50_train}
 
 
 def _tol(dtype: torch.dtype, loose: bool = False) -> dict[str, float]:

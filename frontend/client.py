@@ -38,6 +38,7 @@ from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.static_launcher import cubin_prefetch
+from kiln.workers import foreground
 from kiln.workers.kernel_store import KernelStore
 from kiln.workers.pipeline import (
     CompileFailure,
@@ -151,7 +152,13 @@ class KilnClient:
         A caller that loads the result passes ``count_hit=False`` and reports the load
         with :meth:`loaded` (a hit that fails to load is an error, not time saved).
         ``warm``: the graph's first-call warm-up (``frontend.warmup``), run beside a
-        compile of a miss."""
+        compile of a miss. This process's background tuning waits meanwhile
+        (``workers.foreground``)."""
+        with foreground.compiling():
+            return self._compile(request, name, count_hit, warm)
+
+    def _compile(self, request: CompileRequest, name: str, count_hit: bool,
+                 warm: Warm | None) -> CompileResult:
         start = time.perf_counter()
         with trace.span("hash request", cat="client", graph=name):
             key = compute_key(request)

@@ -22,6 +22,7 @@ from kiln.compiler.compiled_graph import CompiledGraph, load
 from kiln.compiler.driver import DEFAULT_TARGETS
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
+from kiln.workers import foreground
 
 from .client import CompileResult, KilnClient, client_for
 from .config import KilnConfig
@@ -118,6 +119,14 @@ def compile_request(request: CompileRequest, config: KilnConfig, name: str = "gr
 
 def compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                      config: KilnConfig, name: str) -> Callable[..., Any]:
+    """The graph's callable, from the store or compiled; background tuning of graphs
+    compiled before waits meanwhile (``workers.foreground``)."""
+    with foreground.compiling():
+        return _compile_and_load(gm, example_inputs, config, name)
+
+
+def _compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                      config: KilnConfig, name: str) -> Callable[..., Any]:
     start = time.perf_counter()
     began_us = trace.now_us()
     with trace.span("serialize request", cat="client", graph=name):

@@ -32,6 +32,8 @@ from kiln.compiler.kernel_compile import KernelBinary, compile_kernel
 from kiln.compiler.request import CompileRequest, canonical, compile_options
 from kiln.compiler.versions import versions
 
+from . import foreground
+
 log = logging.getLogger("kiln.workers")
 
 # Test hook: seconds a worker sleeps before compiling a graph (to kill it mid-compile).
@@ -319,11 +321,15 @@ class KernelCache:
     def compile_all(self, jobs: list[KernelJob]) -> list[KernelBinary]:
         """Every job's binary, in order, compiled on ``kernel_threads()`` threads at once
         (Triton's LLVM and ptxas steps release the GIL; background work: at most 8).
-        Their spans are recorded as the caller's are (``trace.carry``)."""
+        Their spans are recorded as the caller's are (``trace.carry``). Background work
+        lets this process's compiles on the way to a first output go first: each job
+        waits for them (``workers.foreground``)."""
+        behind = trace.in_background()
+        one = foreground.yielding(self.get_or_compile) if behind else self.get_or_compile
         if len(jobs) < 2:
-            return [self.get_or_compile(job) for job in jobs]
-        work = trace.carry(self.get_or_compile)
-        threads = min(8, kernel_threads()) if trace.in_background() else kernel_threads()
+            return [one(job) for job in jobs]
+        work = trace.carry(one)
+        threads = min(8, kernel_threads()) if behind else kernel_threads()
         with ThreadPoolExecutor(min(threads, len(jobs)),
                                 thread_name_prefix="kiln-kernel") as pool:
             return list(pool.map(work, jobs))
@@ -407,6 +413,7 @@ def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
         if len(group) == 1:
             chosen[name] = candidates[0]
             continue
+        foreground.wait_idle()
         with trace.span("autotune benchmark", cat="autotune", kernel=name, gpu="local",
                         candidates=len(group)):
             timings = benchmark(group[0].spec, candidates)

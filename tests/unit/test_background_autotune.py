@@ -115,3 +115,38 @@ def test_tuning_in_process_waits_for_the_graphs_first_output(
     assert client.local.kernels.compiles > compiled_before
     assert client.counters.snapshot()["autotune_publishes"] == 1
     assert builds == [False, True] and graph.swaps == 1  # switched to the tuned kernels
+
+
+def test_tuning_in_process_waits_for_the_next_graphs_compile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph's tuning let go (its first call returned) while the next graph compiles
+    (a training step's backward, the graph after a break) compiles no candidate until that
+    compile is done: it took the CPUs and the GIL from it (``workers.foreground``)."""
+    import time
+
+    from kiln.workers import foreground
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
+    monkeypatch.setenv(FAKE_AUTOTUNE_ENV, "1")
+    client = _client(tmp_path, local_cache="off")
+    first = client.compile(_cuda_request(client.config))  # type: ignore[arg-type]
+    assert first.compiled.stats["autotune_pending"], first.source
+    x = torch.randn(128, 256)
+    args = fake_cuda([x, x])
+    gm = trace_aten(lambda a, b: (torch.tanh(a) * b).amax(1), args)
+    second_request = build_request(gm, args, client.config, target=dict(SM90))
+    before = client.local.kernels.compiles
+    with foreground.compiling():  # the next graph's compile, from its trace on
+        client.tuner.release(first.key.key)  # the first graph's first call returned
+        time.sleep(1.0)
+        assert client.local.kernels.compiles == before  # no candidate compiled
+        second = client.compile(second_request)  # type: ignore[arg-type]
+        assert second.source == "local" and len(second.compiled.binaries) >= 1
+        # the kernels compiled so far are the second graph's, none a candidate
+        assert client.local.kernels.compiles == before + len(second.compiled.binaries)
+        assert client.tuner.held() == int(bool(second.compiled.stats.get("autotune_pending")))
+    assert client.tuner.wait(300)
+    assert client.local.kernels.compiles > before + len(second.compiled.binaries)
+    assert client.counters.snapshot()["autotune_publishes"] >= 1
+    manifest = client.store.get_manifest(first.key.key)
+    assert manifest is not None and manifest["graph"]["autotuned"] is True
