@@ -85,7 +85,7 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if callable(looked_up):
         return looked_up
     from .client import client_for
-    from .regions import prestart
+    from .regions import overlap_backward, prestart
 
     prestart(gm, config)  # graph-stage processes start while AOTAutograd traces
     client_for(config).connect_farm_early()  # and the farm's connection is made
@@ -96,7 +96,8 @@ def _compile_frame(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return fn
 
     with looked_up.listening():
-        compiled = aot_kiln(gm, example_inputs, graph_compiler)
+        compiled = aot_kiln(gm, example_inputs, graph_compiler,
+                            backward_now=overlap_backward(gm, config))
     looked_up.finish()
     # An inference graph AOTAutograd's runtime would only call: called directly.
     direct = looked_up.direct() if config.inference_direct else None
@@ -108,14 +109,17 @@ GraphCompiler = Callable[[torch.fx.GraphModule, Sequence[Any], str], Any]
 
 def aot_kiln(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
              graph_compiler: GraphCompiler,
-             device_model: Callable[[torch.fx.GraphModule], Any] | None = None
-             ) -> Callable[..., Any]:
+             device_model: Callable[[torch.fx.GraphModule], Any] | None = None,
+             backward_now: bool = False) -> Callable[..., Any]:
     """Dynamo's graph through Kiln's FX passes and AOTAutograd (Kiln's decompositions);
     each forward, backward or inference ATen graph goes to ``graph_compiler(graph,
     inputs, name)``. The one path every caller shares, so that ``kiln precompile`` on
     fake devices makes exactly the ATen graphs (and keys) that a real client makes
     (``device_model``: an FX pass standing in for what a GPU it does not have decides
-    at trace time)."""
+    at trace time). ``backward_now``: a training graph's backward is compiled right
+    after its forward (not at the first backward call, AOTAutograd's default), and
+    regional graphs wait for their regions at their first call (``regions_deferred``):
+    forward and backward compile on the farm at once."""
     from torch._dynamo.backends.common import aot_autograd
 
     model_id = next(_graph_ids)
@@ -136,12 +140,28 @@ def aot_kiln(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return compile_fn
 
     with trace.span("AOTAutograd (compiles inside)", cat="client", model=model_id,
-                    nodes=len(gm.graph.nodes)):
+                    nodes=len(gm.graph.nodes)), _backward_now(backward_now):
         return aot_autograd(fw_compiler=compiler("forward"),
                             bw_compiler=compiler("backward"),
                             inference_compiler=compiler("inference"),
                             decompositions=kiln_decompositions(),
                             keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+@contextmanager
+def _backward_now(wanted: bool) -> Iterator[None]:
+    """AOTAutograd compiles backward graphs at once, and regional graphs return before
+    their regions are compiled (nothing where ``wanted`` is false, or where this torch
+    has no such AOTAutograd setting)."""
+    from torch._functorch import config as functorch_config
+
+    from .regions import regions_deferred
+
+    if not wanted or not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True), regions_deferred():
+        yield
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -158,10 +178,19 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
         return compile_and_load(gm, example_inputs, config, name)
     except Exception as e:  # the user's program must keep running
-        stage = getattr(e, "stage", "compile")
-        _warn_eager(name, stage, f"{type(e).__name__}: {e}")
-        log.debug("kiln compile failure for %s", name, exc_info=True)
-        return make_boxed_func(gm.forward)
+        return eager_instead(gm, name, e)
+
+
+def eager_instead(gm: torch.fx.GraphModule, name: str, error: Exception
+                  ) -> Callable[..., Any]:
+    """Graph ``name`` run eagerly because its compile failed with ``error``: one
+    warning naming the graph and the stage."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    stage = getattr(error, "stage", "compile")
+    _warn_eager(name, stage, f"{type(error).__name__}: {error}")
+    log.debug("kiln compile failure for %s", name, exc_info=error)
+    return make_boxed_func(gm.forward)
 
 
 class _DynamoSpans:

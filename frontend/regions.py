@@ -13,6 +13,12 @@ parallel, identical regions once.
          -> the plan (region keys, where each value comes from) published under the
             whole graph's key: a warm start reads one manifest, then its regions
 
+A frame whose graphs will be cut, with a farm up (``overlap_backward``), compiles a
+training backward right after its forward, and each graph returns as soon as its regions
+are submitted (``DeferredGraph``) and waits for them at its first call: the farm compiles
+forward and backward at once, the backward's regions go on compiling while the forward
+runs, and an inference graph's while AOTAutograd and Dynamo finish the frame.
+
 ``KILN_REGIONS`` (auto, on, off) and ``KILN_REGION_NODES`` choose which graphs are cut and
 how finely. A region that fails to compile raises an error naming the region and the
 graph; the backend then runs that graph eagerly, with one warning.
@@ -26,8 +32,9 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +52,7 @@ from kiln.compiler.runtime.stitch import Step, schedule, stitch
 from .client import CompileResult, KilnClient
 from .config import REGION_AUTO_NODES, KilnConfig
 from .serialize import make_request
+from .trace import flush as flush_trace
 
 log = logging.getLogger("kiln.regions")
 
@@ -230,13 +238,29 @@ def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
     _regional.add(name)
     with trace.span("regional compile", cat="client", graph=name,
                     regions=len(split.regions)):
-        return _compile_split(client, split, request, key, constants, device, name, start,
-                              config)
+        submitted = _submit_split(client, split, request, key, config, name)
+        finish = _Finish(submitted, constants, device, start, config)
+        if not (deferring() and name.startswith(DEFERRED_GRAPHS)):
+            return finish()
+    return DeferredGraph(finish, gm, name)
 
 
-def _compile_split(client: KilnClient, split: Split, request: CompileRequest, key: KeyInfo,
-                   constants: list[torch.Tensor], device: torch.device, name: str,
-                   start: float, config: KilnConfig) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class _Submitted:
+    """A split graph's distinct regions, submitted: one future per distinct key."""
+
+    client: KilnClient
+    split: Split
+    request: CompileRequest
+    key: KeyInfo
+    keys: list[KeyInfo]
+    first: dict[str, int]  # distinct key -> index of its first region
+    futures: dict[str, Future[CompileResult]]
+    name: str
+
+
+def _submit_split(client: KilnClient, split: Split, request: CompileRequest, key: KeyInfo,
+                  config: KilnConfig, name: str) -> _Submitted:
     requests = [make_request(r.gm, r.example_inputs, options=request.options,
                              target=request.target, versions=request.versions)
                 for r in split.regions]
@@ -244,28 +268,132 @@ def _compile_split(client: KilnClient, split: Split, request: CompileRequest, ke
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k.key, i)
-    results = compile_distinct(client, config, {k: (split.regions[i], requests[i])
-                                                for k, i in first.items()}, name)
-    calls = {k: _load_region(client, results[k], split.regions[i].constants, constants,
-                             device) for k, i in first.items()}
-    plan = Plan(len(request.inputs),
-                tuple(_region_plan(r, keys[r.index].key) for r in split.regions),
-                split.outputs)
-    fn = stitch([_step(calls[p.key], p) for p in plan.regions], plan.outputs,
-                plan.num_inputs)
-    for k, i in first.items():
-        notify(f"{name}.region{i}", results[k])
-    if "output_code" in config.logs.split(","):
-        _print_output_code(name, [(split.regions[i].describe(), results[k])
-                                  for k, i in first.items()])
-    wall = time.perf_counter() - start
-    client.counters.add(regional_graphs=1, regions=len(split.regions),
-                        regions_distinct=len(first))
-    if client.store.can_publish:
-        client.store.publish(Artifact(key.key, plan_manifest(key, request, plan, wall), {}))
-    log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
-             len(split.regions), len(first), wall)
-    return fn
+    futures = submit_distinct(client, config, {k: (split.regions[i], requests[i])
+                                               for k, i in first.items()}, name)
+    return _Submitted(client, split, request, key, keys, first, futures, name)
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """Wait for a submitted split's regions, load and stitch them, publish the plan."""
+
+    submitted: _Submitted
+    constants: list[torch.Tensor]
+    device: torch.device
+    start: float
+    config: KilnConfig
+
+    def __call__(self) -> Callable[..., Any]:
+        s, client, name = self.submitted, self.submitted.client, self.submitted.name
+        split, first = s.split, s.first
+        results = collect_distinct(s.futures, {k: split.regions[i] for k, i in first.items()},
+                                   name)
+        calls = {k: _load_region(client, results[k], split.regions[i].constants,
+                                 self.constants, self.device) for k, i in first.items()}
+        plan = Plan(len(s.request.inputs),
+                    tuple(_region_plan(r, s.keys[r.index].key) for r in split.regions),
+                    split.outputs)
+        fn = stitch([_step(calls[p.key], p) for p in plan.regions], plan.outputs,
+                    plan.num_inputs)
+        for k, i in first.items():
+            notify(f"{name}.region{i}", results[k])
+        if "output_code" in self.config.logs.split(","):
+            _print_output_code(name, [(split.regions[i].describe(), results[k])
+                                      for k, i in first.items()])
+        wall = time.perf_counter() - self.start
+        client.counters.add(regional_graphs=1, regions=len(split.regions),
+                            regions_distinct=len(first))
+        if client.store.can_publish:
+            client.store.publish(Artifact(s.key.key, plan_manifest(s.key, s.request, plan,
+                                                                   wall), {}))
+        log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
+                 len(split.regions), len(first), wall)
+        return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Deferred waiting: the farm compiles while the client goes on (forward and backward
+# at once; an inference graph while the frame's trace ends).
+
+
+_deferral = threading.local()
+DEFERRED_GRAPHS = ("forward_", "backward_", "inference_")  # backend.aot_kiln's names
+
+
+def overlap_backward(gm: torch.fx.GraphModule, config: KilnConfig) -> bool:
+    """Whether Dynamo's graph ``gm`` compiles with its farm work overlapped: a training
+    frame's backward compiled at once beside its forward, and each regional graph
+    waiting for its regions at its first call (an inference graph's regions then
+    compile while AOTAutograd and Dynamo finish the frame: 0.7 s of Dynamo's own work
+    after the backend returned, for ResNet-50 on the H200). Where its ATen graphs are
+    likely cut into regions and misses go to a farm that is up (whose workers take them
+    at once; compiling here, a backward the program never runs would cost this process
+    its compile)."""
+    if not likely_cut(gm, config):
+        return False
+    from .client import client_for
+
+    return not compiles_here(client_for(config))
+
+
+def deferring() -> bool:
+    """Whether a regional graph compiled now returns before its regions are compiled."""
+    return bool(getattr(_deferral, "on", False))
+
+
+@contextmanager
+def regions_deferred() -> Iterator[None]:
+    """While AOTAutograd compiles a training frame's forward and then, at once, its
+    backward (``backend.aot_kiln``), each regional graph returns as soon as its regions
+    are submitted: the backward's regions are cut and on the farm while the forward's
+    compile, and the backward's keep compiling while the forward runs."""
+    before = deferring()
+    _deferral.on = True
+    try:
+        yield
+    finally:
+        _deferral.on = before
+
+
+class DeferredGraph:
+    """A regional graph whose regions were submitted but maybe not compiled yet: its
+    first call waits for them (span "wait for regions"), then loads and stitches them.
+    A region that failed makes the graph run eagerly from then on, with one warning
+    naming the graph and the stage, as a failure at compile time does (the backend's
+    ``eager_instead``): the user's program runs on."""
+
+    def __init__(self, finish: Callable[[], Callable[..., Any]], graph: torch.fx.GraphModule,
+                 name: str) -> None:
+        self._boxed_call = True  # on the instance: AOTAutograd calls it with a list
+        self._finish, self.name = finish, name
+        self._graph: torch.fx.GraphModule | None = graph
+        self._fn: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def resolve(self) -> Callable[..., Any]:
+        with self._lock:
+            if self._fn is None:
+                self._fn = self._resolved()
+            return self._fn
+
+    def _resolved(self) -> Callable[..., Any]:
+        from .backend import eager_instead
+
+        try:  # loaded as at compile time: AOTAutograd compiles with autocast off
+            with trace.span("wait for regions", cat="client", graph=self.name), \
+                    torch._C._DisableAutocast():
+                fn = self._finish()
+        except Exception as e:
+            assert self._graph is not None  # dropped only once resolved
+            return eager_instead(self._graph, self.name, e)
+        finally:
+            flush_trace()
+        self._graph = None  # kept only to run eagerly
+        return fn
+
+    def __call__(self, args: list[Any]) -> Any:
+        fn = self._fn if self._fn is not None else self.resolve()
+        return fn(args)
 
 
 def notify(name: str, result: CompileResult) -> None:
@@ -298,23 +426,31 @@ def _step(call: Callable[[list[Any]], Any], plan: RegionPlan) -> Step:
     return Step(call, plan.inputs, plan.strides, plan.num_outputs)
 
 
-def compile_distinct(client: KilnClient, config: KilnConfig,
-                     todo: dict[str, tuple[Region, CompileRequest]], name: str
-                     ) -> dict[str, CompileResult]:
-    """Each distinct region compiled (or found in the store), all submitted at once; the
-    first failure, by region order, raised as a ``RegionCompileError``."""
+def submit_distinct(client: KilnClient, config: KilnConfig,
+                    todo: dict[str, tuple[Region, CompileRequest]], name: str
+                    ) -> dict[str, Future[CompileResult]]:
+    """Each distinct region submitted at once (compiled, or found in the store, on
+    threads that run on after this returns)."""
     if compiles_here(client):
         attach_stage_pool(client, config)
     workers = max(1, min(MAX_SUBMITTED, len(todo)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="kiln-region") as pool:
-        futures = {k: pool.submit(client.compile, request, f"{name}.region{region.index}",
-                                  count_hit=False)
-                   for k, (region, request) in todo.items()}
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="kiln-region")
+    futures = {k: pool.submit(client.compile, request, f"{name}.region{region.index}",
+                              count_hit=False)
+               for k, (region, request) in todo.items()}
+    pool.shutdown(wait=False)  # its threads end when their compiles do
+    return futures
+
+
+def collect_distinct(futures: dict[str, Future[CompileResult]], regions: dict[str, Region],
+                     name: str) -> dict[str, CompileResult]:
+    """Every region's result; the first failure, by region order, raised as a
+    ``RegionCompileError``."""
     results: dict[str, CompileResult] = {}
-    for k, future in sorted(futures.items(), key=lambda kv: todo[kv[0]][0].index):
+    for k, future in sorted(futures.items(), key=lambda kv: regions[kv[0]].index):
         error = future.exception()
         if error is not None:
-            region = todo[k][0]
+            region = regions[k]
             stage = str(getattr(error, "stage", "compile") or "compile")
             raise RegionCompileError(
                 f"{region.describe()} of graph {name} (region key {k[:16]}) failed at "

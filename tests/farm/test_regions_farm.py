@@ -1,7 +1,9 @@
 """Regional compilation through a real farm: the distinct regions of a 6-block graph are
 submitted at once, each compiled once by the farm's workers, and the stitched result
-matches eager. With two compile workers, a deep graph's regions compile on both at once,
-and its kernels in several kernel processes (the timeline names each span's process)."""
+matches eager (also when the graph returns before its regions are compiled, as a
+training frame's forward and backward do when they compile at once). With two compile
+workers, a deep graph's regions compile on both at once, and its kernels in several
+kernel processes (the timeline names each span's process)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from kiln.frontend.client import KilnClient
 from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.farm import RayFarm
-from kiln.frontend.regions import compile_regional
+from kiln.frontend.regions import (
+    DeferredGraph,
+    compile_regional,
+    overlap_backward,
+    regions_deferred,
+)
 from tests.regions_models import Stack, aten_graph
 
 
@@ -41,6 +48,42 @@ def test_distinct_regions_compile_once_each_on_the_farm(farm: RayFarm) -> None:
     assert c["compiles_farm"] == 3 and c.get("compiles_local", 0) == 0
     assert after["requests"] - before["requests"] == 3
     assert after["graph_compiles"] - before["graph_compiles"] == 3
+
+
+def test_a_deferred_training_graph_returns_at_submit_and_waits_at_its_first_call(
+        farm: RayFarm) -> None:
+    """What the backend does when a training frame's backward compiles beside its
+    forward: the regional graph comes back while its regions are on the farm."""
+    torch.manual_seed(13)
+    model = Stack(d=28).eval()  # sizes no other test compiles
+    gm, args = aten_graph(model, torch.randn(4, 8))
+    config = KilnConfig.resolve({"regions": "on", "region_nodes": 15})
+    client = KilnClient(config, farm=farm)
+    with regions_deferred():
+        fn = compile_regional(client, gm, args, config, "forward_farm",
+                              build_request(gm, args, config))
+    assert isinstance(fn, DeferredGraph)
+    assert "regional_graphs" not in client.counters.snapshot()  # counted once loaded
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        (out,) = fn([x, *[p.detach() for p in model.parameters()]])
+        torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+    c = client.counters.snapshot()
+    assert (c["regional_graphs"], c["regions"], c["regions_distinct"]) == (1, 6, 3)
+    assert c["compiles_farm"] == 3 and c.get("compiles_local", 0) == 0
+
+
+def test_the_backend_overlaps_farm_work_only_with_a_farm_and_a_graph_to_cut(
+        farm: RayFarm) -> None:
+    options = {"regions": "on", "region_nodes": 15}
+    large = torch.fx.symbolic_trace(Stack(layers=6))
+    small = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    through_farm = KilnConfig.resolve({**options, "farm": str(farm.address)})
+    assert overlap_backward(large, through_farm)
+    assert not overlap_backward(small, through_farm)
+    assert not overlap_backward(large, KilnConfig.resolve({**options, "farm": "inprocess"}))
+    assert not overlap_backward(large, KilnConfig.resolve({**options, "regions": "off",
+                                                           "farm": str(farm.address)}))
 
 
 @pytest.fixture(scope="module")
