@@ -111,7 +111,9 @@ def child(model: str, mode: str, device: str, smoke: bool,
         warnings.simplefilter("error", KilnFallbackWarning)
         kiln_compile.observers.append(lambda name, result: selections.append(
             result.compiled.stats.get("gemm_selection") or {}))
-    profile = _profiler()
+    from sampler import begin_from_env, write
+
+    profile, sampler = _profiler(), begin_from_env()
     start, start_us = time.perf_counter(), time.time_ns() / 1000.0
     mega_load = os.environ.get("BENCH_MEGA_LOAD")
     if mega_load:
@@ -121,6 +123,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
     out = case.step(compiled)
     _sync(device)
     seconds = time.perf_counter() - start
+    write(sampler)
     if profile is not None:
         profile.disable()
         profile.dump_stats(os.environ["BENCH_PROFILE"])
@@ -292,6 +295,10 @@ class Bench:
             Path(self.args.profile).mkdir(parents=True, exist_ok=True)
             env["BENCH_PROFILE"] = str(Path(self.args.profile).resolve() /
                                        f"{model}-{mode}{tag}.prof")
+        if self.args.sample:  # every thread's stacks and the process's events, timed part
+            Path(self.args.sample).mkdir(parents=True, exist_ok=True)
+            env["BENCH_SAMPLE"] = str(Path(self.args.sample).resolve() /
+                                      f"{model}-{mode}{tag}.json")
         if self.args.trace and mode.startswith("kiln"):
             Path(self.args.trace).mkdir(parents=True, exist_ok=True)
             env["KILN_TRACE"] = str(Path(self.args.trace).resolve() / f"{model}-{mode}{tag}.json")
@@ -560,6 +567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None,
                    help="folder for a cProfile of each row's timed part (pstats files; "
                         "profiled seconds are not measurements)")
+    p.add_argument("--sample", default=None,
+                   help="folder for each row's stack samples and events (bench/sampler.py)")
     p.add_argument("--table", default=None, help="print the table of a results file")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)

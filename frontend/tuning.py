@@ -21,7 +21,9 @@ Tuning in this process waits for the graph's first output (``hold``): its candid
 compiles would otherwise take the CPUs and the GIL from the rest of the first call
 (Dynamo's guards, loading, the call itself). The loaded graph releases it after its
 first call (``frontend.hotswap``); a graph that is not called within ``HOLD_S`` seconds,
-or a process that waits for its tuning (exit, a benchmark), starts it anyway.
+or a process that waits for its tuning (exit, a benchmark), starts it anyway. Once
+started, each candidate's compile and benchmark still waits while another graph compiles
+here, or while a forward's backward is still to come (``workers.foreground``).
 """
 
 from __future__ import annotations

@@ -283,6 +283,23 @@ def test_slices_and_python_targets() -> None:
     torch.testing.assert_close(rebuilt(x_val), -x_val[1:, ::2])
 
 
+def test_a_decoded_graphs_code_is_generated_when_first_asked_for() -> None:
+    """The compiler reads a decoded graph's nodes only: its Python code waits for a call
+    or ``gm.code`` (a 700-node backward's decode spent 60 ms generating it)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (doubled, x)))
+    rebuilt = deserialize_graph(serialize_graph(torch.fx.GraphModule(torch.nn.Module(), graph)),
+                                with_fake_meta=False)
+    assert isinstance(rebuilt, torch.fx.GraphModule)
+    assert type(rebuilt)._needs_recompile()  # type: ignore[attr-defined]
+    x_val = torch.randn(5, 7)
+    torch.testing.assert_close(rebuilt(x_val), x_val * x_val + x_val)
+    assert not type(rebuilt)._needs_recompile()  # type: ignore[attr-defined]
+    assert "torch.ops.aten.mul.Tensor" in rebuilt.code
+
+
 def test_floats_are_exact() -> None:
     values = [math.inf, -math.inf, 0.1, -0.0, 1e-300, 5e-324]
     graph = torch.fx.Graph()
