@@ -377,11 +377,15 @@ class DeferredGraph:
             return self._fn
 
     def _resolved(self) -> Callable[..., Any]:
+        from kiln.workers import foreground
+
         from .backend import eager_instead
 
-        try:  # loaded as at compile time: AOTAutograd compiles with autocast off
+        # Loaded as at compile time (AOTAutograd compiles with autocast off), and a
+        # compile on the way to a first output: background tuning here waits for it.
+        try:
             with trace.span("wait for regions", cat="client", graph=self.name), \
-                    torch._C._DisableAutocast():
+                    torch._C._DisableAutocast(), foreground.compiling(self.name):
                 fn = self._finish()
         except Exception as e:
             assert self._graph is not None  # dropped only once resolved
