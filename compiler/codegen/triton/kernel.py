@@ -92,6 +92,7 @@ class TritonKernel:
         self.uses_r = False
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
+        self.loop_stored: set[tuple[str, str]] = set()  # ``stored`` keys of this r loop
         self.reduction_cache: dict[tuple[str, str, bool], Any] = {}
         self.unforwarded: set[str] = set()
         self.phase_reductions: set[str] = set()
@@ -173,6 +174,11 @@ class TritonKernel:
         self.body.splice(self.loop_post)
         self.in_loop = False
         self.loop_cse = None
+        # A value stored inside the loop exists only there (one r block of it): later
+        # phases load it from memory (a buffer kept in registers is then stored).
+        for key in self.loop_stored:
+            self.stored.pop(key, None)
+        self.loop_stored.clear()
 
     # -- indexing -----------------------------------------------------------------------
 
@@ -307,6 +313,8 @@ class TritonKernel:
         """Store ``value`` (or only remember it, for a buffer kept in registers)."""
         idx = self.index_str(index)
         self.stored[(name, idx)] = value
+        if self.in_loop:
+            self.loop_stored.add((name, idx))
         if name in self.removed:
             return
         dtype = V.graph.get_dtype(name)
