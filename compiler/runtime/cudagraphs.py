@@ -23,9 +23,9 @@ of the wrapper's ``call`` and replays them with one launch:
                ``MAX_RECORDINGS`` recordings it gives up and launches plainly.
 
 A recording that holds one kernel launch and nothing else (``one_launch``) is not replayed:
-from then on every call whose inputs are aligned launches that kernel directly, reading
-the inputs where they are and writing the recording's outputs (for one kernel a replay
-costs more than the launch it replays).
+from then on every call whose inputs are aligned and outside the outputs' memory launches
+that kernel directly, reading the inputs where they are and writing the recording's
+outputs (for one kernel a replay costs more than the launch it replays).
 
 The recordings of one graph share one memory pool. Outputs are overwritten by the next
 replay of the same graph: clone an output that must outlive the next call (this also
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .one_launch import ALIGNMENT, OneLaunch, aligned, watched_call
+from .one_launch import ALIGNMENT, OneLaunch, watched_call
 
 log = logging.getLogger("kiln.cudagraphs")
 
@@ -235,7 +235,7 @@ class CudaGraphRunner:
         if self.plain_reason is not None:
             return self.call(inputs)
         now = _pointers(inputs)
-        if self.one_launch is not None and aligned(now):
+        if self.one_launch is not None and self.one_launch.serves(now):
             return self.one_launch(inputs, now)
         rec = self.direct.get(now)
         if rec is not None:  # the hot path: inputs where a recording reads them
@@ -387,8 +387,9 @@ def replaying(owner: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
         runner = owner.replayer
         if runner is not None:
             now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
-            one = runner.one_launch  # (``OneLaunch.__call__`` and ``aligned``, inlined)
-            if one is not None and not any_bits(bits, now, 0) % ALIGNMENT:
+            one = runner.one_launch  # (``OneLaunch.serves`` and ``__call__``, inlined)
+            if one is not None and not any_bits(bits, now, 0) % ALIGNMENT \
+                    and 1 not in map(one.inside, now):
                 runner.calls += 1
                 both = (now if one.by_address else inputs) + one.tail
                 one.launch(both if one.pick is None else one.pick(both), one.stream())

@@ -11,7 +11,8 @@ shares storage with an input, the runner serves later calls with :class:`OneLaun
 that kernel launched with the call's inputs in place and the recording's outputs (the
 static output pool the graph writes: outputs are overwritten by the next call, as after
 a replay), whatever the inputs' addresses. Inputs not aligned to 16 bytes (which the
-wrapper would copy first) take the runner's other paths.
+wrapper would copy first), and inputs inside the outputs' memory (a call fed the previous
+call's output: the kernel would read what it writes), take the runner's other paths.
 
 A loaded ``StaticCudaKernel`` is launched through torch's launcher's C entry with all but
 the argument tuple and the stream bound once (``launch(args, stream())``: C calls only);
@@ -20,6 +21,7 @@ any other launcher through its ``run``.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 import types
@@ -57,6 +59,10 @@ class OneLaunch:
     tail: tuple[Any, ...]  # after the inputs: outputs, constants, scalars, scratch
     pick: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None  # None: inputs + tail
     outputs: Any
+    # ``1 in map(inside, addresses)``: an input starts inside the outputs' memory (the
+    # span of their storages: a call fed the previous call's output, ``y = f(y)``); the
+    # kernel would read what it writes, so that call takes the runner's other paths.
+    inside: Callable[[int], int]
     by_address: bool = False
     keep: tuple[torch.Tensor, ...] = ()  # what the tail's addresses point into
 
@@ -65,9 +71,13 @@ class OneLaunch:
         both = (addresses if self.by_address else inputs) + self.tail
         return both if self.pick is None else self.pick(both)
 
+    def serves(self, addresses: Sequence[int]) -> bool:
+        """Whether a call whose inputs are at ``addresses`` can be served: aligned, and
+        none in the outputs' memory (C calls only)."""
+        return aligned(addresses) and 1 not in map(self.inside, addresses)
+
     def __call__(self, inputs: Sequence[Any], addresses: tuple[int, ...]) -> Any:
-        """Launch over ``inputs`` at ``addresses`` (aligned: see :func:`aligned`); the
-        outputs."""
+        """Launch over ``inputs`` at ``addresses`` (``serves`` them); the outputs."""
         self.launch(self.arguments(tuple(inputs), addresses), self.stream())
         return self.outputs
 
@@ -181,11 +191,21 @@ def one_launch(kernel: Any, args: tuple[Any, ...], inputs: Sequence[Any], output
         tail.append(arg)
     identity = order == list(range(len(inputs) + len(tail)))
     pick = None if identity else _picker(order)
+    inside = _inside(outs)
     if not by_address:
-        return OneLaunch(_name(kernel), launch, stream, tuple(tail), pick, outputs)
+        return OneLaunch(_name(kernel), launch, stream, tuple(tail), pick, outputs, inside)
     keep = tuple(a for a in tail if isinstance(a, torch.Tensor))
     addresses = tuple(_DATA_PTR(a) if isinstance(a, torch.Tensor) else a for a in tail)
-    return OneLaunch(_name(kernel), launch, stream, addresses, pick, outputs, True, keep)
+    return OneLaunch(_name(kernel), launch, stream, addresses, pick, outputs, inside, True,
+                     keep)
+
+
+def _inside(outputs: Sequence[torch.Tensor]) -> Callable[[int], int]:
+    """``inside(address)``: 1 where ``address`` lies in the span of ``outputs``'
+    storages, else 0 or 2 (a C call: ``bisect`` over the span's two ends)."""
+    starts = [_storage(x) for x in outputs]
+    ends = [_storage(x) + x.untyped_storage().nbytes() for x in outputs]
+    return functools.partial(bisect.bisect_right, (min(starts), max(ends)))
 
 
 def _picker(order: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:

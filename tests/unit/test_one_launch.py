@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,16 @@ from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import compile_graph
 from kiln.compiler.runtime import cudagraphs
 from kiln.compiler.runtime.cudagraphs import CudaGraphRunner
-from kiln.compiler.runtime.one_launch import OneLaunch, aligned, one_launch
+from kiln.compiler.runtime.kernel_files import interpreter_active
+from kiln.compiler.runtime.one_launch import (
+    WRAPPER_FILE,
+    OneLaunch,
+    aligned,
+    one_launch,
+    watched_call,
+)
 from kiln.compiler.runtime.static_launcher import StaticCudaKernel
+from kiln.compiler.runtime.triton_launcher import launch_grid
 from kiln.frontend import hotswap
 from kiln.frontend.hotswap import SwappableGraph
 from tests.cudagraph_stand_in import cpu_capture
@@ -168,35 +177,55 @@ def test_one_launch_declines_what_it_cannot_serve() -> None:
 
 
 class _Launcher:
-    """Stands in for ``torch._C._StaticCudaLauncher``: notes each launch."""
+    """Stands in for ``torch._C._StaticCudaLauncher``: notes each load and launch."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[Any, ...]] = []
+
+    def _load_kernel(self, path: str, name: str, shared: int, device: int) -> tuple[Any, ...]:
+        return ("module", "function", 32, 0)
 
     def _launch_kernel(self, *args: Any) -> None:
         self.launches.append(args)
 
 
-def test_a_static_kernel_is_launched_through_the_launchers_entry() -> None:
-    """A loaded static kernel is launched by torch's launcher's entry with its function,
-    grid, warps, shared memory, argument codes and scratch slots bound once; only the
-    arguments and the stream are passed per call, the tensors as their addresses (the
-    inputs' taken once per call; given a tensor, the launcher asks the driver about its
-    address at every launch)."""
-    impl = _Launcher()
-    kernel = object.__new__(StaticCudaKernel)  # (what ``load`` leaves, minus a GPU)
-    kernel.__dict__.update(impl=impl, function="function", grid=(4, 1, 1), num_warps=2,
-                           shared=64, arg_tys="OOO", scratch=(None,), xnumel_at=None,
-                           _instead=None, _stream_device=None, stream=lambda: 7,
-                           name="triton_poi_0")
-    x, y, out = torch.randn(4), torch.randn(4), torch.empty(4)
-    served = one_launch(kernel, (x, y, out), [x, y], (out,))
-    assert isinstance(served, OneLaunch) and served.pick is None and served.by_address
-    assert served.keep == (out,)
-    a, b = torch.randn(4), torch.randn(4)
-    assert served([a, b], (a.data_ptr(), b.data_ptr())) == (out,)
-    assert impl.launches == [("function", 4, 1, 1, 2, 64, "OOO",
-                              (a.data_ptr(), b.data_ptr(), out.data_ptr(), None), 7)]
+@pytest.mark.skipif(interpreter_active(), reason="Triton was imported for its interpreter")
+def test_a_static_kernel_is_launched_through_the_launchers_entry(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed's wrapper generated for CUDA (its kernel cross-compiled for sm_90, run
+    over CPU tensors with torch's launcher stood in): its one launch is bound to the
+    launcher's entry with the kernel's function, grid, warps, shared memory, argument
+    codes and scratch slots; each call passes only the arguments, as addresses (the
+    inputs' taken once per call; given a tensor, the launcher would ask the driver about
+    its address at every launch), and the kernel's stream."""
+    from tests.targets import SM90
+    from tests.unit.test_cubin import fake_cuda
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    shapes = [torch.randn(64, 128) for _ in range(3)]
+    compiled = compile_graph(trace_aten(_seed, fake_cuda(shapes)), fake_cuda(shapes), {},
+                             name="g", target=SM90)
+    (spec,) = compiled.kernels
+    binary = compiled.binaries[spec.name]
+    impl, streams = _Launcher(), itertools.count(7)
+    kernel = StaticCudaKernel(spec, binary, launch_grid(spec, binary.config), impl=impl,
+                              stream=streams.__next__, device=0)
+    namespace: dict[str, Any] = {"DEVICE": torch.device("cpu"), spec.name: kernel}
+    exec(compile(compiled.wrapper_source, f"{WRAPPER_FILE} g>", "exec"), namespace)
+    inputs = [torch.randn(64, 128) for _ in range(3)]
+    outputs, served = watched_call(namespace["call"], inputs)
+    assert isinstance(served, OneLaunch) and served.by_address and served.pick is None
+    (out,) = outputs
+    assert served.keep == (out,) and served.kernel == spec.name
+    fresh = [torch.randn(64, 128) for _ in range(3)]
+    at = tuple(x.data_ptr() for x in fresh)
+    assert served.serves(at) and not served.serves((*at[:2], out.data_ptr()))
+    assert served(fresh, at) is outputs
+    first, again = impl.launches  # the watched call's launch (tensors), then the served
+    assert again[:7] == first[:7] == ("function", *kernel.grid, kernel.num_warps,
+                                      kernel.shared, kernel.arg_tys)
+    assert again[7] == (*at, out.data_ptr(), *kernel.scratch) and again[8] == 8
+    assert first[7][:4] == (*inputs, out) and first[8] == 7
 
 
 class _Doubling:
@@ -276,3 +305,44 @@ def test_a_launch_that_cannot_be_bound_leaves_the_replay(
     assert {rec.one for rec in runner.direct.values()} == {
         "its launch could not be bound (RuntimeError: no launcher entry)"}
     assert sorted(rec.graph.replays for rec in runner.direct.values()) == [3, 3]
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    return (x.t() * 2).contiguous()
+
+
+def test_an_input_in_the_outputs_memory_is_not_launched(captures: list[Any]) -> None:
+    """``y = f(y)``: a call fed the previous call's output would have the kernel read what
+    it writes (a transpose in place mixes old and new values); such calls take the
+    runner's other paths, through Dynamo's entry and the runner's own call alike, and
+    match eager each time; fresh inputs are still launched."""
+    torch._dynamo.reset()
+    fn = torch.compile(_transposed, backend="kiln", mode="reduce-overhead", dynamic=False)
+    sets = [[torch.randn(16, 16)] for _ in range(2)]
+    for i in range(4):
+        torch.testing.assert_close(fn(*sets[i % 2]), _transposed(*sets[i % 2]))
+    (runner,) = {id(r): r for r in captures}.values()
+    one = runner.one_launch
+    assert one is not None
+    launched: list[int] = []
+
+    def launch(args: tuple[Any, ...], stream: Any) -> None:
+        launched.append(1)
+        one.launch(args, stream)
+
+    runner.one_launch = dataclasses.replace(one, launch=launch)
+    y, fed_back = torch.randn(16, 16), 0
+    for step in range(8):  # (the other paths answer in a recording's own outputs: the
+        # next call, fed those, is launched again)
+        own = y.data_ptr() == one.outputs[0].data_ptr()
+        fed_back += own
+        want, before = _transposed(y.clone()), len(launched)
+        y = fn(y) if step % 2 else runner([y])[0]
+        torch.testing.assert_close(y, want)
+        assert len(launched) == before + (not own)
+    assert fed_back >= 3
+    # What the check prevents: the kernel launched over its own output.
+    y = one.outputs[0]
+    want = _transposed(y.clone())
+    one([y], (y.data_ptr(),))
+    assert not torch.allclose(y, want)
