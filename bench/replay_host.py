@@ -8,17 +8,14 @@ gpu_bench's seed function ``((a + b) * c.relu()).sum(-1)`` on CPU tensors, compi
 ``backend="kiln", mode="reduce-overhead"`` and called on four input sets in turn (refilled
 in place, as gpu_bench does), with what needs a GPU stood in (``tests.cudagraph_stand_in``):
 a capture runs the wrapper on clones, a replay recomputes the outputs in place. Outputs are
-checked against eager on fresh values with those replays; then each recording's replay,
-and each one-kernel launch that serves calls instead (``compiler.runtime.one_launch``),
-becomes a no-op C call (a real replay or launch is a C call of a few µs of host time on
-the H200 host, the same for every caller: not counted here). Rows:
+checked against eager on fresh values with those replays; then each recording's replay
+becomes a no-op C call (a real replay is a C call of about 5 µs of host time on the H200
+host, the same for every caller: not counted here). Rows:
 
 - Dynamo floor: a backend whose graph returns outputs made once (``gpu_timing``);
-- kiln: the CUDA-graph runner as a graph loaded from the store gets it; the seed is one
-  kernel, so its calls are served by that kernel's launch;
+- kiln: the CUDA-graph runner as a graph loaded from the store gets it;
 - kiln, tunable: the runner behind a ``SwappableGraph`` (``frontend.hotswap``), as a graph
-  this process compiled while its autotuning is pending gets it: gpu_bench's case;
-- kiln, replays: the tunable case with the one-launch path off (a replay per call).
+  this process compiled while its autotuning is pending gets it: gpu_bench's case.
 
 Columns: CPU µs per call (this thread's CPU time, the best of 40 blocks, the rows' blocks
 interleaved; ``bench/wrapper_host.host_us``), µs above the floor, Python frames per call
@@ -30,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import gc
 import os
 import pstats
@@ -76,12 +72,8 @@ def compiled_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
     rows = {"Dynamo floor": floor_compiled(_copy_of_seed(), sets[0])}
     with warnings.catch_warnings():
         warnings.simplefilter("error", KilnFallbackWarning)
-        real_watched = cudagraphs.watched_call
-        for name, swap, one in (("kiln", False, True), ("kiln, tunable", True, True),
-                                ("kiln, replays", True, False)):
+        for name, swap in (("kiln", False), ("kiln, tunable", True)):
             hotswap.wants_swap = (lambda *args: True) if swap else real_wants_swap
-            if not one:  # every recording replays
-                cudagraphs.watched_call = lambda call, inputs: (call(list(inputs)), "off")
             fn = torch.compile(_copy_of_seed(), backend="kiln", mode="reduce-overhead",
                                dynamic=False)
             for i in range(4 * SETS):
@@ -89,25 +81,19 @@ def compiled_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
                 for a in args:
                     a.copy_(torch.randn_like(a))
                 torch.testing.assert_close(fn(*args), seed(*args), rtol=1e-5, atol=1e-5)
-            cudagraphs.watched_call = real_watched
             rows[name] = fn
     hotswap.wants_swap = real_wants_swap
     return rows
 
 
 def replays_as_no_ops() -> int:
-    """Every recording's replay and every one-kernel launch becomes a no-op C call; how
-    many recordings there are."""
+    """Every recording's replay becomes a no-op C call; how many recordings there are."""
     from kiln.compiler.runtime.cudagraphs import CudaGraphRunner
 
-    runners = [o for o in gc.get_objects() if type(o) is CudaGraphRunner]
-    recordings = [rec for o in runners for rec in o.direct.values()]
+    recordings = [rec for o in gc.get_objects() if type(o) is CudaGraphRunner
+                  for rec in o.direct.values()]
     for rec in recordings:
         rec.launch = tuple  # type: ignore[assignment]
-    for runner in runners:
-        if runner.one_launch is not None:
-            runner.one_launch = dataclasses.replace(runner.one_launch, launch=slice,
-                                                    stream=type(None))
     return len(recordings)
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kiln.compiler import trace
+from kiln.workers import foreground
 
 if TYPE_CHECKING:  # not imported by a client's farm process, which has no torch
     from kiln.compiler.compiled_graph import CompiledGraph
@@ -132,6 +133,7 @@ class BackgroundTuner:
             gates, self._gates = list(self._gates.values()), {}
         for gate in gates:  # waiting for tuning: no point holding it back
             gate.set()
+        foreground.forget_expected()  # nor for a backward that may never come
         deadline = _now() + budget
         for thread in threads:
             thread.join(max(0.0, deadline - _now()))

@@ -2,8 +2,7 @@
 (tests/unit/test_cudagraphs.py, test_cudagraph_swap.py) and bench/replay_host.py: a
 capture runs the wrapper on clones of its inputs (like a CUDA capture, it changes nothing
 the caller sees) and keeps the outputs; each replay reads the recorded inputs as they are
-now and writes those outputs in place, as a CUDA graph does. The capture's call is watched
-as a real one is (``one_launch.watched_call``): a call of one launch is served by it."""
+now and writes those outputs in place, as a CUDA graph does."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ class CpuGraph:
 def cpu_capture(runner: cudagraphs.CudaGraphRunner, graph_inputs: list[Any]) -> Any:
     """``CudaGraphRunner._capture`` on CPU: a recording of ``runner.call`` over
     ``graph_inputs`` (not run yet)."""
-    outputs, one = cudagraphs.watched_call(runner.call, [x.clone() for x in graph_inputs])
+    outputs = runner.call([x.clone() for x in graph_inputs])
     graph = CpuGraph(runner.call, graph_inputs, outputs)
     return cudagraphs._Recording(graph, list(cudagraphs._pointers(graph_inputs)),
-                                 graph_inputs, outputs, one)
+                                 graph_inputs, outputs)

@@ -51,3 +51,26 @@ def aten_graph(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule,
     args = [x, *params.values()]
     with torch.no_grad():
         return trace_aten(forward, args), args
+
+
+def fail_second_region_compile(monkeypatch: Any) -> None:
+    """The second region compile of the test raises a compile fault (a lowering of
+    aten.addmm), the others compile: a region that fails, beside regions that do not."""
+    import threading
+
+    from kiln.compiler.errors import KilnCompileError
+    from kiln.workers import pipeline
+
+    real = pipeline.compile_sources
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def second_fails(request_bytes: bytes, key: str, **kwargs: Any) -> Any:
+        with lock:
+            calls["n"] += 1
+            fail = calls["n"] == 2
+        if fail:
+            raise KilnCompileError("injected fault", stage="lowering", op="aten.addmm")
+        return real(request_bytes, key, **kwargs)
+
+    monkeypatch.setattr(pipeline, "compile_sources", second_fails)

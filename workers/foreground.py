@@ -15,8 +15,9 @@ that is itself background (a tuned bucket's compile) never counts as foreground.
 
 A compile known to come counts too (``expect``): the backward of a forward just compiled
 starts only once the forward ran and autograd reached it, after the forward's tuning was
-let go; until it starts (``compiling(name)``), or ``YIELD_MAX_S`` passed, background jobs
-wait for it as for one running.
+let go; until it starts (``compiling(name)``), ``YIELD_MAX_S`` passed or something waits
+for the tuning (``forget_expected``: exit, a benchmark), background jobs wait for it as
+for one running.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def expect(name: str, within: float = YIELD_MAX_S) -> None:
         return
     with _changed:
         _expected[name] = time.monotonic() + within
+
+
+def forget_expected() -> None:
+    """Count no expected compile any more (a process waiting for its tuning: exit, a
+    benchmark; a forward whose backward never comes would hold it back until then)."""
+    with _changed:
+        _expected.clear()
+        _changed.notify_all()
 
 
 def active() -> int:

@@ -22,11 +22,6 @@ of the wrapper's ``call`` and replays them with one launch:
                running becomes static and the graph records again; after
                ``MAX_RECORDINGS`` recordings it gives up and launches plainly.
 
-A recording that holds one kernel launch and nothing else (``one_launch``) is not replayed:
-from then on every call whose inputs are aligned and outside the outputs' memory launches
-that kernel directly, reading the inputs where they are and writing the recording's
-outputs (for one kernel a replay costs more than the launch it replays).
-
 The recordings of one graph share one memory pool. Outputs are overwritten by the next
 replay of the same graph: clone an output that must outlive the next call (this also
 holds for tensors a forward saves for its backward: run each forward's backward before
@@ -39,7 +34,6 @@ capture fails (an op that synchronizes with the host, for instance).
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import threading
@@ -50,8 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from .one_launch import ALIGNMENT, OneLaunch, watched_call
 
 log = logging.getLogger("kiln.cudagraphs")
 
@@ -155,7 +147,6 @@ class _Recording:
     pointers: list[Any]  # of the inputs the graph reads (static ones: the caller's)
     inputs: list[torch.Tensor]  # what the graph reads: caller's tensors or own buffers
     outputs: Any
-    one: OneLaunch | str = "not watched"  # the launch that can serve calls, or why none
     launch: Callable[[], None] = field(init=False)  # the replay, as a C call
 
     def __post_init__(self) -> None:
@@ -226,7 +217,6 @@ class CudaGraphRunner:
     seen: set[tuple[int, ...]] = field(default_factory=set)  # address sets since warm-up
     out_bytes: int = 0  # of one call's outputs
     pool: Any = None  # the memory pool of this graph's recordings
-    one_launch: OneLaunch | None = None  # serves aligned calls in place of replays
 
     def __call__(self, args: list[Any]) -> Any:
         inputs = list(args)
@@ -235,8 +225,6 @@ class CudaGraphRunner:
         if self.plain_reason is not None:
             return self.call(inputs)
         now = _pointers(inputs)
-        if self.one_launch is not None and self.one_launch.serves(now):
-            return self.one_launch(inputs, now)
         rec = self.direct.get(now)
         if rec is not None:  # the hot path: inputs where a recording reads them
             self.last_pointers = now
@@ -296,21 +284,11 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
-                    outputs, one = watched_call(self.call, graph_inputs)
+                    outputs = self.call(list(graph_inputs))
             except Exception as e:  # capture failed: this graph runs plainly from now on
                 torch.cuda.synchronize()
                 return f"capture failed: {type(e).__name__}: {e}"
-        return _Recording(graph, list(_pointers(graph_inputs)), graph_inputs, outputs, one)
-
-    def _recorded(self, rec: _Recording) -> None:
-        """After a capture: its launch serves the calls from now on where it holds one
-        kernel launch (and no input is written in place)."""
-        if isinstance(rec.one, OneLaunch) and not self.mutated and self.one_launch is None:
-            self.one_launch = rec.one
-            log.debug("kiln: graph %s is one launch of %s: launched, not replayed",
-                      self.name, rec.one.kernel)
-        elif isinstance(rec.one, str):
-            log.debug("kiln: graph %s replays its recording (%s)", self.name, rec.one)
+        return _Recording(graph, list(_pointers(graph_inputs)), graph_inputs, outputs)
 
     def _record_direct(self, inputs: list[Any], now: tuple[int, ...]) -> Any:
         """Record a graph that reads these inputs where they are, for these addresses."""
@@ -319,7 +297,6 @@ class CudaGraphRunner:
             return self._give_up(inputs, rec)
         rec.inputs = []  # the caller's tensors are not kept alive: their addresses are
         self.direct[now] = rec
-        self._recorded(rec)
         log.debug("kiln: graph %s recorded reading %d inputs in place (%d)", self.name,
                   len(inputs), len(self.direct))
         first_replay(rec)
@@ -337,7 +314,6 @@ class CudaGraphRunner:
             return self._give_up(inputs, rec)
         self.recordings += 1
         self.recording = rec
-        self._recorded(rec)
         log.debug("kiln: graph %s recorded (%d)", self.name, self.recordings)
         first_replay(rec)  # (with the inputs copied in just before the capture)
         return self._copy_back(inputs, rec)
@@ -368,32 +344,23 @@ class CudaGraphRunner:
         self.plain_reason = reason
         self.recording = None
         self.direct.clear()
-        self.one_launch = None
         return self.call(inputs)
 
 
 def replaying(owner: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(*inputs)`` that launches the one kernel of ``owner.replayer`` (a
-    :class:`CudaGraphRunner`, or None) where it has a ``one_launch`` and the inputs are
-    aligned, else replays a recording reading these inputs in place, if it has one, and
+    """``fn(*inputs)`` that replays a recording of ``owner.replayer`` (a
+    :class:`CudaGraphRunner`, or None) reading these inputs in place, if it has one, and
     goes to ``slow`` otherwise (which calls the runner with the grad and autocast handling
     a plain or recording call needs; a replay runs no op and needs none). The runner is
     read at each call: an owner that switches to a new runner (``frontend.hotswap``: tuned
     kernels) or to None is seen by the next call, which never replays a recording of the
     runner it left."""
-    data_ptr, any_bits, bits = _DATA_PTR, functools.reduce, operator.or_
+    data_ptr = _DATA_PTR
 
     def replay_or_call(*inputs: Any) -> Any:
         runner = owner.replayer
         if runner is not None:
             now = tuple(map(data_ptr, inputs))  # (``_pointers``, inlined: a frame less)
-            one = runner.one_launch  # (``OneLaunch.serves`` and ``__call__``, inlined)
-            if one is not None and not any_bits(bits, now, 0) % ALIGNMENT \
-                    and 1 not in map(one.inside, now):
-                runner.calls += 1
-                both = (now if one.by_address else inputs) + one.tail
-                one.launch(both if one.pick is None else one.pick(both), one.stream())
-                return one.outputs
             rec = runner.direct.get(now)
             if rec is not None:
                 runner.calls += 1

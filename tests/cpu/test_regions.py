@@ -21,7 +21,7 @@ from kiln.compiler.runtime.stitch import Step, schedule, stitch
 from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.keys import compute_key
-from tests.regions_models import BLOCK_NODES, Stack, aten_graph
+from tests.regions_models import BLOCK_NODES, Stack, aten_graph, fail_second_region_compile
 
 OPTIONS = {"regions": "on", "region_nodes": 15}  # about one block per region
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -167,24 +167,7 @@ def test_a_whole_graph_in_the_store_is_used_as_it_is() -> None:
 
 def test_a_failing_region_names_itself_and_the_graph_and_the_graph_runs_eagerly(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
-    from kiln.compiler.errors import KilnCompileError
-    from kiln.workers import pipeline
-
-    real = pipeline.compile_sources
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def second_fails(request_bytes: bytes, key: str, **kwargs: Any) -> Any:
-        with lock:
-            calls["n"] += 1
-            fail = calls["n"] == 2
-        if fail:
-            raise KilnCompileError("injected fault", stage="lowering", op="aten.addmm")
-        return real(request_bytes, key, **kwargs)
-
-    monkeypatch.setattr(pipeline, "compile_sources", second_fails)
+    fail_second_region_compile(monkeypatch)
     torch.manual_seed(4)
     model = Stack().eval()
     x = torch.randn(4, 8)

@@ -8,7 +8,6 @@ naming graph and stage.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from kiln import KilnFallbackWarning
 from kiln.frontend.backend import aot_kiln, compile_aten_graph
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.regions import DeferredGraph
-from tests.regions_models import Stack
+from tests.regions_models import Stack, fail_second_region_compile
 
 OPTIONS = {"regions": "on", "region_nodes": 15}  # about one block per region
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -129,22 +128,7 @@ def test_without_it_the_backward_compiles_at_the_first_backward_call() -> None:
 
 def test_a_region_failing_while_deferred_runs_its_graph_eagerly_with_one_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.compiler.errors import KilnCompileError
-    from kiln.workers import pipeline
-
-    real = pipeline.compile_sources
-    calls = {"n": 0}
-    lock = threading.Lock()
-
-    def second_fails(request_bytes: bytes, key: str, **kwargs: Any) -> Any:
-        with lock:
-            calls["n"] += 1
-            fail = calls["n"] == 2
-        if fail:
-            raise KilnCompileError("injected fault", stage="lowering", op="aten.addmm")
-        return real(request_bytes, key, **kwargs)
-
-    monkeypatch.setattr(pipeline, "compile_sources", second_fails)
+    fail_second_region_compile(monkeypatch)
     torch.manual_seed(7)
     model, made = Stack(), {}  # type: ignore[var-annotated]
     compiled = torch.compile(model, backend=kiln_with(True, made))

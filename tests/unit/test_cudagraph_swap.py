@@ -21,7 +21,7 @@ from kiln.frontend.aot_cache import served_graph
 from kiln.frontend.hotswap import SwappableGraph
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
 from tests.cudagraph_stand_in import cpu_capture
-from tests.unit.test_cudagraphs import _CpuRunner, _kiln_frames, replays_only
+from tests.unit.test_cudagraphs import _CpuRunner, _kiln_frames
 
 
 def _seed(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -65,11 +65,9 @@ def test_switch_after_recordings_replays_the_new_kernels(
     input sets are replayed by the served entry alone (as many Python frames as Dynamo's
     floor); after a switch to other kernels every call computes with them (outputs against
     eager on fresh values), the old recordings never replay again, and the new runner
-    records and is replayed in turn. (The one-launch path is off here: every recording
-    replays; with it, tests/unit/test_one_launch.py.)"""
+    records and is replayed in turn."""
     from kiln import KilnFallbackWarning
 
-    replays_only(monkeypatch)
     made: list[SwappableGraph] = []
 
     class Noted(SwappableGraph):

@@ -312,22 +312,14 @@ def _kiln_frames(fn: Any, sets: list[list[Any]], calls: int) -> tuple[int, list[
     return len(frames) // calls, ours
 
 
-def replays_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No recording is served by its one launch (``one_launch``): every one replays."""
-    monkeypatch.setattr(cudagraphs, "watched_call",
-                        lambda call, inputs: (call(list(inputs)), "turned off"))
-
-
 def test_a_replay_through_dynamo_runs_as_many_python_frames_as_a_ready_output(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``mode="reduce-overhead"`` end to end (captures on CPU, the one-launch path off):
-    a call whose inputs have a recording runs one Kiln frame, the served entry, and as
-    many Python frames in all as a backend that returns a ready output: between Dynamo's
-    call and the replay's C call, Kiln adds nothing Dynamo's floor does not have. Outputs
-    match eager first."""
+    """``mode="reduce-overhead"`` end to end (captures on CPU): a call whose inputs have
+    a recording runs one Kiln frame, the served entry, and as many Python frames in all
+    as a backend that returns a ready output: between Dynamo's call and the replay's C
+    call, Kiln adds nothing Dynamo's floor does not have. Outputs match eager first."""
     from kiln import KilnFallbackWarning
 
-    replays_only(monkeypatch)
     recordings: list[Any] = []
 
     def capture(runner: CudaGraphRunner, graph_inputs: list[Any]) -> Any:

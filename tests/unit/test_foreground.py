@@ -59,6 +59,16 @@ def test_background_waits_for_a_compile_running_or_expected() -> None:
         assert not foreground.wait_idle(0.2)
 
 
+def test_waiting_for_tuning_stops_expecting_a_backward_that_may_never_come() -> None:
+    from kiln.frontend.tuning import BackgroundTuner
+
+    foreground.expect("backward_9", within=60)  # a forward run without its backward
+    idle = _idle_within(30)
+    assert not idle.wait(0.3)
+    assert BackgroundTuner().wait(1)  # exit, or a benchmark waiting for its tuning
+    assert idle.wait(5) and foreground.active() == 0
+
+
 @pytest.mark.skipif(interpreter_active(), reason="Triton was imported for its interpreter")
 def test_background_kernel_compiles_start_after_the_foreground_compile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
