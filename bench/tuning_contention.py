@@ -30,10 +30,14 @@ SM90 = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32, "sm_coun
 
 
 def backward_request() -> tuple[bytes, str]:
-    """The encoder training step's backward request, as the client sends it."""
-    from coldstart_models import MODELS
+    """The encoder training step's backward request, as the client sends it (the step
+    fails on ``KilnFallbackWarning`` and is compared with eager's)."""
+    import warnings
+
+    from coldstart_models import MODELS, max_error
 
     import kiln.workers.pipeline as pipeline
+    from kiln import KilnFallbackWarning
 
     seen: list[tuple[bytes, str]] = []
     original = pipeline.compile_sources
@@ -45,9 +49,15 @@ def backward_request() -> tuple[bytes, str]:
     pipeline.compile_sources = spy  # type: ignore[assignment]
     try:
         case = MODELS["encoder_train"]("cpu", True)
-        case.step(torch.compile(case.module, backend="kiln"))
+        ref = case.step(case.module)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)  # eager is not Kiln's
+            got = case.step(torch.compile(case.module, backend="kiln"))
     finally:
         pipeline.compile_sources = original  # type: ignore[assignment]
+    ok, worst = max_error(got, ref, case.tol)
+    if not ok:
+        raise SystemExit(f"the compiled step differs from eager (scaled error {worst:.2f})")
     return seen[-1]
 
 
