@@ -222,6 +222,13 @@ class TritonKernel:
             and isinstance(e.args[1], sympy.Integer) and int(e.args[1]) % step == 0,
             lambda e: FloorDiv(XOFFSET, e.args[1]))
 
+    @staticmethod
+    def _per_program(index: Expr) -> bool:
+        """An address that varies by program only (``_block_index``'s ``xoffset // D``),
+        along neither block dimension."""
+        used = index.free_symbols
+        return XOFFSET in used and not used & {XINDEX, RINDEX}
+
     def _always_in_bounds(self, name: str, index: Expr) -> bool:
         """Whether ``index`` stays inside buffer ``name`` for every lane of the block: a
         masked body's load there needs no guard of its own (its value is used only where
@@ -243,6 +250,8 @@ class TritonKernel:
         alone); in a row reduction it stays a full tile (a weight), in the tile's layout
         (as [1, RBLOCK] Triton loads it narrow and converts it through shared memory)."""
         used = index.free_symbols
+        if self._per_program(index):
+            return " & ".join(["xmask"] + (self.mask_stack if guards else []))
         if not self.is_reduction or not used & {XINDEX, RINDEX} or \
                 used - {XINDEX, RINDEX, XOFFSET} - free_size_symbols([index]):
             return self.mask(guards)  # pointwise, constant or indirect addresses: full mask
@@ -260,6 +269,10 @@ class TritonKernel:
             return self.stored[key]
         simplified = self._block_index(simplified)
         idx = self._print_index(simplified)
+        if self._per_program(simplified):
+            # One value per program (``xoffset // D``): a pointer must be a block like its
+            # mask, so it loads as [XBLOCK, 1], as a per-row value would.
+            idx += " + 0*xindex"
         if name in self.removed:
             self.unforwarded.add(name)
         dtype = V.graph.get_dtype(name)
