@@ -306,7 +306,8 @@ class KilnClient:
                               hold=True)
         elif source == "local":  # held until the graph's first output
             self.tuner.submit(key.key, lambda: autotune_inprocess(
-                compiled, request.target, self.local.kernels), publish, hold=True)
+                compiled, request.target, self.local.kernels), publish, hold=True,
+                local=True)
 
     def on_tuned(self, key: str, listener: Callable[[CompiledGraph], None]) -> None:
         """Call ``listener`` (a bound method, held weakly) with the graph of ``key`` once

@@ -116,7 +116,8 @@ class SwappableGraph:
             seen, self._pending = self._pending, {}
         if seen:
             self.client.tuner.submit(self.key.key, lambda: self._tune(seen),
-                                     lambda graph: None, label="bucket autotune")
+                                     lambda graph: None, label="bucket autotune",
+                                     local=True)
 
     def _tune(self, seen: Seen) -> None:
         """Tune ``seen`` buckets, switch to them and publish them (a tuning thread)."""

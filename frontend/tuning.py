@@ -8,11 +8,14 @@ and ``hot_swaps``.
 
 Tuning threads are daemons; at exit the process waits up to ``KILN_AUTOTUNE_EXIT_WAIT``
 seconds (default 5), once for all tuners (``wait_at_exit``), for tuning still running,
-so that short jobs publish what they tuned; a user's script never lingers longer. Tuning
-still running then is abandoned: nothing it finishes later is published (a publish
-already started completes: blobs, then the manifest), and the first artifacts stay in the
-store (a farm's tuning goes on, on the farm, which publishes it itself). Benchmarks that
-need the tuned artifact wait for it (``client.wait_for_background``) or set a longer wait.
+so that short jobs publish what they tuned. Tuning still running then is abandoned:
+nothing it finishes later is published (a publish already started completes: blobs, then
+the manifest), each job stops at its next step (``workers.foreground.stop_background``;
+the exit waits for that, a benchmark or a load at most, so that no tuning thread is
+inside torch or CUDA when the interpreter finalizes: that aborts the process), and the
+first artifacts stay in the store (a farm's tuning goes on, on the farm, which publishes
+it itself). Benchmarks that need the tuned artifact wait for it
+(``client.wait_for_background``) or set a longer wait.
 A process that uses a farm waits before it lets the farm go (``frontend.farm`` and
 ``frontend.farm_process`` call ``wait_at_exit`` first), since its tuning asks the farm.
 No GPU of the target's arch means nothing runs here (CPU graphs never tune).
@@ -64,17 +67,21 @@ class BackgroundTuner:
 
     def __init__(self) -> None:
         self._threads: list[threading.Thread] = []
+        self._local: list[threading.Thread] = []  # jobs running torch/CUDA work here
         self._gates: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         _tuners.add(self)
 
     def submit(self, key: str, tune: Tune, publish: Publish,
-               label: str = "background autotune", hold: bool = False) -> None:
+               label: str = "background autotune", hold: bool = False,
+               local: bool = False) -> None:
         """Run ``tune`` (which returns the tuned graph, or None); ``publish`` a graph
         whose configs were timed. Other background work of a graph (``label`` says
         what) runs here too, so that exit waits for it. ``hold``: start only once
         ``release(key)`` is called (the graph's first call returned), or ``HOLD_S``
-        later, or when something waits for it."""
+        later, or when something waits for it. ``local``: the job runs torch or CUDA
+        work in this process (a benchmark, a load) and stops at its steps
+        (``workers.foreground``): once abandoned at exit, exit waits for that step."""
         gate = None
         if hold:
             with self._lock:
@@ -84,6 +91,8 @@ class BackgroundTuner:
                                   name=f"kiln-autotune-{key[:8]}")
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            self._local = [t for t in self._local if t.is_alive()] + ([thread] if local
+                                                                      else [])
         thread.start()
 
     def release(self, key: str) -> None:
@@ -120,6 +129,16 @@ class BackgroundTuner:
             else:
                 log.warning("kiln: %s of graph %s failed: %s", label, key[:16], e)
 
+    def join_local(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for this tuner's ``local`` jobs to end (exit,
+        once they were stopped); True if none is left."""
+        deadline = _now() + timeout
+        with self._lock:
+            threads = list(self._local)
+        for thread in threads:
+            thread.join(max(0.0, deadline - _now()))
+        return not any(thread.is_alive() for thread in threads)
+
     def pending(self) -> int:
         with self._lock:
             return sum(t.is_alive() for t in self._threads)
@@ -145,6 +164,10 @@ _exit_waited = threading.Event()
 _abandoned = threading.Event()  # set at exit once the wait ran out: publish nothing more
 _publishing = threading.Lock()  # held while a tuned artifact is published
 PUBLISH_FINISH_S = 10.0  # at exit, the longest a publish already started is waited for
+# At exit, the longest abandoned jobs are waited for to reach their next step (a
+# benchmark, a load): a daemon thread still inside torch or CUDA when the interpreter
+# finalizes aborts the process (``workers.foreground``).
+STOP_WAIT_S = 30.0
 
 
 def wait_at_exit() -> int:
@@ -162,8 +185,12 @@ def wait_at_exit() -> int:
     left = sum(tuner.pending() for tuner in list(_tuners))
     if left:
         _abandoned.set()
+        foreground.stop_background()  # each job ends at its next step (a few seconds)
         if _publishing.acquire(timeout=PUBLISH_FINISH_S):  # one already started ends
             _publishing.release()
+        stop_deadline = _now() + STOP_WAIT_S
+        for tuner in list(_tuners):
+            tuner.join_local(max(0.0, stop_deadline - _now()))
         log.info("kiln: %d background autotuning job(s) still running after %g s "
                  "(KILN_AUTOTUNE_EXIT_WAIT) abandoned at exit; the first artifacts stay",
                  left, wait)

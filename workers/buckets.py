@@ -25,6 +25,7 @@ from kiln.compiler.kernel_compile import KernelBinary
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import aligned_sizes, generic_config
 
+from . import foreground
 from .pipeline import KernelCache, KernelJob, candidate_configs, fastest, needs_binary
 
 # (kernel, bucket) -> (byte extent of each tensor argument, integer size arguments)
@@ -60,6 +61,7 @@ def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
         nbytes, sizes = seen[(name, bucket)]
         candidates = [binaries.get(j.key) or KernelBinary(name, target, j.config)
                       for j in group]
+        foreground.check_stopped()  # exit: not into another benchmark
         with trace.span("bucket autotune benchmark", cat="autotune", kernel=name,
                         bucket=bucket, candidates=len(group)):
             timings = benchmark(specs[name], candidates, sizes, nbytes)

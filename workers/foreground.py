@@ -18,6 +18,13 @@ starts only once the forward ran and autograd reached it, after the forward's tu
 let go; until it starts (``compiling(name)``), ``YIELD_MAX_S`` passed or something waits
 for the tuning (``forget_expected``: exit, a benchmark), background jobs wait for it as
 for one running.
+
+At exit, background work still running is stopped (``stop_background``): its next
+``wait_idle`` raises ``BackgroundStopped``, so a tuning thread ends between two jobs
+instead of being inside torch or CUDA when the interpreter finalizes. (A daemon thread
+that returns from C++ into a finalizing interpreter is ended by ``pthread_exit``, whose
+unwinding through a ``noexcept`` frame, pybind11's GIL re-acquire, aborts the whole
+process: "terminate called without an active exception", exit status 134.)
 """
 
 from __future__ import annotations
@@ -38,6 +45,25 @@ YIELD_MAX_S = 10.0  # the longest one background job waits for foreground compil
 _changed = threading.Condition()
 _active = 0
 _expected: dict[str, float] = {}  # compiles to come, by name: until when they count
+_stopped = threading.Event()  # set at exit: background jobs start no more work
+
+
+class BackgroundStopped(RuntimeError):
+    """Background work was stopped (the process is exiting); raised between two jobs."""
+
+    stage = "background"
+
+
+def stop_background() -> None:
+    """Stop background work at its next job (exit): every ``wait_idle`` raises
+    ``BackgroundStopped`` from now on, those waiting included."""
+    with _changed:
+        _stopped.set()
+        _changed.notify_all()
+
+
+def stopped() -> bool:
+    return _stopped.is_set()
 
 
 @contextmanager
@@ -92,20 +118,30 @@ def _busy(now: float) -> int:
 
 def wait_idle(limit: float = YIELD_MAX_S) -> bool:
     """Block until no foreground compile runs or is expected, at most ``limit`` seconds;
-    True if none. Background work calls it before each job (a span marks a wait)."""
+    True if none. Background work calls it before each job (a span marks a wait);
+    ``BackgroundStopped`` once the process stopped background work (exit)."""
     with _changed:
+        check_stopped()
         if not _busy(time.monotonic()):
             return True
     with trace.span("wait for foreground compile", cat="background"):
         deadline = time.monotonic() + limit
         with _changed:
             while _busy(now := time.monotonic()):
+                check_stopped()
                 if now >= deadline:
                     return False
                 # an expectation that runs out wakes no one: look again by then
                 wake = min([deadline, *_expected.values()])
                 _changed.wait(max(0.0, wake - now))
+            check_stopped()
     return True
+
+
+def check_stopped() -> None:
+    """Raise ``BackgroundStopped`` once background work was stopped (exit)."""
+    if _stopped.is_set():
+        raise BackgroundStopped("background work stopped: the process is exiting")
 
 
 def yielding(fn: Callable[[T], R]) -> Callable[[T], R]:

@@ -85,3 +85,71 @@ def test_tuning_that_ends_after_the_exit_wait_publishes_nothing(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[0]) == {"abandoned": 1, "late": False}
     assert not marker.exists()
+
+
+# Tuning abandoned at exit while it runs torch's C++ code (on the GPU host: a benchmark,
+# a tuned graph's load): the interpreter must not finalize under it. A daemon thread that
+# returns from C++ into a finalizing interpreter is ended by pthread_exit, and its unwind
+# through pybind11's noexcept GIL re-acquire aborted the process on the H200 host
+# ("terminate called without an active exception", exit status 134).
+TORCH_SCRIPT = """
+import json, sys, time, types
+import torch
+from kiln.frontend.tuning import BackgroundTuner
+from kiln.workers import foreground
+
+steps = []
+
+def tune():
+    a = torch.randn(600, 600)
+    while True:  # as autotune_inprocess: wait_idle before each benchmark
+        foreground.wait_idle()
+        for _ in range(20):
+            a = (a @ a).tanh()
+        steps.append(1)
+
+BackgroundTuner().submit("k" * 64, tune, lambda graph: None, local=True)
+while not steps:
+    time.sleep(0.01)
+print(json.dumps({"ended_at": time.time()}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("wait", ["0", "0.3"])
+def test_tuning_cut_off_inside_torch_exits_cleanly(wait: str) -> None:
+    env = {**os.environ, EXIT_WAIT_ENV: wait}
+    for _ in range(3):  # the abort took every run before the fix; three for margin
+        proc = subprocess.run([sys.executable, "-c", TORCH_SCRIPT], env=env,
+                              capture_output=True, text=True, timeout=120)
+        exited = time.time()
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "failed" not in proc.stderr, proc.stderr
+        ended = json.loads(proc.stdout.splitlines()[-1])["ended_at"]
+        assert exited - ended < float(wait) + 10, "exit waited far longer than one step"
+
+
+def test_stopped_background_work_ends_at_its_next_wait() -> None:
+    script = """
+import threading
+from kiln.workers import foreground
+foreground.expect("backward_0", within=60)  # a foreground compile to come: jobs wait
+raised = []
+def job():
+    try:
+        foreground.wait_idle(60)
+    except foreground.BackgroundStopped:
+        raised.append(1)
+t = threading.Thread(target=job); t.start()
+foreground.stop_background()
+t.join(5)
+try:
+    foreground.wait_idle(0)
+except foreground.BackgroundStopped:
+    raised.append(2)
+print(raised, t.is_alive())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[1,", "2]", "False"], proc.stdout
