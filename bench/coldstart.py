@@ -104,6 +104,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
     kiln = mode.startswith("kiln")
     torch._dynamo.reset()  # before Kiln's import: a reset drops its Dynamo timing hook
     selections: list[dict[str, Any]] = []
+    graphs: list[dict[str, Any]] = []  # each graph's key and what its lookup found
     if kiln:
         from kiln.frontend import compile as kiln_compile
         from kiln.frontend.backend import KilnFallbackWarning
@@ -111,6 +112,10 @@ def child(model: str, mode: str, device: str, smoke: bool,
         warnings.simplefilter("error", KilnFallbackWarning)
         kiln_compile.observers.append(lambda name, result: selections.append(
             result.compiled.stats.get("gemm_selection") or {}))
+        kiln_compile.observers.append(lambda name, result: graphs.append(
+            {"name": name, "key": result.key.key, "parts": result.key.parts,
+             "source": result.source, "lookup": result.lookup,
+             "autotuned": bool(result.compiled.autotuned)}))
     from sampler import begin_from_env, write
 
     profile, sampler = _profiler(), begin_from_env()
@@ -139,6 +144,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
                               "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
+        result["graphs"] = graphs
         result["ray_in_client"] = "ray" in sys.modules  # the farm is reached through its gateway
         result["gemm"] = {k: sum(int(s.get(k, 0)) for s in selections)
                           for k in ("problems", "cached", "benchmarked", "untuned")}
@@ -289,6 +295,10 @@ class Bench:
             if model == self.args.sweep_model:  # whatever its size (smoke is small)
                 env["KILN_REGIONS"] = "on"
             env.update(kv.split("=", 1) for kv in self.args.kiln_env)
+            if env.get("KILN_DEBUG", "") not in ("", "0") and "KILN_DEBUG_DIR" not in env:
+                debug = m / f"debug-{mode}{tag}"  # each row's own (explain_warm_miss)
+                shutil.rmtree(debug, ignore_errors=True)
+                env["KILN_DEBUG_DIR"] = str(debug)
         env["KILN_STATS_FILE"] = str(m / f"stats-{mode}{tag}.json")
         Path(env["KILN_STATS_FILE"]).unlink(missing_ok=True)
         if self.args.profile:
@@ -340,6 +350,8 @@ class Bench:
                 f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
+                if problems and mode.startswith("kiln_warm"):
+                    problems += self.explain_warm_miss(model, mode, row, env)
                 problems += check_gemm(row, self.args.compile_mode)
                 if mode == "kiln_farm" and row.get("ray_in_client"):
                     problems.append("the client imported Ray: it should reach the farm "
@@ -367,6 +379,51 @@ class Bench:
         status = "ok" if row["ok"] else f"FAILED: {row['problem']}"
         print(f"[coldstart] {model} {label or mode}: {row.get('seconds', float('nan')):.2f} s "
               f"{status}", file=sys.stderr, flush=True)
+
+    def explain_warm_miss(self, model: str, mode: str, row: dict[str, Any],
+                          env: dict[str, str]) -> list[str]:
+        """For a warm row that compiled: each graph that was not a hit, by name, with
+        its key, what the store lookup found, the cold run's key for that graph and which
+        key parts differ (``kiln explain-miss`` on both runs' KILN_DEBUG folders where
+        they are there), and what the store holds under the warm key now."""
+        cold = next((r for r in reversed(self.rows) if r["model"] == model
+                     and r["mode"] == PRIMING[mode] and r.get("graphs")), None)
+        cold_graphs = {g["name"]: g for g in (cold or {}).get("graphs", [])}
+        c = row.get("counters", {})
+        lines = [f"counters: repairs {c.get('repairs', 0)}, load_errors "
+                 f"{c.get('load_errors', 0)}, hits_autotuned {c.get('hits_autotuned', 0)}"]
+        for graph in row.get("graphs", []):
+            if graph["source"] == "hit":
+                continue
+            said = (f"graph {graph['name']} was not a hit ({graph['source']}; lookup: "
+                    f"{graph['lookup']}), key {graph['key'][:16]}")
+            before = cold_graphs.get(graph["name"])
+            if before is None:
+                said += f"; no graph of that name in the {PRIMING[mode]} row"
+            elif before["key"] == graph["key"]:
+                said += f"; the {PRIMING[mode]} row had the same key"
+            else:
+                from kiln.frontend.keys import explain_miss
+
+                differ = explain_miss(before.get("parts", {}), graph.get("parts", {}))
+                said += (f"; the {PRIMING[mode]} row's key was {before['key'][:16]}: "
+                         + " | ".join(differ))
+                said += self.explain_debug(model, PRIMING[mode], mode, graph["name"], env)
+            said += "; the store now: " + inspect_key(graph["key"], env)
+            lines.append(said)
+        return lines
+
+    def explain_debug(self, model: str, cold_mode: str, warm_mode: str, name: str,
+                      env: dict[str, str]) -> str:
+        """``kiln explain-miss`` on the two runs' KILN_DEBUG requests of graph ``name``."""
+        folders = [sorted((self.root / model / f"debug-{m}").glob(f"{name}_request_*"))
+                   for m in (cold_mode, warm_mode)]
+        if not all(folders):
+            return " (run with --kiln-env KILN_DEBUG=1 for the requests in detail)"
+        proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "explain-miss",
+                               str(folders[0][-1]), str(folders[1][-1])], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        return " | explain-miss: " + " | ".join((proc.stdout or proc.stderr).splitlines())
 
     def run_mode(self, model: str, mode: str) -> None:
         if (model, mode) in self.done:
@@ -410,6 +467,25 @@ class Bench:
         finally:
             subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
                            env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
+
+
+def inspect_key(key: str, env: dict[str, str]) -> str:
+    """What the store holds under ``key`` (``kiln inspect --json``), in a few words."""
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "inspect", key,
+                           "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    try:
+        manifest = json.loads(proc.stdout)
+    except ValueError:
+        return proc.stdout[:200]
+    meta = manifest.get("meta") or {}
+    if meta.get("kind") == "regions":
+        return "a regions plan"
+    graph = meta.get("graph") or {}
+    return (f"an artifact ({len(meta.get('kernels') or [])} kernels, autotuned "
+            f"{graph.get('autotuned')}, made {meta.get('compile', {}).get('mode')})")
 
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:

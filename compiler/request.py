@@ -538,6 +538,34 @@ def serialize_graph(gm: torch.fx.GraphModule, symbols: SymbolTable | None = None
     return _pack(["kiln-graph", GRAPH_FORMAT_VERSION, encoded])
 
 
+def graph_difference(a: bytes, b: bytes, width: int = 160) -> str | None:
+    """Where two serialized graphs first differ, in words (``kiln explain-miss``): the
+    node's index, its op and target, and which of its fields differ (arguments, keyword
+    arguments, output metadata: shape, stride, dtype), each side abbreviated to ``width``
+    characters; None if the graphs are equal."""
+    if a == b:
+        return None
+    try:
+        nodes_a, nodes_b = _decode_nodes(a), _decode_nodes(b)
+    except SerializationError as exc:
+        return f"one graph does not decode ({exc})"
+    for i, (x, y) in enumerate(zip(nodes_a, nodes_b)):
+        if x == y:
+            continue
+        what = "; ".join(f"{name} {_short(u, width)} vs {_short(v, width)}"
+                         for name, u, v in zip(("op", "target", "args", "kwargs", "meta"),
+                                               x, y) if u != v)
+        target = x[1][-1] if isinstance(x[1], list) and x[1] else x[1]
+        return f"node {i} ({x[0]}{f' {target}' if target else ''}) differs: {what}"
+    return (f"the graphs have {len(nodes_a)} vs {len(nodes_b)} nodes, equal up to node "
+            f"{min(len(nodes_a), len(nodes_b))}")
+
+
+def _short(value: Any, width: int) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _decode_nodes(data: bytes) -> list[Any]:
     wire = _unpack(data)
     if not (isinstance(wire, list) and len(wire) == 3 and wire[0] == "kiln-graph"):

@@ -338,7 +338,9 @@ def _side_of(ref: str, store: Store | None) -> tuple[dict[str, str], dict[str, A
             request = CompileRequest.from_bytes(path.read_bytes())
         except (OSError, SerializationError, ValueError) as e:
             raise CliError(f"{ref}: not a request saved by KILN_DEBUG ({e})") from None
-        return compute_key(request).parts, recorded_parts(request)
+        # the graph's bytes too, for where two saved graphs differ (not in manifests)
+        return compute_key(request).parts, {**recorded_parts(request),
+                                            "graph_request": request.graph}
     if os.sep in ref or ref.endswith((".json", ".msgpack")):
         raise UsageError(f"no such file or folder: {ref}")
     if store is None:
@@ -365,6 +367,13 @@ def cmd_explain_miss(args: argparse.Namespace) -> int:
         return EXIT_OK
     print("\n".join(lines))
     detail = describe_differences(recorded_a, recorded_b)
+    graphs = [recorded.get("graph_request") for recorded in (recorded_a, recorded_b)]
+    if graphs[0] is not None and graphs[1] is not None:
+        from kiln.compiler.request import graph_difference
+
+        where = graph_difference(graphs[0], graphs[1])
+        if where is not None:
+            detail.append(f"graph: {where}")
     if detail:
         print("\n".join(["", "in detail:"] + [f"  {line}" for line in detail]))
     return EXIT_OK

@@ -80,6 +80,10 @@ class CompileResult:
     recorded_compile_s: float = 0.0  # on a hit: what compiling it cost when it was made
     published_bytes: int | None = None  # on a miss: bytes the store took; None: not stored
     recorded_inputs: list[Any] | None = None  # on a hit: the input metas its manifest names
+    # What the store lookup found: "found", or why it missed ("missing"; "damaged: ...",
+    # "refused: ..." as the store said; "a regions plan"; "did not decode: ..."), so that a
+    # warm start that compiled can say why (bench/coldstart.py, KILN_DEBUG's key.json).
+    lookup: str = "found"
 
 
 class ClientCounters:
@@ -144,6 +148,7 @@ class KilnClient:
         # Background autotuning's results, for graphs loaded in this process (hotswap).
         self._tuned: dict[str, CompiledGraph] = {}
         self._listeners: dict[str, list[weakref.WeakMethod[Any]]] = {}
+        self._missed: dict[str, str] = {}  # why a key's last lookup missed (``lookup``)
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
                 count_hit: bool = True, warm: Warm | None = None) -> CompileResult:
@@ -215,19 +220,25 @@ class KilnClient:
         start = time.perf_counter()
         with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
             # a hit's cubins start loading as their blobs arrive (static_launcher)
-            artifact = self.store.get(key.key, observer=cubin_prefetch(cubin_records))
+            outcome = self.store.lookup(key.key, observer=cubin_prefetch(cubin_records))
+            artifact = outcome.artifact
             found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:
+            self._note_miss(key.key, "; ".join(f"{kind}: {detail}" for kind, detail
+                                               in outcome.problems) or outcome.status)
             return None
         if artifact.manifest.get("kind") == "regions":
-            return None  # a regional plan (frontend.regions): this graph compiles whole
+            # a regional plan (frontend.regions): this graph compiles whole
+            self._note_miss(key.key, "a regions plan, not a graph")
+            return None
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)
         except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
             self._set_aside(key.key, f"{type(e).__name__}: {e}")
+            self._note_miss(key.key, f"did not decode: {type(e).__name__}: {e}")
             return None
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         inputs, parts = artifact.manifest.get("inputs"), artifact.manifest.get("key_parts")
@@ -236,6 +247,10 @@ class KilnClient:
         return CompileResult(compiled, key, "hit", timings,
                              recorded_compile_s=compile_seconds(artifact.manifest),
                              recorded_inputs=inputs if isinstance(inputs, list) else None)
+
+    def _note_miss(self, key: str, why: str) -> None:
+        with self._lock:
+            self._missed[key] = why[:500]
 
     def lookup(self, key: str) -> CompileResult | None:
         """A stored graph by its key alone, with no request (the AOT cache's warm path:
@@ -275,7 +290,10 @@ class KilnClient:
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
         if compiled.stats.get("autotune_pending"):
             self._tune_later(key, request, compiled, source, info)
-        return CompileResult(compiled, key, source, timings, published_bytes=nbytes)
+        with self._lock:
+            why = self._missed.pop(key.key, "missing")
+        return CompileResult(compiled, key, source, timings, published_bytes=nbytes,
+                             lookup=why)
 
     def _share_kernels(self, compiled: CompiledGraph, request: CompileRequest) -> None:
         """Put the farm's binaries in the store by content key (in the background), so
@@ -356,6 +374,7 @@ class KilnClient:
         again (locally or on the farm) and republish it where this process may."""
         key = compute_key(request)
         self._set_aside(key.key, f"{type(error).__name__}: {error}")
+        self._note_miss(key.key, f"found, did not load: {type(error).__name__}: {error}")
         result = self._compile_miss(key, request, name)
         result.source = f"repaired ({result.source})"
         return result

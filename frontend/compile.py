@@ -282,5 +282,5 @@ def _debug_dump(config: KilnConfig, name: str, request: CompileRequest,
                     [e for e in trace.events() if float(e.get("ts", 0)) >= began_us])
     (folder / "key.json").write_text(json.dumps(
         {"key": result.key.key, "parts": result.key.parts, "source": result.source,
-         "timings": result.timings}, indent=2) + "\n")
+         "lookup": result.lookup, "timings": result.timings}, indent=2) + "\n")
     log.info("kiln: request of graph %s (key %s) saved in %s", name, result.key.key, folder)

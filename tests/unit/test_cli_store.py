@@ -71,3 +71,37 @@ def test_missing_damaged_and_unopenable_are_told_apart(
     code, _, err = run(capsys, "inspect", KEYS[0])
     assert code == 1 and err.startswith("kiln inspect: cannot open the store")
     assert "Protocol not known: bogus" in err
+
+
+def test_explain_miss_names_the_first_node_where_two_saved_graphs_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two KILN_DEBUG requests whose graphs differ (a warm start that computed another
+    key for one graph): explain-miss says which node, not only the graphs' sizes."""
+    import torch
+
+    from kiln.compiler.request import graph_difference
+    from kiln.frontend.serialize import make_request
+
+    def graph(scale: float) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.relu.default, (x,))
+        z = g.call_function(torch.ops.aten.mul.Tensor, (y, scale))
+        g.output((g.call_function(torch.ops.aten.sum.default, (z,)),))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    x = torch.randn(4, 8)
+    saved = []
+    for i, scale in enumerate((2.0, 3.0)):
+        request = make_request(graph(scale), [x], options={}, target={"kind": "cpu"})
+        path = tmp_path / f"request{i}.msgpack"
+        path.write_bytes(request.to_bytes())
+        saved.append(request)
+    monkeypatch.setenv("KILN_STATS_FILE", "off")
+    code, out, _ = run(capsys, "explain-miss", str(tmp_path / "request0.msgpack"),
+                       str(tmp_path / "request1.msgpack"))
+    assert code == 0 and "graph differs" in out, out
+    assert "graph: node 2 (call_function aten.mul.Tensor" in out and "2.0" in out \
+        and "3.0" in out, out
+    assert graph_difference(saved[0].graph, saved[0].graph) is None
