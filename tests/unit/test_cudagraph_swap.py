@@ -141,7 +141,8 @@ class _Tuner:
     def release(self, key: str) -> None:
         self.released.append(key)
 
-    def submit(self, key: str, tune: Any, publish: Any, label: str = "") -> None:
+    def submit(self, key: str, tune: Any, publish: Any, label: str = "",
+               local: bool = False) -> None:
         self.submitted.append(label)
 
 
