@@ -298,6 +298,7 @@ class Store:
                 "unexpectedly (%s); treating it as a miss", op, key, describe_exception(exc),
                 exc_info=True,
             )
+            outcome.note("error", f"{op} failed unexpectedly: {describe_exception(exc)}")
             return None
 
     def _lookup_tiers(

@@ -367,7 +367,8 @@ class Bench:
                     problems.append(f"{model}: its forward and backward graphs were not "
                                     f"both compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
-                said = [ln for ln in proc.stderr.splitlines() if "kiln:" in ln.lower()]
+                said = [ln for ln in proc.stderr.splitlines()
+                        if "kiln:" in ln.lower() or "kiln artifact store" in ln.lower()]
                 problems += said[-3:]
             row.update(ok=not problems, problem="; ".join(problems))
         if env.get("KILN_TRACE") and Path(env["KILN_TRACE"]).exists():
