@@ -596,6 +596,10 @@ class AotCache:
         backward = self.client.lookup(entry.backward)
         if backward is None:
             return self._reject(key, f"its backward {entry.backward[:16]} is not in the store")
+        plan = entry.training
+        if backward.recorded_inputs is None or len(backward.recorded_inputs) \
+                != plan.num_symints + plan.num_saved + len(plan.tangents):
+            return self._reject(key, f"its backward {entry.backward[:16]} takes other inputs")
         return self._load_training(key, entry, result, backward, example_inputs)
 
     def _load_one(self, key: str, result: CompileResult, constants: dict[str, torch.Tensor],
