@@ -11,7 +11,8 @@ is traced, with the reason counted (``aot_uncached_<reason>``).
 Its runtime (``served_training``), learnt from AOTAutograd's (torch/_functorch/
 _aot_autograd/runtime_wrappers.py), written for these graphs only:
 
-    call      inputs whose gradient the backward never computes are detached; grad on,
+    call      non-leaf inputs that require grad but get no gradient from the backward
+              are detached; grad on,
               view replay on; one ``autograd.Function`` applied
     forward   (autocast off where it was on at trace time) the compiled forward, whose
               outputs are [user outputs, saved tensors, saved symints] (the partitioner's
@@ -78,6 +79,7 @@ class ForwardFacts:
     grad_inputs: tuple[bool, ...]
     nondiff_outputs: tuple[int, ...]
     tangents: tuple[TangentLayout, ...]
+    non_leaf_grad: tuple[bool, ...]  # inputs requiring grad that are not leaves
 
 
 def training_problem(meta: Any) -> str | None:
@@ -134,7 +136,8 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
     outputs = graph.graph.find_nodes(op="output")[0].args[0]
     num_outputs = len(meta.output_info)
     num_symints = meta.num_symints_saved_for_bw
-    if type(num_symints) is not int or len(meta.input_info) != num_inputs:
+    if type(num_symints) is not int or len(meta.input_info) != num_inputs \
+            or not all(type(getattr(i, "is_leaf", None)) is bool for i in meta.input_info):
         return "layout"
     num_saved = len(outputs) - num_outputs - num_symints
     if num_saved < 0 or any(not isinstance(_val(n), torch.Tensor)
@@ -155,7 +158,8 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
         num_outputs, num_saved, num_symints,
         tuple(bool(i.requires_grad) for i in meta.input_info),
         tuple(i for i, o in enumerate(meta.output_info) if not o.requires_grad),
-        tuple(tangents))
+        tuple(tangents),
+        tuple(bool(i.requires_grad) and not i.is_leaf for i in meta.input_info))
 
 
 def _val(node: Any) -> Any:
@@ -186,7 +190,9 @@ def plan_with_backward(facts: ForwardFacts, graph: torch.fx.GraphModule
     outputs = graph.graph.find_nodes(op="output")[0].args[0]
     if len(outputs) != len(facts.grad_inputs):
         return "backward_layout"
-    detach = tuple(i for i, o in enumerate(outputs) if o is None)  # as AOTAutograd does
+    # As AOTAutograd does: a non-leaf input that gets no gradient is detached (a leaf
+    # is not: it still makes the outputs require grad).
+    detach = tuple(i for i, o in enumerate(outputs) if o is None and facts.non_leaf_grad[i])
     return TrainingPlan(facts.num_outputs, facts.num_saved, facts.num_symints,
                         facts.grad_inputs, detach, facts.nondiff_outputs, facts.tangents)
 
