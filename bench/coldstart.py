@@ -501,14 +501,17 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
                                          "compiles_farm", "farm_fallbacks", "farm_not_up",
                                          "aot_hits", "aot_misses", "aot_rejected",
-                                         "region_plan_hits", "aot_uncached_regions")}
+                                         "region_plan_hits", "aot_uncached_regions",
+                                         "aot_uncached_training")}
     # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
     # missed or was rejected (graphs it cannot serve are traced, counted by reason; a
     # graph compiled as regions is one of those: its plan from the store is the hit),
-    # and an inference model has at least one served (training graphs are traced).
+    # and every model has at least one served, training models too (their graphs are
+    # served since frontend/aot_training.py; one recorded "training" means a forward
+    # whose backward never came).
     regional_hit = c["region_plan_hits"] >= 1 <= c["aot_uncached_regions"]
     aot_skipped = c["aot_misses"] == 0 and c["aot_rejected"] == 0 \
-        and (c["aot_hits"] >= 1 or regional_hit or model in TRAINING_MODELS)
+        and (c["aot_hits"] >= 1 or regional_hit) and c["aot_uncached_training"] == 0
     want = {
         "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
         "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1

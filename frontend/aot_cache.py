@@ -10,17 +10,30 @@ The entry is a store artifact under the AOT key, signed and verified like any ot
 (``artifact_store``); what it says is still checked here before anything runs
 (:func:`entry_from_artifact`, the one place its bytes become a plan):
 
-    manifest {"kind": "aot", "schema": 1, "serve": true, "graph": <Kiln key>,
-              "inputs": <count>, "constants": [names]}      # or "serve": false, "reason"
-    blob     "constants.msgpack": the ATen graph's tensor constants by value, if any
+    manifest {"kind": "aot", "schema": 2, "serve": true, "graph": <Kiln key>,
+              "inputs": <count>, "constants": [names],
+              "training": null | {"backward": <Kiln key>, "backward_constants": [names],
+                                  "outputs", "saved", "symints": <counts>,
+                                  "grad_inputs": [bool], "detach": [input index],
+                                  "nondiff": [output index],
+                                  "tangents": [{"output", "sizes", "strides"} or
+                                               {"output", "memory_format"}]}}
+                                                    # or "serve": false, "reason"
+    blobs    "constants.msgpack" (the forward's or inference graph's tensor constants
+             by value, if any), "backward_constants.msgpack" (the backward's)
 
 Served: exactly what AOTAutograd's runtime would do with it, and nothing it would do
 differently. That is one inference graph whose ``ViewAndMutationMeta`` is trivial (no
 input mutation, no output aliasing an input or intermediate, no output requiring grad,
 no effect tokens, no subclasses, no RNG state, no grad-mode change) and whose inputs are
 Dynamo's inputs in order. Its runtime is then: grad off, autocast off if it was on, the
-compiled graph called with the inputs. Anything else (training graphs, a graph run
-eagerly) is recorded as an entry that is not served (``"serve": false`` and why), so a
+compiled graph called with the inputs. Or one training graph (a forward and its
+backward) whose metadata is as simple save that outputs may require grad: served by
+Kiln's own ``autograd.Function`` (``frontend.aot_training``, which says what is
+simple), both graphs loaded at the first call. Its entry is published once the
+backward is compiled (at once with ``backward_now``, else at the first backward).
+Anything else (a graph whose runtime does more, a graph run eagerly, a graph cut into
+regions) is recorded as an entry that is not served (``"serve": false`` and why), so a
 warm start knows at once to trace it. A graph that is not keyed (``NotCacheable``) is
 traced too. An entry that fails its checks, names a graph that is gone or whose inputs
 differ, or does not load is rejected: the graph is traced (and the entry replaced).
@@ -41,7 +54,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import torch
@@ -51,6 +64,15 @@ from kiln.compiler import trace
 from kiln.compiler.request import SerializationError, TensorMeta, decode_constant, encode_constant
 from kiln.compiler.symwire import is_static
 
+from .aot_training import (
+    MEMORY_FORMATS,
+    ForwardFacts,
+    TangentLayout,
+    TrainingPlan,
+    forward_facts,
+    plan_with_backward,
+    served_training,
+)
 from .client import CompileResult, KilnClient, client_for
 from .compile import (
     LoadFailure,
@@ -69,8 +91,9 @@ from .trace import flush as flush_trace
 log = logging.getLogger("kiln.aot_cache")
 
 ENTRY_KIND = "aot"
-ENTRY_SCHEMA = 1
+ENTRY_SCHEMA = 2
 CONSTANTS_BLOB = "constants.msgpack"
+BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
 _HEX = frozenset("0123456789abcdef")
 _MAX_CONSTANTS = 4096
 
@@ -81,13 +104,17 @@ class EntryError(ValueError):
 
 @dataclass(frozen=True)
 class AotEntry:
-    """A checked entry: serve ``graph`` with ``num_inputs`` inputs, or trace (``reason``)."""
+    """A checked entry: serve ``graph`` with ``num_inputs`` inputs (and, for a training
+    graph, its ``backward`` under ``training``'s runtime), or trace (``reason``)."""
 
     serve: bool
     graph: str = ""
     num_inputs: int = 0
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     reason: str = ""
+    training: TrainingPlan | None = None
+    backward: str = ""
+    backward_constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def to_artifact(key: str, entry: AotEntry) -> Artifact:
@@ -96,12 +123,37 @@ def to_artifact(key: str, entry: AotEntry) -> Artifact:
                               "reason": entry.reason}, {})
     manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
                 "graph": entry.graph, "inputs": entry.num_inputs,
-                "constants": sorted(entry.constants)}
+                "constants": sorted(entry.constants), "training": None}
     blobs = {}
     if entry.constants:
-        wire = [[name, encode_constant(t, name)] for name, t in sorted(entry.constants.items())]
-        blobs[CONSTANTS_BLOB] = msgpack.packb(wire, use_bin_type=True)
+        blobs[CONSTANTS_BLOB] = _constants_blob(entry.constants)
+    if entry.training is not None:
+        manifest["training"] = _training_wire(entry)
+        if entry.backward_constants:
+            blobs[BACKWARD_CONSTANTS_BLOB] = _constants_blob(entry.backward_constants)
     return Artifact(key, manifest, blobs)
+
+
+def _constants_blob(constants: dict[str, torch.Tensor]) -> bytes:
+    wire = [[name, encode_constant(t, name)] for name, t in sorted(constants.items())]
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def _training_wire(entry: AotEntry) -> dict[str, Any]:
+    plan = entry.training
+    assert plan is not None
+    tangents: list[dict[str, Any]] = []
+    for t in plan.tangents:
+        if t.memory_format is not None:
+            tangents.append({"output": t.output, "memory_format": t.memory_format})
+        else:
+            tangents.append({"output": t.output, "sizes": list(t.sizes or ()),
+                             "strides": list(t.strides or ())})
+    return {"backward": entry.backward, "backward_constants": sorted(entry.backward_constants),
+            "outputs": plan.num_outputs, "saved": plan.num_saved,
+            "symints": plan.num_symints, "grad_inputs": list(plan.grad_inputs),
+            "detach": list(plan.detach_inputs), "nondiff": list(plan.nondiff_outputs),
+            "tangents": tangents}
 
 
 def entry_from_artifact(artifact: Artifact) -> AotEntry:
@@ -110,29 +162,97 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
     what it says is an AOT entry of this format, naming a well-formed key."""
     m = artifact.manifest
     if not isinstance(m, dict) or m.get("kind") != ENTRY_KIND or m.get("schema") != ENTRY_SCHEMA:
-        raise EntryError("not an AOT cache entry of schema 1")
+        raise EntryError(f"not an AOT cache entry of schema {ENTRY_SCHEMA}")
     if m.get("serve") is False:
         reason = m.get("reason")
         if not isinstance(reason, str) or not reason.isidentifier() or len(reason) > 64:
             raise EntryError("an entry that is not served without a proper reason")
         return AotEntry(False, reason=reason)
     graph, count, names = m.get("graph"), m.get("inputs"), m.get("constants")
-    if m.get("serve") is not True or not isinstance(graph, str) or len(graph) != 64 \
-            or not set(graph) <= _HEX:
+    if m.get("serve") is not True or not _is_key(graph):
         raise EntryError("the entry names no graph key (64 hex digits)")
-    if type(count) is not int or not 0 <= count <= 1 << 20:
+    if not _is_count(count):
         raise EntryError(f"bad input count {count!r:.40}")
-    if not isinstance(names, list) or len(names) > _MAX_CONSTANTS \
-            or not all(isinstance(n, str) and n.isidentifier() for n in names):
+    if not _are_names(names) or "training" not in m:
         raise EntryError("bad constant names")
-    return AotEntry(True, graph, count, _constants(artifact, names))
+    entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB))
+    training = m["training"]
+    if training is None:
+        return entry
+    plan, backward, backward_names = _training_plan(training, count)
+    return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
+                    backward_constants=_constants(artifact, backward_names,
+                                                  BACKWARD_CONSTANTS_BLOB))
 
 
-def _constants(artifact: Artifact, names: list[str]) -> dict[str, torch.Tensor]:
+_TRAINING_FIELDS = frozenset({"backward", "backward_constants", "outputs", "saved",
+                              "symints", "grad_inputs", "detach", "nondiff", "tangents"})
+
+
+def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str]]:
+    """A training entry's plan, every field checked against the others."""
+    if not isinstance(w, dict) or set(w) != _TRAINING_FIELDS:
+        raise EntryError("a training entry without exactly its fields")
+    if not _is_key(w["backward"]) or not _are_names(w["backward_constants"]):
+        raise EntryError("a training entry naming no backward graph key")
+    outputs, saved, symints = w["outputs"], w["saved"], w["symints"]
+    if not all(_is_count(v) for v in (outputs, saved, symints)):
+        raise EntryError("bad output, saved tensor or symint counts")
+    grad_inputs, detach, nondiff = w["grad_inputs"], w["detach"], w["nondiff"]
+    if not isinstance(grad_inputs, list) or len(grad_inputs) != num_inputs \
+            or not all(type(g) is bool for g in grad_inputs):
+        raise EntryError("bad grad_inputs")
+    if not _are_indices(detach, num_inputs) or not _are_indices(nondiff, outputs):
+        raise EntryError("bad detached inputs or non-differentiable outputs")
+    tangents = w["tangents"]
+    if not isinstance(tangents, list) or len(tangents) > outputs:
+        raise EntryError("bad tangents")
+    layouts = tuple(_tangent(t, outputs) for t in tangents)
+    if len({t.output for t in layouts}) != len(layouts) \
+            or {t.output for t in layouts} & set(nondiff):
+        raise EntryError("tangents repeat an output or name a non-differentiable one")
+    plan = TrainingPlan(outputs, saved, symints, tuple(grad_inputs), tuple(detach),
+                        tuple(nondiff), layouts)
+    return plan, w["backward"], w["backward_constants"]
+
+
+def _tangent(t: Any, outputs: int) -> TangentLayout:
+    if not isinstance(t, dict) or type(t.get("output")) is not int \
+            or not 0 <= t["output"] < outputs:
+        raise EntryError("a tangent naming no output")
+    if set(t) == {"output", "memory_format"} and t["memory_format"] in MEMORY_FORMATS:
+        return TangentLayout(t["output"], memory_format=t["memory_format"])
+    sizes, strides = t.get("sizes"), t.get("strides")
+    if set(t) != {"output", "sizes", "strides"} or not isinstance(sizes, list) \
+            or not isinstance(strides, list) or len(sizes) != len(strides) or len(sizes) > 64 \
+            or not all(type(v) is int and 0 <= v < 1 << 62 for v in sizes + strides):
+        raise EntryError("a tangent with neither a layout nor a memory format")
+    return TangentLayout(t["output"], tuple(sizes), tuple(strides))
+
+
+def _is_key(v: Any) -> TypeGuard[str]:
+    return isinstance(v, str) and len(v) == 64 and set(v) <= _HEX
+
+
+def _is_count(v: Any) -> TypeGuard[int]:
+    return type(v) is int and 0 <= v <= 1 << 20
+
+
+def _are_names(v: Any) -> TypeGuard[list[str]]:
+    return isinstance(v, list) and len(v) <= _MAX_CONSTANTS \
+        and all(isinstance(n, str) and n.isidentifier() for n in v)
+
+
+def _are_indices(v: Any, bound: int) -> bool:
+    return isinstance(v, list) and all(type(i) is int and 0 <= i < bound for i in v) \
+        and len(set(v)) == len(v)
+
+
+def _constants(artifact: Artifact, names: list[str], blob: str) -> dict[str, torch.Tensor]:
     if not names:
         return {}
     try:
-        wire = msgpack.unpackb(artifact.blobs[CONSTANTS_BLOB], raw=False, use_list=True)
+        wire = msgpack.unpackb(artifact.blobs[blob], raw=False, use_list=True)
         decoded = {str(name): decode_constant(value, None) for name, value in wire}
     except (KeyError, TypeError, ValueError, IndexError, SerializationError,
             msgpack.UnpackException) as e:
@@ -206,6 +326,8 @@ class _Made:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     fn: Callable[..., Any] | None = None
     dynamic: DynamicOutputs = ()
+    facts: ForwardFacts | None = None  # a training forward's layout
+    plan: TrainingPlan | None = None  # a training backward's: the whole plan
 
 
 class Pending:
@@ -226,6 +348,7 @@ class Pending:
         self.disable_amp = bool(torch._C._is_any_autocast_enabled())
         self.made: list[_Made] = []
         self.results: dict[str, CompileResult] = {}
+        self.backward_observer: Callable[[str, CompileResult], None] | None = None
 
     def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any],
                fn: Callable[..., Any] | None = None) -> None:
@@ -247,6 +370,9 @@ class Pending:
                 fn: Callable[..., Any] | None) -> None:
         context = torch._guards.TracingContext.try_get()
         meta = getattr(context, "fw_metadata", None)
+        if name.startswith(("forward_", "backward_")):
+            self._record_training(name, graph, inputs, meta, fn)
+            return
         runtime = meta_problem(meta)
         outputs = graph.graph.find_nodes(op="output")[0].args[0]
         if not name.startswith("inference_"):
@@ -267,6 +393,48 @@ class Pending:
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
+
+    def _record_training(self, name: str, graph: torch.fx.GraphModule,
+                         inputs: Sequence[Any], meta: Any, fn: Callable[..., Any] | None
+                         ) -> None:
+        """A training graph's forward (its layout) or backward (the whole plan)."""
+        problem: str | None = None
+        facts: ForwardFacts | None = None
+        plan: TrainingPlan | None = None
+        if name.startswith("forward_"):
+            got = forward_facts(meta, graph, len(inputs))
+            if isinstance(got, str):
+                problem = got
+            elif _input_wires(inputs) != self.expected:
+                problem = "inputs_changed"
+            else:
+                facts = got
+        else:
+            forward = self.made[0] if len(self.made) == 1 else None
+            if forward is None or forward.facts is None:
+                problem = forward.problem if forward is not None else "no_forward"
+            else:
+                done = plan_with_backward(forward.facts, graph)
+                problem, plan = (done, None) if isinstance(done, str) else (None, done)
+        if problem is None and is_regional(name):
+            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
+        elif problem is None and name not in self.results:
+            problem = "eager_graph"
+        made = _Made(name, problem or None, "training", len(inputs), fn=fn, facts=facts,
+                     plan=plan)
+        if problem is None and self.key is not None:
+            made.constants = graph_constants(graph)
+        self.made.append(made)
+        if name.startswith("backward_") and self.backward_observer is not None:
+            observers.remove(self.backward_observer)  # a backward compiled at its first call
+            self.backward_observer = None
+            self.finish()
+
+    def _awaits_backward(self) -> bool:
+        """A training forward that could be served, whose backward is not compiled yet
+        (AOTAutograd compiles it at the first backward): the entry waits for it."""
+        return len(self.made) == 1 and self.made[0].runtime == "training" \
+            and self.made[0].problem is None
 
     def direct(self) -> Callable[..., Any] | None:
         """The Dynamo graph's callable without AOTAutograd's runtime wrappers, where they
@@ -297,8 +465,19 @@ class Pending:
             observers.remove(observe)
 
     def finish(self) -> None:
-        """Publish what AOTAutograd made of the graph (an entry served or not)."""
+        """Publish what AOTAutograd made of the graph (an entry served or not); a
+        training graph's once its backward is compiled."""
         if self.key is None:
+            return
+        if self._awaits_backward():
+            backward = "backward_" + self.made[0].name.removeprefix("forward_")
+
+            def observe(name: str, result: CompileResult) -> None:
+                if name == backward:  # (on whichever thread runs the backward)
+                    self.results[name] = result
+
+            self.backward_observer = observe
+            observers.append(observe)
             return
         try:
             entry = self.entry()
@@ -314,6 +493,8 @@ class Pending:
             self.cache.failed("publish", e)
 
     def entry(self) -> AotEntry:
+        if self.made and self.made[0].runtime == "training":
+            return self._training_entry()
         if len(self.made) != 1:
             return AotEntry(False, reason="training" if self.made else "no_graph")
         made = self.made[0]
@@ -321,6 +502,18 @@ class Pending:
             return AotEntry(False, reason=made.problem)
         return AotEntry(True, self.results[made.name].key.key, made.num_inputs,
                         made.constants)
+
+    def _training_entry(self) -> AotEntry:
+        if len(self.made) != 2:
+            return AotEntry(False, reason=self.made[0].problem or "training")
+        forward, backward = self.made
+        problem = forward.problem or backward.problem
+        if problem is not None or backward.plan is None:
+            return AotEntry(False, reason=problem or "training")
+        return AotEntry(True, self.results[forward.name].key.key, forward.num_inputs,
+                        forward.constants, training=backward.plan,
+                        backward=self.results[backward.name].key.key,
+                        backward_constants=backward.constants)
 
 
 # ---------------------------------------------------------------------------------------
@@ -395,18 +588,51 @@ class AotCache:
         wires = _input_wires(example_inputs)
         if result.recorded_inputs != wires:
             return self._reject(key, f"its graph {entry.graph[:16]} takes other inputs")
-        return self._load(key, entry, result, example_inputs)
+        if entry.training is None:
+            return self._load(key, entry, result, example_inputs)
+        grads = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
+        if grads != list(entry.training.grad_inputs):
+            return self._reject(key, "its inputs require grad where these do not")
+        backward = self.client.lookup(entry.backward)
+        if backward is None:
+            return self._reject(key, f"its backward {entry.backward[:16]} is not in the store")
+        plan = entry.training
+        if backward.recorded_inputs is None or len(backward.recorded_inputs) \
+                != plan.num_symints + plan.num_saved + len(plan.tangents):
+            return self._reject(key, f"its backward {entry.backward[:16]} takes other inputs")
+        return self._load_training(key, entry, result, backward, example_inputs)
+
+    def _load_one(self, key: str, result: CompileResult, constants: dict[str, torch.Tensor],
+                  example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
+        name = result.compiled.name  # as it was called when it was compiled
+        try:
+            call = load_stored(result, constants, input_device(example_inputs),
+                               self.config, name)
+        except LoadFailure as e:
+            self._reject(key, f"its graph {result.key.key[:16]} does not load ({e})")
+            return None
+        self.client.loaded(result, ok=True)
+        return call
 
     def _load(self, key: str, entry: AotEntry, result: CompileResult,
               example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
-        name = result.compiled.name  # as it was called when it was compiled
-        try:
-            call = load_stored(result, entry.constants, input_device(example_inputs),
-                               self.config, name)
-        except LoadFailure as e:
-            return self._reject(key, f"its graph {entry.graph[:16]} does not load ({e})")
-        self.client.loaded(result, ok=True)
+        call = self._load_one(key, result, entry.constants, example_inputs)
+        if call is None:
+            return None
         return served_graph(call, bool(torch._C._is_any_autocast_enabled()))
+
+    def _load_training(self, key: str, entry: AotEntry, forward: CompileResult,
+                       backward: CompileResult, example_inputs: Sequence[Any]
+                       ) -> Callable[..., Any] | None:
+        """Both graphs loaded now (cubins load in milliseconds), the backward's failure
+        seen before anything runs."""
+        assert entry.training is not None
+        fw = self._load_one(key, forward, entry.constants, example_inputs)
+        bw = fw and self._load_one(key, backward, entry.backward_constants, example_inputs)
+        if fw is None or bw is None:
+            return None
+        return served_training(fw, bw, entry.training,
+                               bool(torch._C._is_any_autocast_enabled()))
 
     def _reject(self, key: str, why: str) -> Callable[..., Any] | None:
         self.client.counters.add(aot_rejected=1)
