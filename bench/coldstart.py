@@ -95,7 +95,7 @@ def child(model: str, mode: str, device: str, smoke: bool,
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from coldstart_models import MODELS, max_error
+    from coldstart_models import MODELS, compare
 
     torch.manual_seed(0)
     case = MODELS[model](device, smoke)
@@ -139,9 +139,10 @@ def child(model: str, mode: str, device: str, smoke: bool,
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             Path(mega_save).write_bytes(saved[0])
-    ok, worst = max_error([t.detach() for t in out], ref, case.tol)
-    result: dict[str, Any] = {"seconds": seconds, "numerics_ok": ok, "max_scaled_err": worst,
-                              "note": case.note}
+    checked = compare([t.detach() for t in out], ref, case.tol, case.outputs)
+    result: dict[str, Any] = {"seconds": seconds, "numerics_ok": checked.ok,
+                              "max_scaled_err": checked.worst, "outputs": checked.summary(),
+                              "numerics_problem": checked.problem(), "note": case.note}
     if kiln:
         result["counters"] = _kiln_counters()
         result["graphs"] = graphs
@@ -347,7 +348,8 @@ class Bench:
         else:
             row.update(json.loads(lines[-1][len(RESULT):]))
             problems = [] if row["numerics_ok"] else [
-                f"output differs from eager (scaled error {row['max_scaled_err']:.3g})"]
+                f"output differs from eager (scaled error {row['max_scaled_err']:.3g}: "
+                f"{row.get('numerics_problem', '')})"]
             if mode.startswith("kiln"):
                 problems += check_kiln(mode, row["counters"], kiln_stats(env), model)
                 if problems and mode.startswith("kiln_warm"):

@@ -27,6 +27,7 @@ class Case:
     step: Callable[[Any], list[torch.Tensor]]  # the module, or torch.compile's wrapper
     tol: dict[str, float]
     note: str = ""
+    outputs: tuple[str, ...] = ()  # names of step's outputs, for a failure's message
 
 
 def _forward(*inputs: Any, pick: Callable[[Any], torch.Tensor] = lambda o: o
@@ -223,8 +224,8 @@ def resnet50_train(device: str, smoke: bool) -> Case:
     x = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, classes, (batch,), device=device)
     autocast = device == "cuda" and not smoke
-    scaled = _GradScales([module.get_parameter(n) for n in (
-        "fc.weight", "layer4.2.conv3.weight", "layer1.0.conv1.weight", "conv1.weight")])
+    watched = ("fc.weight", "layer4.2.conv3.weight", "layer1.0.conv1.weight", "conv1.weight")
+    scaled = _GradScales([module.get_parameter(n) for n in watched])
 
     def step(m: nn.Module) -> list[torch.Tensor]:
         m.zero_grad(set_to_none=True)
@@ -236,7 +237,8 @@ def resnet50_train(device: str, smoke: bool) -> Case:
     tol = _tol(torch.float16 if autocast else torch.float32, loose=True)
     note = ", ".join(filter(None, ["53 convs, fwd+bwd",
                                    "fp16 autocast" if autocast else "fp32", note]))
-    return Case("resnet50_train", module, (x,), step, tol, note)
+    return Case("resnet50_train", module, (x,), step, tol, note,
+                ("loss", *(f"grad {n} (scaled)" for n in watched)))
 
 
 class _GradScales:
@@ -297,7 +299,8 @@ def encoder_train(device: str, smoke: bool) -> Case:
 
     tol = _tol(torch.bfloat16 if autocast else torch.float32, loose=True)
     return Case("encoder_train", module, (ids, labels), step, tol,
-                "bf16 autocast" if autocast else "fp32")
+                "bf16 autocast" if autocast else "fp32",
+                ("loss", "grad embed.weight", "grad head.weight"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -323,16 +326,103 @@ def _tol(dtype: torch.dtype, loose: bool = False) -> dict[str, float]:
     return {"atol": 2e-3 if loose else 1e-3, "rtol": 2e-3 if loose else 1e-3}
 
 
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output against eager's: how many of its values are NaN or infinite (eager's
+    count apart), and the largest scaled difference over the values finite in both."""
+
+    name: str
+    nan: int
+    inf: int
+    ref_nonfinite: int
+    worst: float
+    values: int = 0
+    shape_ok: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.shape_ok and self.nan == 0 and self.inf == 0 and self.worst <= 1.0
+
+    def describe(self) -> str:
+        if not self.shape_ok:
+            return f"{self.name}: shape differs from eager's"
+        parts = [f"{self.name}: scaled error {self.worst:.3g}"]
+        if self.nan or self.inf:
+            parts = [f"{self.name}: {self.nan} NaN and {self.inf} inf of {self.values} "
+                     f"values (eager's finite), scaled error {self.worst:.3g} over the rest"]
+        if self.ref_nonfinite:
+            parts.append(f"eager has {self.ref_nonfinite} non-finite")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every output checked against eager's (``compare``)."""
+
+    outputs: tuple[OutputCheck, ...]
+    count_ok: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.count_ok and all(o.ok for o in self.outputs)
+
+    @property
+    def worst(self) -> float:
+        """The largest scaled difference; infinite where a value is not finite (or a
+        shape differs), so that no NaN hides behind a small figure."""
+        if not all(o.shape_ok and not o.nan and not o.inf for o in self.outputs):
+            return math.inf
+        return max((o.worst for o in self.outputs), default=0.0)
+
+    def problem(self) -> str:
+        """What failed, naming each output that did (empty when every one passed)."""
+        if self.ok:
+            return ""
+        # the failing outputs first, then the others' errors for comparison
+        lines = [o.describe() for o in self.outputs if not o.ok] + \
+            [f"(passed) {o.describe()}" for o in self.outputs if o.ok]
+        if not self.count_ok:
+            lines.insert(0, "a different number of outputs from eager's")
+        return "; ".join(lines)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"name": o.name, "nan": o.nan, "inf": o.inf, "worst": o.worst,
+                 "values": o.values, "ref_nonfinite": o.ref_nonfinite,
+                 "shape_ok": o.shape_ok} for o in self.outputs]
+
+
+def check_output(name: str, got: torch.Tensor, ref: torch.Tensor, tol: dict[str, float]
+                 ) -> OutputCheck:
+    g, r = got.detach().float(), ref.detach().float()
+    if g.shape != r.shape:
+        return OutputCheck(name, 0, 0, 0, math.inf, g.numel(), shape_ok=False)
+    ref_special = ~torch.isfinite(r)
+    matched = ref_special & ((g == r) | (g.isnan() & r.isnan()))  # eager's own NaN or inf
+    bad = ~torch.isfinite(g) & ~matched
+    both = torch.isfinite(g) & torch.isfinite(r)
+    scaled = (g - r).abs()[both] / (tol["atol"] + tol["rtol"] * r.abs())[both]
+    worst = float(scaled.max()) if scaled.numel() else 0.0
+    if bool((ref_special & ~matched).any()):  # eager's NaN or inf, finite here
+        worst = math.inf
+    return OutputCheck(name, int((bad & g.isnan()).sum()), int((bad & g.isinf()).sum()),
+                       int(ref_special.sum()), worst, g.numel())
+
+
+def output_names(count: int, names: Sequence[str] = ()) -> list[str]:
+    return [names[i] if i < len(names) else f"output {i}" for i in range(count)]
+
+
+def compare(got: list[torch.Tensor], ref: list[torch.Tensor], tol: dict[str, float],
+            names: Sequence[str] = ()) -> Comparison:
+    """Each output against eager's, named (``names``, else by position)."""
+    checks = tuple(check_output(n, g, r, tol)
+                   for n, g, r in zip(output_names(len(ref), names), got, ref))
+    return Comparison(checks, count_ok=len(got) == len(ref))
+
+
 def max_error(got: list[torch.Tensor], ref: list[torch.Tensor], tol: dict[str, float]
               ) -> tuple[bool, float]:
-    """Whether every output is within tolerance, and the largest scaled difference."""
-    worst, ok = 0.0, len(got) == len(ref)
-    for g, r in zip(got, ref):
-        g, r = g.float(), r.float()
-        if g.shape != r.shape:
-            return False, math.inf
-        diff = (g - r).abs()
-        bound = tol["atol"] + tol["rtol"] * r.abs()
-        worst = max(worst, float((diff / bound).max()) if diff.numel() else 0.0)
-        ok = ok and bool(torch.isfinite(g).all())
-    return ok and worst <= 1.0, worst
+    """Whether every output is finite and within tolerance, and the largest scaled
+    difference (infinite where an output has a NaN or an infinity eager has not)."""
+    result = compare(got, ref, tol)
+    return result.ok, result.worst
