@@ -70,6 +70,7 @@ from .aot_training import (
     TangentLayout,
     TrainingPlan,
     forward_facts,
+    mutates_inputs,
     plan_with_backward,
     served_training,
 )
@@ -274,10 +275,7 @@ def meta_problem(meta: Any) -> str | None:
         return "no_metadata"
     from torch._functorch._aot_autograd.schemas import OutputType
 
-    if any(getattr(i, "mutates_data", True) or getattr(i, "mutates_metadata", True)
-           or getattr(i, "mutates_storage_metadata", False)
-           or getattr(i, "mutation_inductor_storage_resize", False)
-           for i in getattr(meta, "input_info", [None])):
+    if mutates_inputs(meta):
         return "input_mutation"
     if any(getattr(o, "output_type", None) is not OutputType.non_alias
            or getattr(o, "requires_grad", True)

@@ -82,6 +82,15 @@ class ForwardFacts:
     non_leaf_grad: tuple[bool, ...]  # inputs requiring grad that are not leaves
 
 
+def mutates_inputs(meta: Any) -> bool:
+    """Whether AOTAutograd's metadata says the graph mutates an input (data, metadata,
+    storage), read with defaults that say it does."""
+    return any(getattr(i, "mutates_data", True) or getattr(i, "mutates_metadata", True)
+               or getattr(i, "mutates_storage_metadata", False)
+               or getattr(i, "mutation_inductor_storage_resize", False)
+               for i in getattr(meta, "input_info", [None]))
+
+
 def training_problem(meta: Any) -> str | None:
     """Why AOTAutograd's runtime would do more around this training graph than
     ``served_training`` does (a reason counter), or None. Attributes are read with
@@ -90,10 +99,7 @@ def training_problem(meta: Any) -> str | None:
         return "no_metadata"
     from torch._functorch._aot_autograd.schemas import OutputType
 
-    if any(getattr(i, "mutates_data", True) or getattr(i, "mutates_metadata", True)
-           or getattr(i, "mutates_storage_metadata", False)
-           or getattr(i, "mutation_inductor_storage_resize", False)
-           for i in getattr(meta, "input_info", [None])):
+    if mutates_inputs(meta):
         return "input_mutation"
     if any(getattr(o, "output_type", None) is not OutputType.non_alias
            or not _is_tensor_type(getattr(o, "raw_type", None))
