@@ -32,6 +32,7 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     from coldstart_models import MODELS
 
     import kiln
+    from kiln.frontend.backend import KilnFallbackWarning
 
+    # A graph run eagerly must never pass as Kiln's: its check would compare eager with eager.
+    warnings.simplefilter("error", KilnFallbackWarning)
     log: list[str] = []
     install_checks(args.rel, log)
     if args.defer:
