@@ -148,7 +148,6 @@ class KilnClient:
         # Background autotuning's results, for graphs loaded in this process (hotswap).
         self._tuned: dict[str, CompiledGraph] = {}
         self._listeners: dict[str, list[weakref.WeakMethod[Any]]] = {}
-        self._missed: dict[str, str] = {}  # why a key's last lookup missed (``lookup``)
 
     def compile(self, request: CompileRequest, name: str = "graph", *,
                 count_hit: bool = True, warm: Warm | None = None) -> CompileResult:
@@ -168,7 +167,7 @@ class KilnClient:
         with trace.span("hash request", cat="client", graph=name):
             key = compute_key(request)
         hashed = time.perf_counter()
-        result = self._lookup(key)
+        result, missed = self._lookup(key)
         if result is not None:
             result.timings.update(hash_s=hashed - start, total_s=time.perf_counter() - start)
             if count_hit:
@@ -184,7 +183,7 @@ class KilnClient:
             self.counters.add(graphs=1, waited=1)
             return future.result()
         try:
-            result = self._compile_miss(key, request, name, warm)
+            result = self._compile_miss(key, request, name, warm, missed)
             result.timings["hash_s"] = hashed - start
             future.set_result(result)
             return result
@@ -216,7 +215,9 @@ class KilnClient:
             self.counters.add(graphs=1, hits=1, time_saved_s=saved, hit_seconds=total,
                               hits_autotuned=int(result.compiled.autotuned))
 
-    def _lookup(self, key: KeyInfo) -> CompileResult | None:
+    def _lookup(self, key: KeyInfo) -> tuple[CompileResult | None, str]:
+        """The stored graph of ``key`` and "found", or None and why it missed (what
+        ``CompileResult.lookup`` says of the compile that follows)."""
         start = time.perf_counter()
         with trace.span("store lookup", cat="client", key=key.key[:16]) as found:
             # a hit's cubins start loading as their blobs arrive (static_launcher)
@@ -225,32 +226,26 @@ class KilnClient:
             found["hit"] = artifact is not None
         fetched = time.perf_counter()
         if artifact is None:
-            self._note_miss(key.key, "; ".join(f"{kind}: {detail}" for kind, detail
-                                               in outcome.problems) or outcome.status)
-            return None
+            return None, "; ".join(f"{kind}: {detail}" for kind, detail
+                                   in outcome.problems)[:500] or outcome.status
         if artifact.manifest.get("kind") == "regions":
             # a regional plan (frontend.regions): this graph compiles whole
-            self._note_miss(key.key, "a regions plan, not a graph")
-            return None
+            return None, "a regions plan, not a graph"
         try:
             with trace.span("decode artifact", cat="client", key=key.key[:16]):
                 compiled = from_artifact(artifact)
         except Exception as e:  # verified bytes that still do not decode: repair it
             self.counters.add(load_errors=1)
             self._set_aside(key.key, f"{type(e).__name__}: {e}")
-            self._note_miss(key.key, f"did not decode: {type(e).__name__}: {e}")
-            return None
+            return None, f"did not decode: {type(e).__name__}: {e}"[:500]
         timings = {"fetch_s": fetched - start, "decode_s": time.perf_counter() - fetched}
         inputs, parts = artifact.manifest.get("inputs"), artifact.manifest.get("key_parts")
         if not key.parts and isinstance(parts, dict):  # looked up by key alone: as recorded
             key = KeyInfo(key.key, {str(k): str(v) for k, v in parts.items()})
         return CompileResult(compiled, key, "hit", timings,
                              recorded_compile_s=compile_seconds(artifact.manifest),
-                             recorded_inputs=inputs if isinstance(inputs, list) else None)
-
-    def _note_miss(self, key: str, why: str) -> None:
-        with self._lock:
-            self._missed[key] = why[:500]
+                             recorded_inputs=inputs if isinstance(inputs, list) else None
+                             ), "found"
 
     def lookup(self, key: str) -> CompileResult | None:
         """A stored graph by its key alone, with no request (the AOT cache's warm path:
@@ -258,13 +253,13 @@ class KilnClient:
         verified as any read is. The caller reports the load
         with :meth:`loaded`."""
         start = time.perf_counter()
-        result = self._lookup(KeyInfo(key=key))
+        result, _ = self._lookup(KeyInfo(key=key))
         if result is not None:
             result.timings["total_s"] = time.perf_counter() - start
         return result
 
     def _compile_miss(self, key: KeyInfo, request: CompileRequest, name: str,
-                      warm: Warm | None = None) -> CompileResult:
+                      warm: Warm | None = None, missed: str = "missing") -> CompileResult:
         start = time.perf_counter()
         cache = self.local.kernels
         compiles, from_store = cache.compiles, cache.store_hits
@@ -290,10 +285,8 @@ class KilnClient:
         nbytes = sum(len(blob) for blob in artifact.blobs.values()) if published else None
         if compiled.stats.get("autotune_pending"):
             self._tune_later(key, request, compiled, source, info)
-        with self._lock:
-            why = self._missed.pop(key.key, "missing")
         return CompileResult(compiled, key, source, timings, published_bytes=nbytes,
-                             lookup=why)
+                             lookup=missed)
 
     def _share_kernels(self, compiled: CompiledGraph, request: CompileRequest) -> None:
         """Put the farm's binaries in the store by content key (in the background), so
@@ -374,8 +367,9 @@ class KilnClient:
         again (locally or on the farm) and republish it where this process may."""
         key = compute_key(request)
         self._set_aside(key.key, f"{type(error).__name__}: {error}")
-        self._note_miss(key.key, f"found, did not load: {type(error).__name__}: {error}")
-        result = self._compile_miss(key, request, name)
+        result = self._compile_miss(
+            key, request, name,
+            missed=f"found, did not load: {type(error).__name__}: {error}"[:500])
         result.source = f"repaired ({result.source})"
         return result
 
