@@ -72,6 +72,7 @@ from .aot_training import (
     forward_facts,
     mutates_inputs,
     plan_with_backward,
+    runtime_problem,
     served_training,
 )
 from .client import CompileResult, KilnClient, client_for
@@ -281,21 +282,7 @@ def meta_problem(meta: Any) -> str | None:
            or getattr(o, "requires_grad", True)
            for o in getattr(meta, "output_info", [None])):
         return "output_alias_or_grad"
-    if getattr(meta, "num_intermediate_bases", 1) or getattr(meta, "tokens", None) \
-            or getattr(meta, "num_backward_tokens", 0):
-        return "intermediate_bases_or_effects"
-    subclass = [m for name in ("subclass_inp_meta", "subclass_fw_graph_out_meta")
-                for m in getattr(meta, name, None) or []
-                if type(m).__name__ == "SubclassCreationMeta"]
-    if subclass:
-        return "subclass"
-    if getattr(meta, "is_rng_op_functionalized", False) \
-            or getattr(meta, "num_graphsafe_rng_states", 0) \
-            or getattr(meta, "num_outputs_rng_offset", 0):
-        return "rng_state"
-    if getattr(meta, "grad_enabled_mutation", None) is not None:
-        return "grad_mode_change"
-    return None
+    return runtime_problem(meta, ("subclass_inp_meta", "subclass_fw_graph_out_meta"))
 
 
 DynamicOutputs = tuple[tuple[int, frozenset[int]], ...]

@@ -91,6 +91,26 @@ def mutates_inputs(meta: Any) -> bool:
                for i in getattr(meta, "input_info", [None]))
 
 
+def runtime_problem(meta: Any, subclass_fields: Sequence[str]) -> str | None:
+    """What AOTAutograd's runtime does around any graph besides calling it, past input
+    mutation and outputs (each caller checks those its own way): intermediate bases or
+    effect tokens, a subclass in ``subclass_fields``, RNG state, a grad-mode change. A
+    reason counter, or None; attributes are read with defaults that refuse."""
+    if getattr(meta, "num_intermediate_bases", 1) or getattr(meta, "tokens", None) \
+            or getattr(meta, "num_backward_tokens", 0):
+        return "intermediate_bases_or_effects"
+    if any(type(m).__name__ == "SubclassCreationMeta" for name in subclass_fields
+           for m in getattr(meta, name, None) or []):
+        return "subclass"
+    if getattr(meta, "is_rng_op_functionalized", False) \
+            or getattr(meta, "num_graphsafe_rng_states", 0) \
+            or getattr(meta, "num_outputs_rng_offset", 0):
+        return "rng_state"
+    if getattr(meta, "grad_enabled_mutation", None) is not None:
+        return "grad_mode_change"
+    return None
+
+
 def training_problem(meta: Any) -> str | None:
     """Why AOTAutograd's runtime would do more around this training graph than
     ``served_training`` does (a reason counter), or None. Attributes are read with
@@ -105,20 +125,10 @@ def training_problem(meta: Any) -> str | None:
            or not _is_tensor_type(getattr(o, "raw_type", None))
            for o in getattr(meta, "output_info", [None])):
         return "output_alias"
-    if getattr(meta, "num_intermediate_bases", 1) or getattr(meta, "tokens", None) \
-            or getattr(meta, "num_backward_tokens", 0):
-        return "intermediate_bases_or_effects"
-    if any(type(m).__name__ == "SubclassCreationMeta"
-           for name in ("subclass_inp_meta", "subclass_fw_graph_out_meta",
-                        "subclass_tangent_meta")
-           for m in getattr(meta, name, None) or []):
-        return "subclass"
-    if getattr(meta, "is_rng_op_functionalized", False) \
-            or getattr(meta, "num_graphsafe_rng_states", 0) \
-            or getattr(meta, "num_outputs_rng_offset", 0):
-        return "rng_state"
-    if getattr(meta, "grad_enabled_mutation", None) is not None:
-        return "grad_mode_change"
+    problem = runtime_problem(meta, ("subclass_inp_meta", "subclass_fw_graph_out_meta",
+                                     "subclass_tangent_meta"))
+    if problem is not None:
+        return problem
     if getattr(meta, "num_opaque_objects_saved_for_bw", 0) \
             or getattr(meta, "num_tensors_saved_with_no_vc_check", 0) \
             or getattr(meta, "dynamic_saved_tensors_idxs", None) \
