@@ -159,7 +159,11 @@ def resnet50(device: str, smoke: bool) -> Case:
     return Case("resnet50", module, (x,), _forward(x), _tol(dtype, loose=True), "53 convs")
 
 
-class _Bottleneck(nn.Module):
+class Bottleneck(nn.Module):
+    """torchvision's bottleneck, op for op (in-place ReLUs, the shortcut after conv3), so
+    that its traced graph is torchvision's (bench/region_interp.py rebuilds the H200's
+    regions from it)."""
+
     def __init__(self, cin: int, width: int, stride: int) -> None:
         super().__init__()
         cout = 4 * width
@@ -167,36 +171,42 @@ class _Bottleneck(nn.Module):
         self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
         self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
             nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = x if self.downsample is None else self.downsample(x)
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        return F.relu(self.bn3(self.conv3(y)) + skip)
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
 
 
-class _ResNet50(nn.Module):
-    """torchvision's ResNet-50 layout (blocks 3, 4, 6, 3; attribute names alike), for a
-    machine without torchvision."""
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 layout (blocks 3, 4, 6, 3; attribute names and op order
+    alike), for a machine without torchvision."""
 
-    def __init__(self, num_classes: int) -> None:
+    def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
         self.bn1, self.maxpool = nn.BatchNorm2d(64), nn.MaxPool2d(3, 2, 1)
+        self.relu = nn.ReLU(inplace=True)
         cin, stages = 64, []
         for i, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
             layer = []
             for b in range(blocks):
-                layer.append(_Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
+                layer.append(Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
                 cin = 4 * width
             stages.append(nn.Sequential(*layer))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
@@ -205,7 +215,7 @@ def _resnet50_module(num_classes: int) -> tuple[nn.Module, str]:
     try:
         import torchvision
     except ImportError:
-        return _ResNet50(num_classes), "stand-in (torchvision not installed)"
+        return ResNet50(num_classes), "stand-in (torchvision not installed)"
     return torchvision.models.resnet50(num_classes=num_classes), ""
 
 

@@ -48,52 +48,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from coldstart_models import ResNet50  # noqa: E402
+
 GUARD = 1 << 16
 FILL = 0x5A
-
-
-class Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        cout = 4 * width
-        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # torchvision's order
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class ResNet50(nn.Module):
-    def __init__(self, classes: int = 1000) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1, self.maxpool = nn.BatchNorm2d(64), nn.MaxPool2d(3, 2, 1)
-        self.relu = nn.ReLU(inplace=True)
-        cin, layers = 64, []
-        for i, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
-            layer = []
-            for b in range(blocks):
-                layer.append(Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
-                cin = 4 * width
-            layers.append(nn.Sequential(*layer))
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers(self.maxpool(self.relu(self.bn1(self.conv1(x)))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
 def training_forward(batch: int, size: int) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -103,7 +62,7 @@ def training_forward(batch: int, size: int) -> tuple[torch.fx.GraphModule, list[
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     torch.manual_seed(0)
-    m = ResNet50().eval()
+    m = ResNet50().eval()  # torchvision's layout and op order (coldstart_models)
     for mod in m.modules():
         if isinstance(mod, nn.BatchNorm2d):
             with torch.no_grad():
