@@ -250,3 +250,60 @@ def _split_function(term: Expr) -> tuple[Expr, Expr | None]:
         else:
             coeff = coeff * factor
     return coeff, func
+
+
+def same_index(a: Expr, b: Expr) -> bool:
+    """Whether ``a`` and ``b`` are the same address for every value of their symbols.
+
+    ``64*(x % 3136)`` and ``3584*((x // 56) % 56) + 64*(x % 56)`` are one address written
+    two ways (a store through one loop nest, a load through another that merged two of its
+    loops). Each symbol that is the base of a ``//`` or ``%`` is written in mixed-radix
+    digits at every divisor and period either uses; when those boundaries form a chain
+    (each divides the next), both sides become polynomials in the digits, equal exactly
+    when their difference expands to zero. Other shapes (symbolic divisors, compound
+    bases, boundaries that do not nest) answer False: not proven the same.
+    """
+    if a == b:
+        return True
+    atoms = a.atoms(FloorDiv, ModularIndexing) | b.atoms(FloorDiv, ModularIndexing)
+    bounds: dict[sympy.Symbol, set[int]] = {}
+    for atom in atoms:
+        base, div = atom.args[0], atom.args[1]
+        period = div * atom.args[2] if isinstance(atom, ModularIndexing) else None
+        if not isinstance(base, sympy.Symbol) or not isinstance(div, sympy.Integer) or \
+                (period is not None and not isinstance(period, sympy.Integer)):
+            return False
+        marks = bounds.setdefault(base, {1})
+        marks.add(int(div))
+        if period is not None:
+            marks.add(int(period))
+    replace: dict[Expr, Expr] = {}
+    for sym, marks in bounds.items():
+        chain = sorted(marks)
+        if any(hi % lo for lo, hi in zip(chain, chain[1:])):
+            return False
+        digits = [sympy.Symbol(f"_digit_{sym}_{k}", integer=True, nonnegative=True)
+                  for k in range(len(chain))]
+        position = {mark: k for k, mark in enumerate(chain)}
+
+        def value(lo: int, hi: int | None, chain: list[int] = chain,
+                  digits: list[sympy.Symbol] = digits, position: dict[int, int] = position
+                  ) -> Expr:
+            """``(sym // lo) % (hi // lo)`` in digits; ``sym // lo`` where ``hi`` is None."""
+            end = len(chain) if hi is None else position[hi]
+            return sympy.Add(*(digits[k] * (chain[k] // lo)
+                               for k in range(position[lo], end)))
+
+        replace[sym] = value(1, None)
+        for atom in atoms:
+            if atom.args[0] != sym:
+                continue
+            div = int(atom.args[1])
+            hi = div * int(atom.args[2]) if isinstance(atom, ModularIndexing) else None
+            replace[atom] = value(div, hi)
+    # Atoms first (their bases are the symbols replaced after them).
+    ordered = sorted(replace.items(), key=lambda kv: not isinstance(kv[0], sympy.Function))
+    da, db = a, b
+    for old, new in ordered:
+        da, db = da.xreplace({old: new}), db.xreplace({old: new})
+    return sympy.expand(da - db) == 0

@@ -21,6 +21,7 @@ from ...ir.sym import (
     FloorDiv,
     index_lower_bound,
     index_upper_bound,
+    same_index,
     simplify_with_ranges,
 )
 from ...sizevars import free_size_symbols
@@ -92,7 +93,12 @@ class TritonKernel:
         self.uses_r = False
         self.mask_stack: list[str] = []
         self.stored: dict[tuple[str, str], CSEVariable] = {}
+        self.stored_index: dict[tuple[str, str], Expr] = {}  # ``stored`` keys' addresses
         self.loop_stored: set[tuple[str, str]] = set()  # ``stored`` keys of this r loop
+        # Buffers this kernel wrote to memory since its last barrier, and those of them
+        # written in the current r loop (see ``_fence``).
+        self.unfenced: set[str] = set()
+        self.loop_unfenced: set[str] = set()
         self.reduction_cache: dict[tuple[str, str, bool], Any] = {}
         self.unforwarded: set[str] = set()
         self.phase_reductions: set[str] = set()
@@ -157,6 +163,7 @@ class TritonKernel:
         self.loop_pre, self.loop_body, self.loop_post = (IndentedBuffer(), IndentedBuffer(),
                                                          IndentedBuffer())
         self.phase_reductions = set()
+        self.loop_unfenced = set()
 
     def end_loop(self) -> None:
         if not self.in_loop:
@@ -179,6 +186,7 @@ class TritonKernel:
         for key in self.loop_stored:
             self.stored.pop(key, None)
         self.loop_stored.clear()
+        self.loop_unfenced.clear()
 
     # -- indexing -----------------------------------------------------------------------
 
@@ -267,6 +275,11 @@ class TritonKernel:
         key = (name, self._print_index(simplified))
         if key in self.stored:
             return self.stored[key]
+        for (stored_name, text), where in self.stored_index.items():
+            if stored_name == name and (name, text) in self.stored and \
+                    same_index(where, simplified):
+                return self.stored[(name, text)]
+        self._fence(name)
         simplified = self._block_index(simplified)
         idx = self._print_index(simplified)
         if self._per_program(simplified):
@@ -292,6 +305,31 @@ class TritonKernel:
             self._atomic_store(name, index, value, mode)
             return
         self._store_to(self.compute(), name, index, value, self.mask())
+
+    def _fence(self, name: str) -> None:
+        """A barrier before loading ``name`` from memory where this kernel wrote it.
+
+        Triton gives a store and a later load their own thread layouts (a strided store
+        one element per thread, a load whose value feeds a contiguous store eight per
+        thread), so the thread that loads an element is often not the one that stored it,
+        and nothing orders the two: the load may read memory from before the store. Seen
+        on the H200 as ~0.1% stale values (some NaN) in ResNet-50's saved max-pool copy.
+        Fusion only puts a read in the kernel that writes the same element, in the same
+        program, so a barrier (``bar.sync``: the block's global writes before it are
+        visible to the whole block after it) orders them. A load at an index known to be
+        a stored one takes the stored value instead (``load``), needing none.
+        """
+        if name not in self.unfenced:
+            return
+        # Written in an earlier phase only: one barrier before this loop, not one per block.
+        where = self.loop_pre if self.in_loop and name not in self.loop_unfenced \
+            else self.compute()
+        where.writeline("tl.debug_barrier()")
+        if where is self.loop_pre:
+            self.unfenced -= self.unfenced - self.loop_unfenced
+        else:
+            self.unfenced.clear()
+            self.loop_unfenced.clear()
 
     def _atomic_store(self, name: str, index: Expr, value: CSEVariable, mode: str) -> None:
         """A scatter's combining store: ``tl.atomic_add`` (max, min) at an indirect index.
@@ -324,12 +362,17 @@ class TritonKernel:
     def _store_to(self, buf: IndentedBuffer, name: str, index: Expr, value: CSEVariable,
                   mask: str) -> None:
         """Store ``value`` (or only remember it, for a buffer kept in registers)."""
-        idx = self.index_str(index)
+        simplified = self._simplify(index)
+        idx = self._print_index(simplified)
         self.stored[(name, idx)] = value
+        self.stored_index[(name, idx)] = simplified
         if self.in_loop:
             self.loop_stored.add((name, idx))
         if name in self.removed:
             return
+        self.unfenced.add(name)
+        if self.in_loop:
+            self.loop_unfenced.add(name)
         dtype = V.graph.get_dtype(name)
         ptr = self.args.output(name)
         cast = f".to({triton_type(dtype)})" if value.dtype != dtype else ""
