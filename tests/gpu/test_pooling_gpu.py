@@ -83,7 +83,8 @@ def test_saved_pool_copy_matches_eager_at_resnet50_size() -> None:
     """The stem of ResNet-50's training forward at batch 32: the contiguous copy of the
     channels-last max-pool output, saved for the backward, had ~0.1% stale values on the
     H200 when its kernel loaded back what it had stored (tests/unit/test_store_load_order.py).
-    Every value and index must equal eager's, on several calls."""
+    Values and indices must equal eager's pooling of the compiled pool input exactly, on
+    several calls; the convolutions match eager's within fp16 tolerance."""
     from tests.unit.test_store_load_order import stem_args, stem_saving_pool
 
     torch.manual_seed(0)
@@ -92,7 +93,11 @@ def test_saved_pool_copy_matches_eager_at_resnet50_size() -> None:
     run = load(compiled)
     ref = stem_saving_pool(*args)
     for _ in range(3):
-        out = run([a.clone() for a in args])
-        torch.testing.assert_close(out[0], ref[0], rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)
-        assert torch.equal(out[2], ref[2])
+        conv, copy, indices, y = run([a.clone() for a in args])
+        torch.testing.assert_close(y, ref[3], rtol=1e-2, atol=1e-2)
+        pooled, pooled_at = torch.nn.functional.max_pool2d(y, 3, 2, 1, return_indices=True)
+        assert copy.is_contiguous()
+        wrong = int((copy != pooled).sum())
+        assert wrong == 0, f"{wrong} of {copy.numel()} pooled values differ"
+        assert torch.equal(indices, pooled_at)
+        torch.testing.assert_close(conv, ref[0], rtol=2e-2, atol=5e-2)

@@ -81,10 +81,11 @@ def stem_saving_pool(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
                      w1: torch.Tensor) -> Any:
     """ResNet-50's stem as its training forward has it: the max pool's output goes on
     channels-last to the next convolution, and a contiguous copy and the indices are
-    saved for the backward."""
+    saved for the backward, as is the pool's input (which gives the kernel of region 0
+    on the H200, ``..._maximum_3``, and lets a test pool it eagerly)."""
     y = F.batch_norm(F.conv2d(x, w, None, 2, 3), mean, var, g, b, False, 0.1, 1e-5).relu()
     pooled, indices = F.max_pool2d(y, 3, 2, 1, return_indices=True)
-    return F.conv2d(pooled, w1, None, 1, 1), pooled.contiguous(), indices
+    return F.conv2d(pooled, w1, None, 1, 1), pooled.contiguous(), indices, y
 
 
 def stem_args(batch: int, device: str) -> list[torch.Tensor]:
