@@ -520,15 +520,31 @@ def load_plan(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
         return _load_stored(client, plan, constants, device, name)
 
 
+MAX_FETCHES = 16
+
+
+def _fetch_regions(client: KilnClient, keys: list[str]) -> dict[str, CompileResult | None]:
+    """Each key's stored graph (verified, as ``client.lookup`` reads it), on up to
+    ``MAX_FETCHES`` threads."""
+    if len(keys) < 2:
+        return {k: client.lookup(k) for k in keys}
+    with ThreadPoolExecutor(min(MAX_FETCHES, len(keys)),
+                            thread_name_prefix="kiln-region-fetch") as pool:
+        return dict(zip(keys, pool.map(client.lookup, keys)))
+
+
 def _load_stored(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
                  device: torch.device, name: str) -> Callable[..., Any] | None:
     """The stitched callable from stored regions; None if one is missing or unloadable
-    (the graph is then cut and compiled again: present regions are hits)."""
+    (the graph is then cut and compiled again: present regions are hits). The distinct
+    regions are fetched at once (a store on another machine answers each in a round
+    trip or more), then loaded in order."""
     calls: dict[str, Callable[[list[Any]], Any]] = {}
+    found = _fetch_regions(client, list(dict.fromkeys(r.key for r in plan.regions)))
     for index, region in enumerate(plan.regions):
         if region.key in calls:
             continue
-        result = client.lookup(region.key)
+        result = found[region.key]
         if result is None:
             return None
         try:
