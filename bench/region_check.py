@@ -19,8 +19,12 @@ Seen on the H200 (2026-12-04, main 7a853a0, ``--defer``): forward region 0's out
 the contiguous copy of the max-pool output saved for the backward (fp16 [32, 64, 56, 56]),
 had ~8000 wrong values (some NaN) on every run, also with CUDA_LAUNCH_BLOCKING=1, with
 KILN_AUTOTUNE=0 and with KILN_STATIC_LAUNCHER=0, and again on a second call; the step's
-layer1.0.conv1 gradient then had 128-704 NaN. The same regions loaded from the store
-without deferring gave a right step.
+layer1.0.conv1 gradient then had 128-704 NaN. At 18:42 this check found the same without
+``--defer`` and in the stored artifact loaded afresh (the loaded and stored graphs equal):
+the kernel itself was wrong on the GPU. Its contiguous copy loaded back the channels-last
+values it had just stored, in another thread layout, with nothing ordering the two (fixed
+in 24916a3, tests/unit/test_store_load_order.py); at 18:54 every region and the step were
+right (without ``--defer``; the farm sweep at 19:03 passed its check).
 
     python3 bench/region_check.py --model resnet50_train --device cuda --defer
     python3 bench/region_check.py --model resnet50_train --device cpu --smoke

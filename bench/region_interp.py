@@ -26,7 +26,9 @@ H200 got wrong under deferred regions) traces the wrapper line by line and names
 line of the wrapper (as written to ``--out``) after which that buffer changed. On a GPU
 the same region runs compiled for it in a plain process (no farm, no deferral, no threads,
 heuristic configs): wrong there, the watch names the writer; right there, the fault is in
-the deferred path's context. (The CUDA mode is untested: written on a machine without one.)
+the deferred path's context. On the H200 (18:44) the CUDA mode found 9020 wrong values
+written by the max-pool kernel itself: a race between threads of one program, which the
+interpreter (one program's lanes together) cannot show; see tests/unit/test_store_load_order.py.
 
 Batch 2 runs in about 80 s on 2 idle cores (``--watch ''``), 5 to 6 min with the watch
 under load; batch 8 about 7 min. Kernels and wrapper are the same as at batch 32 but for
