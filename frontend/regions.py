@@ -235,7 +235,10 @@ def _plan_done(name: str, stored: bool) -> None:
     if stored:
         _stored.add(name)
     for observer in list(plan_observers):
-        observer(name, stored)
+        try:
+            observer(name, stored)
+        except Exception as e:  # an observer's failure must not cost the graph
+            log.warning("kiln: a region plan observer failed (%s: %s)", type(e).__name__, e)
 
 
 def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
