@@ -365,7 +365,8 @@ class Bench:
                 elif model == self.args.sweep_model and model in TRAINING_MODELS \
                         and env.get("KILN_REGIONS") != "off" \
                         and row["counters"].get("regional_graphs", 0) < 2 \
-                        and not row["counters"].get("region_plan_hits"):
+                        and not row["counters"].get("region_plan_hits") \
+                        and row["counters"].get("aot_region_plans", 0) < 2:
                     problems.append(f"{model}: its forward and backward graphs were not "
                                     f"both compiled as regions")
             if problems:  # what Kiln said about it (a farm given up, a fallback)
@@ -503,17 +504,17 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     c = {k: counters.get(k, 0) for k in ("graphs", "hits", "compiles", "compiles_local",
                                          "compiles_farm", "farm_fallbacks", "farm_not_up",
                                          "aot_hits", "aot_misses", "aot_rejected",
-                                         "region_plan_hits", "aot_uncached_regions",
+                                         "aot_uncached_regions",
                                          "aot_uncached_training")}
     # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
-    # missed or was rejected (graphs it cannot serve are traced, counted by reason; a
-    # graph compiled as regions is one of those: its plan from the store is the hit),
-    # and every model has at least one served, training models too (their graphs are
-    # served since frontend/aot_training.py; one recorded "training" means a forward
-    # whose backward never came).
-    regional_hit = c["region_plan_hits"] >= 1 <= c["aot_uncached_regions"]
-    aot_skipped = c["aot_misses"] == 0 and c["aot_rejected"] == 0 \
-        and (c["aot_hits"] >= 1 or regional_hit) and c["aot_uncached_training"] == 0
+    # missed or was rejected (graphs it cannot serve are traced, counted by reason), and
+    # every model has at least one served: training models too (their graphs are served
+    # since frontend/aot_training.py; one recorded "training" means a forward whose
+    # backward never came), and graphs compiled as regions (their plans are served since
+    # the AOT cache names a plan's key: one recorded "regions" means a regional graph
+    # whose plan was not stored, or a region failed).
+    aot_skipped = c["aot_misses"] == 0 and c["aot_rejected"] == 0 and c["aot_hits"] >= 1 \
+        and c["aot_uncached_training"] == 0 and c["aot_uncached_regions"] == 0
     want = {
         "kiln_inprocess": c["compiles_local"] >= 1 and c["hits"] == 0,
         "kiln_default": c["compiles_local"] >= 1 and c["farm_not_up"] >= 1
@@ -563,6 +564,8 @@ def trace_gpus(path: str) -> str:
                      for u in usage["gpus"])
 def regions_note(counters: dict[str, Any]) -> str:
     """What regional compilation did in a Kiln row ("" if no graph was cut)."""
+    if counters.get("aot_region_plans"):
+        return f"regions: {counters['aot_region_plans']} plan(s) served by the AOT cache"
     if counters.get("region_plan_hits"):
         return f"regions: {counters['region_plan_hits']} plan(s) from the store"
     if not counters.get("regional_graphs"):

@@ -10,9 +10,10 @@ The entry is a store artifact under the AOT key, signed and verified like any ot
 (``artifact_store``); what it says is still checked here before anything runs
 (:func:`entry_from_artifact`, the one place its bytes become a plan):
 
-    manifest {"kind": "aot", "schema": 2, "serve": true, "graph": <Kiln key>,
-              "inputs": <count>, "constants": [names],
-              "training": null | {"backward": <Kiln key>, "backward_constants": [names],
+    manifest {"kind": "aot", "schema": 3, "serve": true, "graph": <Kiln key>,
+              "regions": <bool>, "inputs": <count>, "constants": [names],
+              "training": null | {"backward": <Kiln key>, "backward_regions": <bool>,
+                                  "backward_constants": [names],
                                   "outputs", "saved", "symints": <counts>,
                                   "grad_inputs": [bool], "detach": [input index],
                                   "nondiff": [output index],
@@ -32,11 +33,19 @@ backward) whose metadata is as simple save that outputs may require grad: served
 Kiln's own ``autograd.Function`` (``frontend.aot_training``, which says what is
 simple), both graphs loaded at the first call. Its entry is published once the
 backward is compiled (at once with ``backward_now``, else at the first backward).
-Anything else (a graph whose runtime does more, a graph run eagerly, a graph cut into
-regions) is recorded as an entry that is not served (``"serve": false`` and why), so a
-warm start knows at once to trace it. A graph that is not keyed (``NotCacheable``) is
-traced too. An entry that fails its checks, names a graph that is gone or whose inputs
-differ, or does not load is rejected: the graph is traced (and the entry replaced).
+A graph compiled as regions (``frontend.regions``) is named by its whole graph's key
+too, whose store manifest is its plan (``"regions": true``): served, the plan is read
+and checked as a warm compile reads it (``regions.read_plan``: every index in range, the
+inputs the plan names equal to Dynamo's), then every region's artifact, each a verified
+hit, loaded and stitched; an entry naming regional graphs is published once every plan it
+names is stored (a ``DeferredGraph``'s at its first call). A region missing or not loading
+at serve time rejects the entry: the graph is traced (and its regions compiled again).
+Anything else (a graph whose runtime does more, a graph run eagerly, a regional graph
+whose plan was not stored) is recorded as an entry that is not served (``"serve":
+false`` and why), so a warm start knows at once to trace it. A graph that is not keyed
+(``NotCacheable``) is traced too. An entry that fails its checks, names a graph that is
+gone or whose inputs differ, or does not load is rejected: the graph is traced (and the
+entry replaced).
 
 The same test decides whether a graph that was traced (a miss, or the cache off) runs
 without AOTAutograd's runtime wrappers: ``Pending.direct`` gives the compiled graph behind
@@ -44,7 +53,8 @@ without AOTAutograd's runtime wrappers: ``Pending.direct`` gives the compiled gr
 
 Counters (``kiln stats``): ``aot_hits``, ``aot_misses``, ``aot_traces``,
 ``aot_uncached`` (and ``aot_uncached_<reason>``), ``aot_publishes``, ``aot_rejected``,
-``inference_direct`` (traced graphs called with no AOT runtime wrapper).
+``inference_direct`` (traced graphs called with no AOT runtime wrapper), ``aot_region_plans``
+(region plans served).
 """
 
 from __future__ import annotations
@@ -87,13 +97,21 @@ from .compile import (
 )
 from .config import KilnConfig
 from .dynamo_key import NotCacheable, aot_key
-from .regions import is_regional
+from .regions import (
+    DeferredGraph,
+    Plan,
+    load_plan,
+    plan_observers,
+    plan_stored,
+    read_plan,
+    regional_key,
+)
 from .trace import flush as flush_trace
 
 log = logging.getLogger("kiln.aot_cache")
 
 ENTRY_KIND = "aot"
-ENTRY_SCHEMA = 2
+ENTRY_SCHEMA = 3  # 3: "regions" and "backward_regions" (graphs compiled as regions)
 CONSTANTS_BLOB = "constants.msgpack"
 BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
 _HEX = frozenset("0123456789abcdef")
@@ -117,6 +135,8 @@ class AotEntry:
     training: TrainingPlan | None = None
     backward: str = ""
     backward_constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    regions: bool = False  # ``graph`` is a region plan's key (frontend.regions)
+    backward_regions: bool = False  # and ``backward``
 
 
 def to_artifact(key: str, entry: AotEntry) -> Artifact:
@@ -124,7 +144,7 @@ def to_artifact(key: str, entry: AotEntry) -> Artifact:
         return Artifact(key, {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": False,
                               "reason": entry.reason}, {})
     manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
-                "graph": entry.graph, "inputs": entry.num_inputs,
+                "graph": entry.graph, "regions": entry.regions, "inputs": entry.num_inputs,
                 "constants": sorted(entry.constants), "training": None}
     blobs = {}
     if entry.constants:
@@ -151,7 +171,8 @@ def _training_wire(entry: AotEntry) -> dict[str, Any]:
         else:
             tangents.append({"output": t.output, "sizes": list(t.sizes or ()),
                              "strides": list(t.strides or ())})
-    return {"backward": entry.backward, "backward_constants": sorted(entry.backward_constants),
+    return {"backward": entry.backward, "backward_regions": entry.backward_regions,
+            "backward_constants": sorted(entry.backward_constants),
             "outputs": plan.num_outputs, "saved": plan.num_saved,
             "symints": plan.num_symints, "grad_inputs": list(plan.grad_inputs),
             "detach": list(plan.detach_inputs), "nondiff": list(plan.nondiff_outputs),
@@ -177,17 +198,23 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
         raise EntryError(f"bad input count {count!r:.40}")
     if not _are_names(names) or "training" not in m:
         raise EntryError("bad constant names")
-    entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB))
+    regions = m.get("regions")
+    if type(regions) is not bool:
+        raise EntryError("the entry does not say whether its graph is a region plan")
+    entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB),
+                     regions=regions)
     training = m["training"]
     if training is None:
         return entry
     plan, backward, backward_names = _training_plan(training, count)
     return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
                     backward_constants=_constants(artifact, backward_names,
-                                                  BACKWARD_CONSTANTS_BLOB))
+                                                  BACKWARD_CONSTANTS_BLOB),
+                    regions=regions, backward_regions=training["backward_regions"])
 
 
-_TRAINING_FIELDS = frozenset({"backward", "backward_constants", "outputs", "saved",
+_TRAINING_FIELDS = frozenset({"backward", "backward_regions", "backward_constants",
+                              "outputs", "saved",
                               "symints", "grad_inputs", "detach", "nondiff", "tangents"})
 
 
@@ -195,7 +222,8 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
     """A training entry's plan, every field checked against the others."""
     if not isinstance(w, dict) or set(w) != _TRAINING_FIELDS:
         raise EntryError("a training entry without exactly its fields")
-    if not _is_key(w["backward"]) or not _are_names(w["backward_constants"]):
+    if not _is_key(w["backward"]) or not _are_names(w["backward_constants"]) \
+            or type(w["backward_regions"]) is not bool:
         raise EntryError("a training entry naming no backward graph key")
     outputs, saved, symints = w["outputs"], w["saved"], w["symints"]
     if not all(_is_count(v) for v in (outputs, saved, symints)):
@@ -313,6 +341,7 @@ class _Made:
     dynamic: DynamicOutputs = ()
     facts: ForwardFacts | None = None  # a training forward's layout
     plan: TrainingPlan | None = None  # a training backward's: the whole plan
+    regional: str | None = None  # compiled as regions: the whole graph's (the plan's) key
 
 
 class Pending:
@@ -334,6 +363,9 @@ class Pending:
         self.made: list[_Made] = []
         self.results: dict[str, CompileResult] = {}
         self.backward_observer: Callable[[str, CompileResult], None] | None = None
+        self.plan_observer: Callable[[str, bool], None] | None = None
+        self.lock = threading.RLock()
+        self.finished = False
 
     def record(self, name: str, graph: torch.fx.GraphModule, inputs: Sequence[Any],
                fn: Callable[..., Any] | None = None) -> None:
@@ -367,14 +399,16 @@ class Pending:
         elif meta is not None and runtime is None and len(outputs) != len(meta.output_info):
             runtime = "extra_outputs"
         problem = runtime
-        if runtime != "training" and is_regional(name):
-            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
+        regional = regional_key(name)
+        if runtime != "training" and regional is not None:
+            problem = problem or _plan_problem(name, fn)
         elif runtime != "training" and name not in self.results:
             problem = "eager_graph"
         dynamic = dynamic_outputs(meta)
         if problem is None and dynamic:  # a served entry would not mark them
             problem = "dynamic_outputs"
-        made = _Made(name, problem, runtime, len(inputs), fn=fn, dynamic=dynamic)
+        made = _Made(name, problem, runtime, len(inputs), fn=fn, dynamic=dynamic,
+                     regional=regional)
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
@@ -401,12 +435,13 @@ class Pending:
             else:
                 done = plan_with_backward(forward.facts, graph)
                 problem, plan = (done, None) if isinstance(done, str) else (None, done)
-        if problem is None and is_regional(name):
-            problem = "regions"  # a stitched plan, not one graph: traced on a warm start
+        regional = regional_key(name)
+        if problem is None and regional is not None:
+            problem = _plan_problem(name, fn)
         elif problem is None and name not in self.results:
             problem = "eager_graph"
         made = _Made(name, problem or None, "training", len(inputs), fn=fn, facts=facts,
-                     plan=plan)
+                     plan=plan, regional=regional)
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
@@ -450,22 +485,31 @@ class Pending:
             observers.remove(observe)
 
     def finish(self) -> None:
-        """Publish what AOTAutograd made of the graph (an entry served or not); a
-        training graph's once its backward is compiled."""
+        """Publish what AOTAutograd made of the graph (an entry served or not), once
+        every graph it names is stored: a training graph's once its backward is
+        compiled, a regional graph's once its plan is stored (a ``DeferredGraph``'s at
+        its first call, on whichever thread makes it). Published once."""
         if self.key is None:
             return
-        if self._awaits_backward():
-            backward = "backward_" + self.made[0].name.removeprefix("forward_")
-
-            def observe(name: str, result: CompileResult) -> None:
-                if name == backward:  # (on whichever thread runs the backward)
-                    self.results[name] = result
-
-            self.backward_observer = observe
-            observers.append(observe)
-            return
+        with self.lock:
+            if self.finished:
+                return
+            if self._awaits_backward():
+                if self.backward_observer is None:
+                    self._await_backward()
+                return
+            try:
+                entry = self.entry()
+            except Exception as e:
+                self.finished = True
+                self._stop_plan_observer()
+                self.cache.failed("publish", e)
+                return
+            if entry.serve and self._awaits_plans():
+                return
+            self.finished = True
+            self._stop_plan_observer()
         try:
-            entry = self.entry()
             try:
                 artifact = to_artifact(self.key, entry)
             except SerializationError:  # a constant with no value to store
@@ -477,6 +521,47 @@ class Pending:
         except Exception as e:
             self.cache.failed("publish", e)
 
+    def _await_backward(self) -> None:
+        backward = "backward_" + self.made[0].name.removeprefix("forward_")
+
+        def observe(name: str, result: CompileResult) -> None:
+            if name == backward:  # (on whichever thread runs the backward)
+                self.results[name] = result
+
+        self.backward_observer = observe
+        observers.append(observe)
+
+    def _awaits_plans(self) -> bool:
+        """Whether a regional graph the entry names has no plan stored yet: then the
+        entry waits for it (observer registered before looking, so none is missed)."""
+        regional = [m.name for m in self.made if m.regional is not None]
+        if not regional:
+            return False
+        if self.plan_observer is None:
+            def observe(name: str, stored: bool) -> None:
+                if name in regional:
+                    self._plan_done(name, stored)
+
+            self.plan_observer = observe
+            plan_observers.append(observe)
+        return not all(plan_stored(name) for name in regional)
+
+    def _plan_done(self, name: str, stored: bool) -> None:
+        with self.lock:
+            if not stored:  # its regions failed (run eagerly) or its plan was not stored
+                for made in self.made:
+                    if made.name == name and made.problem is None:
+                        made.problem = "regions"
+        self.finish()
+
+    def _stop_plan_observer(self) -> None:
+        if self.plan_observer is not None:
+            try:
+                plan_observers.remove(self.plan_observer)
+            except ValueError:
+                pass
+            self.plan_observer = None
+
     def entry(self) -> AotEntry:
         if self.made and self.made[0].runtime == "training":
             return self._training_entry()
@@ -485,8 +570,8 @@ class Pending:
         made = self.made[0]
         if made.problem is not None:
             return AotEntry(False, reason=made.problem)
-        return AotEntry(True, self.results[made.name].key.key, made.num_inputs,
-                        made.constants)
+        return AotEntry(True, self._graph_key(made), made.num_inputs, made.constants,
+                        regions=made.regional is not None)
 
     def _training_entry(self) -> AotEntry:
         if len(self.made) != 2:
@@ -495,14 +580,40 @@ class Pending:
         problem = forward.problem or backward.problem
         if problem is not None or backward.plan is None:
             return AotEntry(False, reason=problem or "training")
-        return AotEntry(True, self.results[forward.name].key.key, forward.num_inputs,
+        return AotEntry(True, self._graph_key(forward), forward.num_inputs,
                         forward.constants, training=backward.plan,
-                        backward=self.results[backward.name].key.key,
-                        backward_constants=backward.constants)
+                        backward=self._graph_key(backward),
+                        backward_constants=backward.constants,
+                        regions=forward.regional is not None,
+                        backward_regions=backward.regional is not None)
+
+    def _graph_key(self, made: _Made) -> str:
+        """The Kiln key an entry names for a graph: its plan's where it is regional."""
+        return made.regional if made.regional is not None else self.results[made.name].key.key
+
+
+def _plan_problem(name: str, fn: Callable[..., Any] | None) -> str | None:
+    """None where regional graph ``name``'s plan is stored or will be (a
+    ``DeferredGraph``, whose first call stores it); else "regions" (not stored: its
+    regions failed, or the store did not take it)."""
+    if plan_stored(name) or isinstance(fn, DeferredGraph):
+        return None
+    return "regions"
 
 
 # ---------------------------------------------------------------------------------------
 # The cache.
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A graph an entry names, found in the store: one compiled graph (``result``) or a
+    region plan (``plan``); ``inputs``: the input wires its manifest records."""
+
+    graph: str
+    inputs: list[Any] | None
+    result: CompileResult | None = None
+    plan: Plan | None = None
 
 
 class AotCache:
@@ -567,28 +678,61 @@ class AotCache:
             raise NotCacheable(entry.reason, "AOTAutograd made a graph the cache cannot serve")
         if entry.num_inputs != len(example_inputs):
             return self._reject(key, f"{entry.num_inputs} inputs, not {len(example_inputs)}")
-        result = self.client.lookup(entry.graph)
+        result = self._find(key, "graph", entry.graph, entry.regions, entry.num_inputs,
+                            len(entry.constants))
         if result is None:
-            return self._reject(key, f"its graph {entry.graph[:16]} is not in the store")
+            return None
         wires = _input_wires(example_inputs)
-        if result.recorded_inputs != wires:
+        if result.inputs != wires:
             return self._reject(key, f"its graph {entry.graph[:16]} takes other inputs")
         if entry.training is None:
             return self._load(key, entry, result, example_inputs)
         grads = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
         if grads != list(entry.training.grad_inputs):
             return self._reject(key, "its inputs require grad where these do not")
-        backward = self.client.lookup(entry.backward)
-        if backward is None:
-            return self._reject(key, f"its backward {entry.backward[:16]} is not in the store")
         plan = entry.training
-        if backward.recorded_inputs is None or len(backward.recorded_inputs) \
-                != plan.num_symints + plan.num_saved + len(plan.tangents):
+        count = plan.num_symints + plan.num_saved + len(plan.tangents)
+        backward = self._find(key, "backward", entry.backward, entry.backward_regions, count,
+                              len(entry.backward_constants))
+        if backward is None:
+            return None
+        if backward.inputs is None or len(backward.inputs) != count:
             return self._reject(key, f"its backward {entry.backward[:16]} takes other inputs")
         return self._load_training(key, entry, result, backward, example_inputs)
 
-    def _load_one(self, key: str, result: CompileResult, constants: dict[str, torch.Tensor],
+    def _find(self, key: str, what: str, graph: str, regions: bool, num_inputs: int,
+              num_constants: int) -> _Stored | None:
+        """The stored graph an entry names: one compiled graph (``client.lookup``), or,
+        where ``regions``, the verified plan stored under its key, checked for a graph
+        of ``num_inputs`` inputs and ``num_constants`` constants (its regions are read
+        when it loads). None (the entry rejected) when it is not there or not usable."""
+        if not regions:
+            result = self.client.lookup(graph)
+            if result is None:
+                self._reject(key, f"its {what} {graph[:16]} is not in the store")
+                return None
+            return _Stored(graph, result.recorded_inputs, result=result)
+        with trace.span("AOT cache region plan", cat="client", key=graph[:16]):
+            manifest = self.client.store.get_manifest(graph)
+        if manifest is None:
+            self._reject(key, f"the region plan of its {what} {graph[:16]} is not in the "
+                         "store")
+            return None
+        try:
+            plan = read_plan(manifest, graph, num_inputs, num_constants)
+        except ValueError as e:
+            self._reject(key, f"the region plan of its {what} {graph[:16]} cannot be used "
+                         f"({e})")
+            return None
+        inputs = manifest.get("inputs")
+        return _Stored(graph, inputs if isinstance(inputs, list) else None, plan=plan)
+
+    def _load_one(self, key: str, stored: _Stored, constants: dict[str, torch.Tensor],
                   example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
+        if stored.plan is not None:
+            return self._load_plan(key, stored.graph, stored.plan, constants, example_inputs)
+        result = stored.result
+        assert result is not None
         name = result.compiled.name  # as it was called when it was compiled
         try:
             call = load_stored(result, constants, input_device(example_inputs),
@@ -599,15 +743,32 @@ class AotCache:
         self.client.loaded(result, ok=True)
         return call
 
-    def _load(self, key: str, entry: AotEntry, result: CompileResult,
+    def _load_plan(self, key: str, graph: str, plan: Plan,
+                   constants: dict[str, torch.Tensor], example_inputs: Sequence[Any]
+                   ) -> Callable[..., Any] | None:
+        """A regional graph: every region's artifact a verified hit, loaded, stitched."""
+        ordered = [constants.get(f"_tensor_constant{i}") for i in range(len(constants))]
+        if any(c is None for c in ordered):  # graph_constants' names, in node order
+            return self._reject(key, "constants not named as a region plan reads them")
+        with trace.span("load region plan", cat="client", key=graph[:16],
+                        regions=len(plan.regions)):
+            call = load_plan(self.client, plan, ordered,  # type: ignore[arg-type]
+                             input_device(example_inputs), f"regions_{graph[:16]}")
+        if call is None:
+            return self._reject(key, f"a region of graph {graph[:16]} is not in the store "
+                                "or does not load")
+        self.client.counters.add(aot_region_plans=1)
+        return call
+
+    def _load(self, key: str, entry: AotEntry, stored: _Stored,
               example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
-        call = self._load_one(key, result, entry.constants, example_inputs)
+        call = self._load_one(key, stored, entry.constants, example_inputs)
         if call is None:
             return None
         return served_graph(call, bool(torch._C._is_any_autocast_enabled()))
 
-    def _load_training(self, key: str, entry: AotEntry, forward: CompileResult,
-                       backward: CompileResult, example_inputs: Sequence[Any]
+    def _load_training(self, key: str, entry: AotEntry, forward: _Stored,
+                       backward: _Stored, example_inputs: Sequence[Any]
                        ) -> Callable[..., Any] | None:
         """Both graphs loaded now (cubins load in milliseconds), the backward's failure
         seen before anything runs."""

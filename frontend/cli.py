@@ -270,8 +270,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_json({**described, "meta": manifest})
         return EXIT_OK
     if manifest.get("kind") == "aot":  # an AOT cache entry (frontend.aot_cache)
-        served = f"serves graph {manifest.get('graph')}" if manifest.get("serve") else \
-            f"traced, not served ({manifest.get('reason')})"
+        plan = " (a region plan)" if manifest.get("regions") else ""
+        served = f"serves graph {manifest.get('graph')}{plan}" if manifest.get("serve") \
+            else f"traced, not served ({manifest.get('reason')})"
         print(f"key          {artifact.key}\nAOT cache entry of a Dynamo graph: {served}")
         return EXIT_OK
     print("\n".join(describe_artifact(described, manifest)))

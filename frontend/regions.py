@@ -57,7 +57,7 @@ from .trace import flush as flush_trace
 log = logging.getLogger("kiln.regions")
 
 REGIONS_KIND = "regions"
-PLAN_LAYOUT = 1
+PLAN_LAYOUT = 2  # 2: the plan names the whole graph's inputs (the AOT cache checks them)
 MIN_REGION_NODES = 16
 MAX_SUBMITTED = 64
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -170,6 +170,7 @@ def plan_manifest(key: KeyInfo, request: CompileRequest, plan: Plan, wall: float
     return {"kind": REGIONS_KIND, "layout": PLAN_LAYOUT, "key": key.key,
             "key_parts": dict(key.parts), "target": request.target,
             "versions": request.versions, "options": request.options,
+            "inputs": [meta.to_wire() for meta in request.inputs],
             "plan": plan.to_wire(), "compile": {"wall_s": wall, "mode": REGIONS_KIND}}
 
 
@@ -188,26 +189,56 @@ def stored_plan(client: KilnClient, key: str, num_inputs: int, num_constants: in
     if manifest.get("kind") != REGIONS_KIND:
         raise WholeGraphStored(key)
     try:
+        return read_plan(manifest, key, num_inputs, num_constants)
+    except ValueError as e:
+        log.warning("kiln: the region plan stored under %s cannot be used (%s); the graph "
+                    "is cut and compiled again", key[:16], e)
+        return None
+
+
+def read_plan(manifest: Any, key: str, num_inputs: int, num_constants: int) -> Plan:
+    """The plan of a verified manifest stored under ``key``, checked against a graph of
+    ``num_inputs`` inputs and ``num_constants`` constants; ``ValueError`` says why not."""
+    try:
+        if not isinstance(manifest, dict) or manifest.get("kind") != REGIONS_KIND:
+            raise ValueError("not a region plan")
         if manifest.get("layout") != PLAN_LAYOUT or manifest.get("key") != key:
             raise ValueError("another layout or key")
         return Plan.from_wire(manifest["plan"], num_inputs, num_constants)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        log.warning("kiln: the region plan stored under %s cannot be used (%s); the graph "
-                    "is cut and compiled again", key[:16], e)
-        return None
+        raise ValueError(f"{type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------
 # Compiling.
 
 
-_regional: set[str] = set()
+_regional: dict[str, str] = {}  # graph name -> its whole graph's key
+_stored: set[str] = set()  # regional graphs whose plan is in the store (or was found)
+# Told (graph name, stored) when a regional graph's plan is stored or found (True), or its
+# regions failed and it runs eagerly (False): the AOT cache's entries wait for their plans.
+plan_observers: list[Callable[[str, bool], None]] = []
 
 
-def is_regional(name: str) -> bool:
-    """Whether graph ``name`` of this process was compiled as regions (the AOT cache
-    does not serve those yet: it records them as ``regions``)."""
-    return name in _regional
+def regional_key(name: str) -> str | None:
+    """The whole graph's key where graph ``name`` of this process was compiled as regions
+    (its plan is stored under that key), else None."""
+    return _regional.get(name)
+
+
+def plan_stored(name: str) -> bool:
+    """Whether regional graph ``name``'s plan is in the store (published or found)."""
+    return name in _stored
+
+
+def _plan_done(name: str, stored: bool) -> None:
+    if stored:
+        _stored.add(name)
+    for observer in list(plan_observers):
+        try:
+            observer(name, stored)
+        except Exception as e:  # an observer's failure must not cost the graph
+            log.warning("kiln: a region plan observer failed (%s: %s)", type(e).__name__, e)
 
 
 def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
@@ -229,19 +260,24 @@ def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
         fn = _load_stored(client, plan, constants, device, name)
         if fn is not None:
             client.counters.add(region_plan_hits=1)
-            _regional.add(name)
+            _regional[name] = key.key
+            _plan_done(name, True)
             return fn
     with trace.span("cut into regions", cat="client", graph=name):
         split = split_graph(gm, list(example_inputs), region_nodes(config))
     if split is None:
         return None
-    _regional.add(name)
+    _regional[name] = key.key
     with trace.span("regional compile", cat="client", graph=name,
                     regions=len(split.regions)):
         submitted = _submit_split(client, split, request, key, config, name)
         finish = _Finish(submitted, constants, device, start, config)
         if not (deferring() and name.startswith(DEFERRED_GRAPHS)):
-            return finish()
+            try:
+                return finish()
+            except Exception:
+                _plan_done(name, False)
+                raise
     return DeferredGraph(finish, gm, name)
 
 
@@ -303,9 +339,9 @@ class _Finish:
         wall = time.perf_counter() - self.start
         client.counters.add(regional_graphs=1, regions=len(split.regions),
                             regions_distinct=len(first))
-        if client.store.can_publish:
-            client.store.publish(Artifact(s.key.key, plan_manifest(s.key, s.request, plan,
-                                                                   wall), {}))
+        stored = client.store.can_publish and client.store.publish(
+            Artifact(s.key.key, plan_manifest(s.key, s.request, plan, wall), {}))
+        _plan_done(name, bool(stored))
         log.info("kiln: graph %s compiled as %d regions (%d distinct) in %.2fs", name,
                  len(split.regions), len(first), wall)
         return fn
@@ -389,6 +425,7 @@ class DeferredGraph:
                 fn = self._finish()
         except Exception as e:
             assert self._graph is not None  # dropped only once resolved
+            _plan_done(self.name, False)
             return eager_instead(self._graph, self.name, e)
         finally:
             flush_trace()
@@ -477,15 +514,40 @@ def _load_region(client: KilnClient, result: CompileResult, indices: Sequence[in
     return fn
 
 
+def load_plan(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
+              device: torch.device, name: str) -> Callable[..., Any] | None:
+    """A stored plan's stitched callable, every region a verified store hit, loaded as at
+    compile time (autocast off); None if a region is missing or does not load (the AOT
+    cache's warm path then traces the graph)."""
+    with torch._C._DisableAutocast():
+        return _load_stored(client, plan, constants, device, name)
+
+
+MAX_FETCHES = 16
+
+
+def _fetch_regions(client: KilnClient, keys: list[str]) -> dict[str, CompileResult | None]:
+    """Each key's stored graph (verified, as ``client.lookup`` reads it), on up to
+    ``MAX_FETCHES`` threads."""
+    if len(keys) < 2:
+        return {k: client.lookup(k) for k in keys}
+    with ThreadPoolExecutor(min(MAX_FETCHES, len(keys)),
+                            thread_name_prefix="kiln-region-fetch") as pool:
+        return dict(zip(keys, pool.map(client.lookup, keys)))
+
+
 def _load_stored(client: KilnClient, plan: Plan, constants: list[torch.Tensor],
                  device: torch.device, name: str) -> Callable[..., Any] | None:
     """The stitched callable from stored regions; None if one is missing or unloadable
-    (the graph is then cut and compiled again: present regions are hits)."""
+    (the graph is then cut and compiled again: present regions are hits). The distinct
+    regions are fetched at once (a store on another machine answers each in a round
+    trip or more), then loaded in order."""
     calls: dict[str, Callable[[list[Any]], Any]] = {}
+    found = _fetch_regions(client, list(dict.fromkeys(r.key for r in plan.regions)))
     for index, region in enumerate(plan.regions):
         if region.key in calls:
             continue
-        result = client.lookup(region.key)
+        result = found[region.key]
         if result is None:
             return None
         try:

@@ -109,8 +109,8 @@ def test_a_forged_entry_is_rejected_and_the_graph_traced(store: Path, forgery: s
     mine = next(p for p, m in entries if m["inputs"] == 5)
     other = next(m for _, m in entries if m["inputs"] == 1)
     key = mine.name
-    forged = {"kind": "aot", "schema": 2, "serve": True, "graph": other["graph"], "inputs": 5,
-              "constants": [], "training": None}
+    forged = {"kind": "aot", "schema": 3, "serve": True, "graph": other["graph"],
+              "regions": False, "inputs": 5, "constants": [], "training": None}
     blobs: dict[str, bytes] = {}
     if forgery == "bad_key":
         forged["graph"] = "../" + "0" * 61
