@@ -21,6 +21,7 @@ from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
+from tests.aot_children import COUNT_AOT_TRACES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,18 +203,11 @@ def test_dynamic_shapes_take_the_aot_path(store: Path) -> None:
 
 CHILD = """
 import json, os, sys, warnings, torch
-import torch._dynamo.backends.common as common
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import _clients
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_aot_cache import MLP
-traces = []
-real = common.aot_module_simplified
-def counted(*args, **kwargs):
-    traces.append(1)
-    return real(*args, **kwargs)
-common.aot_module_simplified = counted
-warnings.simplefilter("error", KilnFallbackWarning)
+""" + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(0)
 model = MLP()
 torch.manual_seed(os.getpid())

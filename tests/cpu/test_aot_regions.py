@@ -22,6 +22,8 @@ import torch
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
+from tests.aot_children import COUNT_AOT_TRACES
+from tests.cpu.test_aot_training import train_steps
 from tests.regions_models import Stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,38 +60,18 @@ def infer(model: torch.nn.Module) -> None:
         torch.testing.assert_close(got, model(x), **TOL)
 
 
-def train(model: torch.nn.Module, steps: int = 2) -> None:
-    """Training steps through Kiln on fresh inputs: loss and gradients equal eager's."""
-    compiled = torch.compile(model, backend="kiln", options=OPTIONS)
-    for _ in range(steps):
-        x = torch.randn(4, 8)
-        model.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", KilnFallbackWarning)
-            loss = compiled(x).square().mean()
-            loss.backward()
-        got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-        model.zero_grad(set_to_none=True)
-        want = model(x).square().mean()
-        want.backward()
-        torch.testing.assert_close(loss, want, **TOL)
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad, **TOL)
+def train(model: torch.nn.Module) -> None:
+    """Training steps through Kiln, cut into regions, on fresh inputs: loss and gradients
+    equal eager's."""
+    train_steps(model, lambda: torch.randn(4, 8), options=OPTIONS, tol=TOL["atol"])
 
 
 CHILD = """
 import json, os, sys, warnings, torch
-import torch._dynamo.backends.common as common
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import _clients
 from tests.regions_models import Stack
-traces = []
-real = common.aot_module_simplified
-def counted(*args, **kwargs):
-    traces.append(1)
-    return real(*args, **kwargs)
-common.aot_module_simplified = counted
-warnings.simplefilter("error", KilnFallbackWarning)
+""" + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(int(os.environ["SEED"]))  # fresh weights and inputs in each process
 model = Stack()
 compiled = torch.compile(model, backend="kiln")

@@ -22,6 +22,7 @@ from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
+from tests.aot_children import COUNT_AOT_TRACES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,10 +72,11 @@ class BatchNormNet(torch.nn.Module):
         return self.bn(self.lin(x)).tanh()
 
 
-def train_steps(model: torch.nn.Module, make_input: Any, steps: int = 2) -> None:
-    """``steps`` training steps through Kiln (no fallback allowed), each on fresh inputs:
-    the loss and every parameter's gradient equal eager's."""
-    compiled = torch.compile(model, backend="kiln")
+def train_steps(model: torch.nn.Module, make_input: Any, steps: int = 2,
+                options: dict[str, Any] | None = None, tol: float = 1e-5) -> None:
+    """``steps`` training steps through Kiln (no fallback allowed; Kiln ``options``),
+    each on fresh inputs: the loss and every parameter's gradient equal eager's."""
+    compiled = torch.compile(model, backend="kiln", options=options)
     for _ in range(steps):
         x = make_input()
         model.zero_grad(set_to_none=True)
@@ -86,9 +88,9 @@ def train_steps(model: torch.nn.Module, make_input: Any, steps: int = 2) -> None
         model.zero_grad(set_to_none=True)
         want = model(x).square().mean()
         want.backward()
-        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, want, rtol=tol, atol=tol)
         for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g, p.grad, rtol=tol, atol=tol)
 
 
 def aot_entries(store: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -205,18 +207,11 @@ def test_a_double_backward_through_a_served_graph_raises(store: Path) -> None:
 
 CHILD = """
 import json, os, sys, warnings, torch
-import torch._dynamo.backends.common as common
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import _clients
 sys.path.insert(0, os.path.join(os.environ["ROOT"], "bench"))
 from coldstart_models import encoder_train, max_error
-traces = []
-real = common.aot_module_simplified
-def counted(*args, **kwargs):
-    traces.append(1)
-    return real(*args, **kwargs)
-common.aot_module_simplified = counted
-warnings.simplefilter("error", KilnFallbackWarning)
+""" + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(int(os.environ["SEED"]))
 case = encoder_train("cpu", True)
 module = case.module

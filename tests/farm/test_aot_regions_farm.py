@@ -11,19 +11,13 @@ from pathlib import Path
 from farm_helpers import RayHead, free_port, python_env, run_python, s3_env
 
 from kiln.frontend.farm import RayFarm
+from tests.aot_children import COUNT_AOT_TRACES
 
 STEP = """
 import json, os, warnings
 import torch
-import torch._dynamo.backends.common as common
 {patch}
-traces = []
-real = common.aot_module_simplified
-def counted(*args, **kwargs):
-    traces.append(1)
-    return real(*args, **kwargs)
-common.aot_module_simplified = counted
-
+""" + COUNT_AOT_TRACES + """
 class Block(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
