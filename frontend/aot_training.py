@@ -30,7 +30,7 @@ _aot_autograd/runtime_wrappers.py), written for these graphs only:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,15 +71,12 @@ class TrainingPlan:
 
 @dataclass(frozen=True)
 class ForwardFacts:
-    """What the forward graph and its metadata say, until the backward graph comes."""
+    """What the forward graph and its metadata say, until the backward graph comes: the
+    plan but for its ``detach_inputs`` (the backward decides them, from these inputs
+    requiring grad that are not leaves)."""
 
-    num_outputs: int
-    num_saved: int
-    num_symints: int
-    grad_inputs: tuple[bool, ...]
-    nondiff_outputs: tuple[int, ...]
-    tangents: tuple[TangentLayout, ...]
-    non_leaf_grad: tuple[bool, ...]  # inputs requiring grad that are not leaves
+    plan: TrainingPlan
+    non_leaf_grad: tuple[bool, ...]
 
 
 def mutates_inputs(meta: Any) -> bool:
@@ -170,12 +167,13 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
         if layout is None:
             return "tangent_meta"
         tangents.append(layout)
-    return ForwardFacts(
+    plan = TrainingPlan(
         num_outputs, num_saved, num_symints,
-        tuple(bool(i.requires_grad) for i in meta.input_info),
+        tuple(bool(i.requires_grad) for i in meta.input_info), (),
         tuple(i for i, o in enumerate(meta.output_info) if not o.requires_grad),
-        tuple(tangents),
-        tuple(bool(i.requires_grad) and not i.is_leaf for i in meta.input_info))
+        tuple(tangents))
+    return ForwardFacts(plan, tuple(bool(i.requires_grad) and not i.is_leaf
+                                    for i in meta.input_info))
 
 
 def _val(node: Any) -> Any:
@@ -200,17 +198,17 @@ def plan_with_backward(facts: ForwardFacts, graph: torch.fx.GraphModule
     """The whole plan once the backward graph is known, or a reason it is not served:
     its inputs must be [symints, saved tensors, tangents] by count, its outputs one per
     forward input."""
+    plan = facts.plan
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
-    if len(placeholders) != facts.num_symints + facts.num_saved + len(facts.tangents):
+    if len(placeholders) != plan.num_symints + plan.num_saved + len(plan.tangents):
         return "backward_layout"
     outputs = graph.graph.find_nodes(op="output")[0].args[0]
-    if len(outputs) != len(facts.grad_inputs):
+    if len(outputs) != len(plan.grad_inputs):
         return "backward_layout"
     # As AOTAutograd does: a non-leaf input that gets no gradient is detached (a leaf
     # is not: it still makes the outputs require grad).
     detach = tuple(i for i, o in enumerate(outputs) if o is None and facts.non_leaf_grad[i])
-    return TrainingPlan(facts.num_outputs, facts.num_saved, facts.num_symints,
-                        facts.grad_inputs, detach, facts.nondiff_outputs, facts.tangents)
+    return replace(plan, detach_inputs=detach)
 
 
 # ---------------------------------------------------------------------------------------
