@@ -62,9 +62,6 @@ def stop_background() -> None:
         _changed.notify_all()
 
 
-def stopped() -> bool:
-    return _stopped.is_set()
-
 
 @contextmanager
 def compiling(name: str = "") -> Iterator[None]:
