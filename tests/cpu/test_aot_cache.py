@@ -21,7 +21,7 @@ from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COUNT_AOT_TRACES
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,10 +215,7 @@ x = torch.randn(4, 16)
 with torch.no_grad():
     out = torch.compile(model, backend="kiln")(x)
     close = bool(torch.allclose(out, model(x), rtol=1e-5, atol=1e-5))
-counts = {}
-for client in _clients.values():
-    counts.update(client.counters.snapshot())
-    client.counters.flush()
+""" + COLLECT_COUNTERS + """
 print(json.dumps({"aot_traces_seen": len(traces), "close": close, "counters": counts}))
 """
 
@@ -234,10 +231,7 @@ def test_a_fresh_process_skips_aotautograd(tmp_path: Path) -> None:
     runs = []
     for i in range(2):
         env["KILN_TRACE"] = str(tmp_path / f"trace{i}.json")
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs.append(run_child(CHILD, env, timeout=600))
     cold, warm = runs
     assert cold["close"] and warm["close"]
     assert cold["aot_traces_seen"] == 1 and cold["counters"]["aot_publishes"] == 1

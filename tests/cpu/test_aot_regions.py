@@ -7,10 +7,7 @@ traced (counted) and runs right. A deferred regional graph's entry waits for its
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +19,7 @@ import torch
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COUNT_AOT_TRACES
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
 from tests.cpu.test_aot_training import train_steps
 from tests.regions_models import Stack
 
@@ -91,9 +88,7 @@ for step in range(2):
         ref.backward()
         want = [ref.detach()] + [p.grad.clone() for p in model.parameters()]
     errors.append(max((g - w).abs().max().item() for g, w in zip(got, want)))
-counts = {}
-for client in _clients.values():
-    counts.update(client.counters.snapshot())
+""" + COLLECT_COUNTERS + """
 print(json.dumps({"traces": len(traces), "errors": errors, "counters": counts}))
 """
 
@@ -111,10 +106,7 @@ def test_a_regional_graph_is_served_warm_in_a_fresh_process(tmp_path: Path,
     runs = []
     for seed in (1, 2):
         env["SEED"] = str(seed)
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs.append(run_child(CHILD, env, timeout=900))
     cold, warm = runs
     assert max(cold["errors"] + warm["errors"]) < 1e-4, (cold, warm)
     graphs = 1 if mode == "inference" else 2

@@ -6,10 +6,7 @@ a forged training entry is rejected and the graph traced; a double backward rais
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +19,7 @@ from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COUNT_AOT_TRACES
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,10 +223,7 @@ for step in range(2):
     want_all = [p.grad.clone() for p in module.parameters()]
     ok, worst = max_error(got + got_all, want + want_all, case.tol)
     errors.append([ok, worst])
-counts = {}
-for client in _clients.values():
-    counts.update(client.counters.snapshot())
-    client.counters.flush()
+""" + COLLECT_COUNTERS + """
 print(json.dumps({"traces": len(traces), "errors": errors, "counters": counts}))
 """
 
@@ -245,10 +239,7 @@ def test_encoder_train_warm_start_in_a_fresh_process(tmp_path: Path) -> None:
     runs = []
     for seed in (1, 2):
         env["SEED"] = str(seed)
-        proc = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs.append(run_child(CHILD, env, timeout=900))
     cold, warm = runs
     assert all(ok for ok, _ in cold["errors"] + warm["errors"]), (cold, warm)
     assert cold["traces"] >= 1 and cold["counters"].get("aot_publishes", 0) >= 1
