@@ -37,3 +37,16 @@ def run_child(script: str, env: dict[str, str], timeout: float = 900) -> dict[st
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def manifests(store: Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    """Every manifest of ``kind`` in a local store folder, with its file."""
+    from kiln.artifact_store.manifest import decode_manifest
+
+    found = []
+    for path in (store / "ac").rglob("*"):
+        if path.is_file():
+            meta = decode_manifest(path.read_bytes()).meta
+            if meta.get("kind") == kind:
+                found.append((path, meta))
+    return found

@@ -21,7 +21,7 @@ from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,13 +62,7 @@ class MLP(torch.nn.Module):
 
 
 def aot_entries(store: Path) -> list[tuple[Path, dict[str, Any]]]:
-    found = []
-    for path in (store / "ac").rglob("*"):
-        if path.is_file():
-            meta = decode_manifest(path.read_bytes()).meta
-            if meta.get("kind") == "aot":
-                found.append((path, meta))
-    return found
+    return manifests(store, "aot")
 
 
 def test_warm_start_serves_the_graph_without_tracing(store: Path) -> None:

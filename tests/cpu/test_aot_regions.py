@@ -11,7 +11,6 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 from tests.cpu.test_aot_training import train_steps
 from tests.regions_models import Stack
 
@@ -36,16 +35,6 @@ def store(kiln_isolated: None, tmp_path: Path) -> Iterator[Path]:
 def new_process() -> None:
     reset_clients()
     torch._dynamo.reset()
-
-
-def manifests(store: Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
-    found = []
-    for path in (store / "ac").rglob("*"):
-        if path.is_file():
-            meta = decode_manifest(path.read_bytes()).meta
-            if meta.get("kind") == kind:
-                found.append((path, meta))
-    return found
 
 
 def infer(model: torch.nn.Module) -> None:

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from kiln.artifact_store import Artifact, open_store
-from kiln.artifact_store.manifest import decode_manifest
 from kiln.frontend.backend import KilnFallbackWarning
 from kiln.frontend.client import process_counters, reset_clients
-from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, run_child
+from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,13 +90,7 @@ def train_steps(model: torch.nn.Module, make_input: Any, steps: int = 2,
 
 
 def aot_entries(store: Path) -> list[tuple[Path, dict[str, Any]]]:
-    found = []
-    for path in (store / "ac").rglob("*"):
-        if path.is_file():
-            meta = decode_manifest(path.read_bytes()).meta
-            if meta.get("kind") == "aot":
-                found.append((path, meta))
-    return found
+    return manifests(store, "aot")
 
 
 def test_a_warm_start_serves_a_training_graph(store: Path, aot_traces: list[int]) -> None:
