@@ -78,9 +78,9 @@ import torch
 from kiln.compiler.compiled_graph import load
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.driver import DEFAULT_TARGETS
-from kiln.frontend.client import KilnClient
+from kiln.frontend.core.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.serialize import make_request
+from kiln.frontend.core.serialize import make_request
 
 warnings.simplefilter("ignore")
 jobs = json.loads(sys.argv[1])
@@ -178,7 +178,8 @@ class Chaos:
     def start_farm(self) -> None:
         """`kiln farm up` with the builder's environment (store and private key)."""
         from kiln.artifact_store import generate_ed25519_key
-        from kiln.frontend import farm, farm_cluster
+        from kiln.workers import ray_farm as farm
+        from kiln.workers.serve import cluster as farm_cluster
 
         if not hasattr(self, "public"):
             self.private, self.public = generate_ed25519_key()
@@ -452,7 +453,7 @@ class Chaos:
         return summary
 
     def close(self) -> None:
-        from kiln.frontend import farm_cluster
+        from kiln.workers.serve import cluster as farm_cluster
 
         try:
             import ray

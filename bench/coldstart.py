@@ -106,8 +106,8 @@ def child(model: str, mode: str, device: str, smoke: bool,
     selections: list[dict[str, Any]] = []
     graphs: list[dict[str, Any]] = []  # each graph's key and what its lookup found
     if kiln:
-        from kiln.frontend import compile as kiln_compile
-        from kiln.frontend.backend import KilnFallbackWarning
+        from kiln.frontend.core import compile as kiln_compile
+        from kiln.frontend.core.fallback import KilnFallbackWarning
 
         warnings.simplefilter("error", KilnFallbackWarning)
         kiln_compile.observers.append(lambda name, result: selections.append(
@@ -203,7 +203,7 @@ def _sync(device: str) -> None:
 
 
 def _kiln_counters() -> dict[str, Any]:
-    from kiln.frontend.client import _clients, process_counters
+    from kiln.frontend.core.client import _clients, process_counters
 
     totals = process_counters()
     for client in list(_clients.values()):
@@ -407,7 +407,7 @@ class Bench:
             elif before["key"] == graph["key"]:
                 said += f"; the {PRIMING[mode]} row had the same key"
             else:
-                from kiln.frontend.keys import explain_miss
+                from kiln.frontend.core.keys import explain_miss
 
                 differ = explain_miss(before.get("parts", {}), graph.get("parts", {}))
                 said += (f"; the {PRIMING[mode]} row's key was {before['key'][:16]}: "
@@ -424,7 +424,7 @@ class Bench:
                    for m in (cold_mode, warm_mode)]
         if not all(folders):
             return " (run with --kiln-env KILN_DEBUG=1 for the requests in detail)"
-        proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "explain-miss",
+        proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "explain-miss",
                                str(folders[0][-1]), str(folders[1][-1])], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         return " | explain-miss: " + " | ".join((proc.stdout or proc.stderr).splitlines())
@@ -452,7 +452,7 @@ class Bench:
         farm_env = self.base_env()
         farm_env.update(self.caches(self.root / f"farm{tag}", fresh=True),
                         KILN_FARM_FILE=str(self.farm_file))
-        command = [sys.executable, "-m", "kiln.frontend.cli", "farm", "up"]
+        command = [sys.executable, "-m", "kiln.frontend.cli.main", "farm", "up"]
         if workers or self.args.farm_cpus:
             command += ["--num-cpus", str(workers or self.args.farm_cpus)]
         if self.args.device == "cuda":
@@ -469,13 +469,13 @@ class Bench:
                 env = self.env_for(model, "kiln_farm", self.farm_file, tag)
                 self.measure(model, "kiln_farm", env, label=f"kiln_farm{tag}")
         finally:
-            subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "farm", "down"],
+            subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "farm", "down"],
                            env=farm_env, cwd=ROOT, capture_output=True, timeout=120)
 
 
 def inspect_key(key: str, env: dict[str, str]) -> str:
     """What the store holds under ``key`` (``kiln inspect --json``), in a few words."""
-    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "inspect", key,
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "inspect", key,
                            "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     if proc.returncode != 0:
@@ -493,7 +493,7 @@ def inspect_key(key: str, env: dict[str, str]) -> str:
 
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "stats", "--json"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr}
 
@@ -509,7 +509,7 @@ def check_kiln(mode: str, counters: dict[str, Any], stats: dict[str, Any],
     # A warm start skips AOTAutograd for every Dynamo graph the AOT cache serves: none
     # missed or was rejected (graphs it cannot serve are traced, counted by reason), and
     # every model has at least one served: training models too (their graphs are served
-    # since frontend/aot_training.py; one recorded "training" means a forward whose
+    # since frontend/core/aot/training.py; one recorded "training" means a forward whose
     # backward never came), and graphs compiled as regions (their plans are served since
     # the AOT cache names a plan's key: one recorded "regions" means a regional graph
     # whose plan was not stored, or a region failed).

@@ -104,7 +104,7 @@ def main() -> None:
             for n in lengths:
                 torch.testing.assert_close(fn(xs[n]), model(xs[n]), rtol=3e-2, atol=3e-2)
             if backend == "kiln":
-                from kiln.frontend.client import wait_for_background
+                from kiln.frontend.core.client import wait_for_background
 
                 wait_for_background(600)
             for n in lengths:

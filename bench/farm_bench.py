@@ -166,10 +166,11 @@ def child_cold(args: argparse.Namespace) -> dict[str, Any]:
     """Compile every graph at once through the farm (``--mode``: N CPUs or inprocess)."""
     import ray
 
-    from kiln.frontend.client import KilnClient
-    from kiln.frontend.compile import build_request
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.farm import InProcessFarm, RayFarm
+    from kiln.frontend.core.client import KilnClient
+    from kiln.frontend.core.compile import build_request
+    from kiln.frontend.transports.inprocess import InProcessFarm
+    from kiln.workers.ray_farm import RayFarm
 
     graphs = build_graphs(args.graphs, args.kernels, args.target)
     config = KilnConfig.resolve({"autotune": False})
@@ -203,12 +204,12 @@ def child_tune(args: argparse.Namespace) -> dict[str, Any]:
     """Max-autotune of the ladders through an embedded farm with ``--mode`` GPUs."""
     import ray
 
-    from kiln.frontend.client import KilnClient
-    from kiln.frontend.compile import build_request
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.farm import RayFarm
-    from kiln.frontend.keys import compute_key
+    from kiln.frontend.core.client import KilnClient
+    from kiln.frontend.core.compile import build_request
+    from kiln.frontend.core.keys import compute_key
     from kiln.frontend.trace import gpu_usage, spans_from_events
+    from kiln.workers.ray_farm import RayFarm
 
     size = args.size or ("small" if args.fake_gpus else "full")
     config = KilnConfig.resolve({}).with_mode("max-autotune")
@@ -242,9 +243,10 @@ def child_warm(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kiln.compiler.compiled_graph import load
-    from kiln.frontend.client import client_for
-    from kiln.frontend.compile import build_request, graph_constants
     from kiln.frontend.config import KilnConfig
+    from kiln.frontend.core.client import client_for
+    from kiln.frontend.core.compile import build_request
+    from kiln.frontend.core.graphs import graph_constants
 
     graphs = build_graphs(args.graphs, args.kernels, args.target)
     can_load = args.target == "cpu" or torch.cuda.is_available()

@@ -3,7 +3,7 @@
 AOTAutograd's own time in GPT-2's cold start through a farm was 1.7 s longer than in
 process on the H200 host (1.0 s longer on the CPU machine) while a thread of the client
 imported Ray and joined the farm. A client now reaches `kiln farm up`'s farm through its
-gateway (frontend.gateway: a socket and a handshake, no Ray here). This measures the join
+gateway (workers.serve.gateway: a socket and a handshake, no Ray here). This measures the join
 alone, each case in a fresh process against the farm that `kiln farm up` started (its
 farm file):
 
@@ -13,7 +13,7 @@ farm file):
               ``connect_early`` of ``KILN_FARM=local``)
     ray       the trace while a thread imports Ray and joins the farm's cluster (the
               client's join before the gateway; still how a Ray address is joined)
-    process   the trace while a child process (frontend.farm_process,
+    process   the trace while a child process (frontend.transports.process,
               ``KILN_FARM_PROCESS=1`` with a Ray address) starts and joins
 
     kiln farm up && python bench/farm_join.py --reps 3 && kiln farm down
@@ -79,7 +79,9 @@ def trace_once():
 
 def start_join():
     # The case's farm, and the thread connecting it.
-    from kiln.frontend.farm import LocalFarm, RayFarm, connect_early, read_farm_file
+    from kiln.frontend.transports.modes import LocalFarm, connect_early
+    from kiln.workers.ray_farm import RayFarm
+    from kiln.workers.serve.farm_files import read_farm_file
 
     address = str(read_farm_file()["address"])
     if case in ("connect", "gateway"):
@@ -87,7 +89,7 @@ def start_join():
     elif case == "ray":
         farm = RayFarm(address)
     else:
-        from kiln.frontend.farm_process import ProcessFarm
+        from kiln.frontend.transports.process import ProcessFarm
         farm = ProcessFarm(address)
     return farm, connect_early(farm)
 
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers", type=int, default=12)
     args = p.parse_args(argv)
-    from kiln.frontend.farm import probe, read_farm_file
+    from kiln.workers.farm_api import probe
+    from kiln.workers.serve.farm_files import read_farm_file
 
     info = read_farm_file()
     if info is None or probe(str(info.get("gateway") or info["address"])) is not None:

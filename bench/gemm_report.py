@@ -15,7 +15,7 @@ _watching = False
 def watch() -> None:
     """Note the choices of every graph compiled from now on (once per process)."""
     global _watching
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     if not _watching:
         kiln_compile.observers.append(_note)

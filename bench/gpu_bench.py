@@ -388,7 +388,7 @@ def compiled(w: Workload, backend: str, mode: str | None = None
     if backend == "kiln":
         # The first output came from heuristic configs; runtime is measured with what
         # background autotuning chose: wait for it, then load the tuned artifacts (a hit).
-        from kiln.frontend.client import wait_for_background
+        from kiln.frontend.core.client import wait_for_background
 
         wait_for_background(900)
         torch._dynamo.reset()
@@ -546,7 +546,7 @@ def derived(row: dict[str, Any], bytes_moved: int, copy_gbs: float) -> dict[str,
 
 def _kiln_gemm_counters() -> dict[str, Any]:
     """Max-autotune's GEMM problems so far in this process (``kiln stats``' counters)."""
-    from kiln.frontend.client import process_counters
+    from kiln.frontend.core.client import process_counters
 
     total = process_counters()
     return {k: total.get(k, 0) for k in ("gemm_problems", "gemm_cached", "gemm_benchmarked",
@@ -637,7 +637,7 @@ def _decoder() -> nn.Module:
 
 def _kiln_graphs() -> list[str]:
     """Names of the graphs Kiln compiles or loads from now on (its observer list)."""
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     names: list[str] = []
     kiln_compile.observers.append(lambda name, result: names.append(result.source))
@@ -665,7 +665,7 @@ def _dynamic_mode(model: nn.Module, inputs: dict[int, torch.Tensor], mode: str,
             torch.testing.assert_close(fn(inputs[n]), model(inputs[n]), rtol=3e-2, atol=3e-2)
             rows[n][f"{mode}_first_ms"] = time_fn(fn, [[inputs[n]]], reps)
         if kiln:
-            from kiln.frontend.client import wait_for_background
+            from kiln.frontend.core.client import wait_for_background
 
             started = time.perf_counter()
             wait_for_background(900)
@@ -704,7 +704,7 @@ def run_dynamic(reps: int) -> list[dict[str, Any]]:
 
 def _kiln_counters() -> dict[str, Any]:
     """The process's client counters (what ``kiln stats`` adds up)."""
-    from kiln.frontend.client import process_counters
+    from kiln.frontend.core.client import process_counters
 
     total = process_counters()
     return {k: total.get(k, 0) for k in ("graphs", "compiles", "hits", "hot_swaps",

@@ -75,7 +75,7 @@ def measure_regions(layers: int, region_nodes: int, processes: int, **sizes: int
     from kiln.compiler.driver import DEFAULT_TARGETS
     from kiln.compiler.keys import compute_key
     from kiln.compiler.regions import split_graph
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.serialize import make_request
     from kiln.workers.pipeline import compile_sources
     from kiln.workers.stage_pool import StagePool
 

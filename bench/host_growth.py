@@ -110,7 +110,7 @@ def compiled(fn: Callable[..., Any], backend: str, args: list[Any], train: bool,
     """As ``gpu_bench.compiled``: two calls; for Kiln, the wait for background tuning and
     a second compile that loads the tuned artifact. Fails on ``KilnFallbackWarning``."""
     from kiln import KilnFallbackWarning
-    from kiln.frontend.client import wait_for_background
+    from kiln.frontend.core.client import wait_for_background
 
     with warnings.catch_warnings(), torch.set_grad_enabled(train):
         warnings.simplefilter("error", KilnFallbackWarning)

@@ -176,7 +176,7 @@ def run(args: list[str], env: dict[str, str], what: str) -> subprocess.Completed
 
 
 def build(path: Path, shape: tuple[int, int], device: str, gpu_less: bool) -> float:
-    args = [sys.executable, "-m", "kiln.frontend.cli", "package", "bench.package_bench:gpt2",
+    args = [sys.executable, "-m", "kiln.frontend.cli.main", "package", "bench.package_bench:gpt2",
             "--shapes", f"{shape[0]}x{shape[1]}", "--dtype", "int64", "--weights", "-o",
             str(path)] + (["--gpu", "sm_90"] if gpu_less else ["--device", device])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -221,7 +221,7 @@ def steady(report: Report, path: Path, shape: tuple[int, int], device: str,
            reps: int) -> bool:
     """JIT and package timings; True if both outputs match eager."""
     import kiln
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     model = gpt2().to(device)
     package = kiln.load_package(path)

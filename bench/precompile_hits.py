@@ -21,9 +21,9 @@ import torch
 
 
 def main() -> None:
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
-    from kiln.frontend.precompile import load_entry, parse_shapes
+    from kiln.frontend.cli.targets import load_entry, parse_shapes
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target")

@@ -111,11 +111,11 @@ def where_wrong(out: Any, ref: Any, rel: float, others: Sequence[Any]) -> str:
 
 
 def install_checks(rel: float, log: list[str]) -> None:
-    """Wrap each region's call (``frontend.regions._step``) with the check, and keep each
+    """Wrap each region's call (``frontend.core.regions._step``) with the check, and keep each
     loaded region's compile result (``_load_region``) for the follow-up checks."""
     import torch
 
-    from kiln.frontend import regions
+    from kiln.frontend.core import regions
 
     graphs: dict[str, Any] = {}
     loaded: dict[int, tuple[Any, ...]] = {}
@@ -173,7 +173,7 @@ def follow_up(call: Any, loaded: tuple[Any, ...] | None, copies: list[Any], refs
     and the fields in which the client's compiled graph differs from the stored one."""
     import torch
 
-    from kiln.frontend import regions
+    from kiln.frontend.core import regions
 
     def fresh() -> list[Any]:
         return [a.clone() if isinstance(a, torch.Tensor) else a for a in copies]
@@ -220,14 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     from coldstart_models import MODELS
 
     import kiln
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     # A graph run eagerly must never pass as Kiln's: its check would compare eager with eager.
     warnings.simplefilter("error", KilnFallbackWarning)
     log: list[str] = []
     install_checks(args.rel, log)
     if args.defer:
-        from kiln.frontend import regions
+        from kiln.frontend.core import regions
 
         regions.compiles_here = lambda client: False  # type: ignore[assignment]
     torch.manual_seed(0)

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.compiler.decompositions import trace_aten
     from kiln.compiler.keys import compute_key
     from kiln.compiler.regions import split_graph
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.serialize import make_request
     from kiln.workers.pipeline import compile_sources
 
     forward, real = training_forward(2, args.size)

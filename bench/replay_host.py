@@ -14,7 +14,7 @@ host, the same for every caller: not counted here). Rows:
 
 - Dynamo floor: a backend whose graph returns outputs made once (``gpu_timing``);
 - kiln: the CUDA-graph runner as a graph loaded from the store gets it;
-- kiln, tunable: the runner behind a ``SwappableGraph`` (``frontend.hotswap``), as a graph
+- kiln, tunable: the runner behind a ``SwappableGraph`` (``frontend.core.hotswap``), as a graph
   this process compiled while its autotuning is pending gets it: gpu_bench's case.
 
 Columns: CPU µs per call (this thread's CPU time, the best of 40 blocks, the rows' blocks
@@ -63,7 +63,7 @@ def compiled_rows(sets: list[list[Any]]) -> dict[str, Callable[..., Any]]:
 
     from kiln import KilnFallbackWarning
     from kiln.compiler.runtime import cudagraphs
-    from kiln.frontend import hotswap
+    from kiln.frontend.core import hotswap
     from tests.cudagraph_stand_in import cpu_capture
 
     cudagraphs.skip_reason = lambda device_type, inputs: None  # CPU graphs get runners

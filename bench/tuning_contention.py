@@ -66,9 +66,9 @@ def candidate_jobs() -> list[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.decompositions import trace_aten
-    from kiln.frontend.compile import build_request
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.keys import compute_key
+    from kiln.frontend.core.compile import build_request
+    from kiln.frontend.core.keys import compute_key
     from kiln.workers.pipeline import KernelCache, compile_inprocess, kernel_jobs
 
     def model(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -76,9 +76,9 @@ def graphs_for(args: argparse.Namespace, gpu: bool) -> list[tuple[Any, list[Any]
 def client_and_target(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from farm_bench import target_dict
 
-    from kiln.frontend.client import KilnClient
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.farm import InProcessFarm
+    from kiln.frontend.core.client import KilnClient
+    from kiln.frontend.transports.inprocess import InProcessFarm
 
     config = KilnConfig.resolve({"autotune": False})
     return KilnClient(config, farm=InProcessFarm()), config, target_dict("cuda")
@@ -87,7 +87,7 @@ def client_and_target(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any
 def child_cold(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kiln.frontend.compile import build_request
+    from kiln.frontend.core.compile import build_request
 
     client, config, target = client_and_target(args)
     start = time.perf_counter()
@@ -102,7 +102,7 @@ def child_warm(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kiln.compiler import trace
-    from kiln.frontend.compile import build_request
+    from kiln.frontend.core.compile import build_request
 
     gpu = torch.cuda.is_available()
     client, config, target = client_and_target(args)
@@ -143,7 +143,7 @@ def gpu_load(result: Any, gm: Any, inputs: list[Any], fn: Any) -> dict[str, Any]
 
     from kiln.compiler import trace
     from kiln.compiler.compiled_graph import load
-    from kiln.frontend.compile import graph_constants
+    from kiln.frontend.core.graphs import graph_constants
 
     device = inputs[0].device
     start = time.perf_counter()

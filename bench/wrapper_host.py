@@ -65,7 +65,7 @@ def compile_decoder(length: int, dynamic: bool, layers: int) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.fake_device import fake_module, trace_requests
+    from kiln.frontend.cross.fake_device import fake_module, trace_requests
     from kiln.workers.pipeline import compile_sources
     from tests.models import Decoder
     from tests.targets import SM90
@@ -147,7 +147,8 @@ def compile_encoder_step(layers: int) -> list[tuple[Any, list[Any]]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kiln.compiler.driver import compile_graph
-    from kiln.frontend.backend import KilnFallbackWarning, aot_kiln
+    from kiln.frontend.core.backend import aot_kiln
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_bench

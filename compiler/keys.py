@@ -131,7 +131,7 @@ INPUT_FIELDS = ("shape", "stride", "dtype", "device", "storage offset")
 
 def recorded_parts(request: CompileRequest) -> dict[str, Any]:
     """What a request's key covers, as plain values: the same fields an artifact's
-    manifest records (``frontend.artifact``), so either can be explained."""
+    manifest records (``workers.artifact``), so either can be explained."""
     return {"graph_bytes": len(request.graph), "inputs": [m.to_wire() for m in request.inputs],
             "symbols": [[r.lower, r.upper] for r in request.symbols],
             "options": dict(request.options), "versions": dict(request.versions),

@@ -2,7 +2,7 @@
 
 This module is the wire format between a client and a compile worker; it lives in
 ``compiler`` so that workers decode requests without importing the frontend
-(``frontend.serialize`` re-exports it and adds ``make_request``).
+(``frontend.core.serialize`` re-exports it and adds ``make_request``).
 
 A graph is encoded as msgpack bytes that depend only on what the graph computes:
 

@@ -194,7 +194,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("cpu_backend", choice(*CPU_BACKENDS), "cpp", "kernels for CPU graphs",
             in_key=True),
     Setting("autotune", parse_flag, True, "autotune GPU kernels", in_key=True),
-    # In the key when on (``frontend.compile.request_options``): off leaves keys as they were.
+    # In the key when on (``frontend.core.compile.request_options``): off leaves keys as they were.
     Setting("max_autotune", parse_flag, False,
             "tune matmuls over GEMM templates and the library call"),
     Setting("deterministic", parse_flag, False,
@@ -202,7 +202,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             in_key=True),
     Setting("cudagraphs", parse_flag, False,
             "replay each GPU graph's launches as one CUDA graph (reduce-overhead)"),
-    # Regional compilation (``frontend.regions``): a graph's compiled form, not its code.
+    # Regional compilation (``frontend.core.regions``): a graph's compiled form, not its code.
     Setting("regions", choice("auto", "on", "off"), "auto",
             f"cut large graphs into regions compiled in parallel (auto: from "
             f"{REGION_AUTO_NODES} ATen nodes; on: any graph of two regions or more)"),
@@ -343,9 +343,9 @@ class KilnConfig:
     regions: str = "auto"
     region_nodes: int = 100
     region_processes: str = "auto"
-    aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.aot_cache)
+    aot_cache: bool = True  # skip AOTAutograd on a warm start (frontend.core.aot.cache)
     inference_direct: bool = True  # skip AOTAutograd's runtime wrappers where they only call
-    warm_first_call: bool = True  # frontend.warmup: not in the key
+    warm_first_call: bool = True  # frontend.core.warmup: not in the key
     stats_file: str | None = None
     logs: str = ""
     debug: bool = False

@@ -289,7 +289,7 @@ COMPILE_WAITS = ("farm compile (client waits)", "local compile")
 
 
 def warm_up_overlap(spans: list[Span]) -> dict[str, float]:
-    """The first-call warm-ups (``frontend.warmup``): their calls, time, and how much of
+    """The first-call warm-ups (``frontend.core.warmup``): their calls, time, and how much of
     it ran beside a compile of this process (a farm wait or a local compile)."""
     warm = [s for s in spans if s.name == "first-call warm-up"]
     waits = [s for s in spans if s.name in COMPILE_WAITS]

@@ -2,7 +2,7 @@
 candidates are then timed in the background, on the farm's GPU autotuners or on this
 process's GPU, and the tuned artifact supersedes the first one in the store under the
 same key (its manifest says ``autotuned: true`` only when configs were timed). Graphs loaded
-in this process switch to it between calls (``frontend.hotswap``); other clients pick it
+in this process switch to it between calls (``frontend.core.hotswap``); other clients pick it
 up on their next lookup. ``kiln stats`` counts ``autotune_publishes``, ``hits_autotuned``
 and ``hot_swaps``.
 
@@ -16,14 +16,14 @@ inside torch or CUDA when the interpreter finalizes: that aborts the process), a
 first artifacts stay in the store (a farm's tuning goes on, on the farm, which publishes
 it itself). Benchmarks that need the tuned artifact wait for it
 (``client.wait_for_background``) or set a longer wait.
-A process that uses a farm waits before it lets the farm go (``frontend.farm`` and
-``frontend.farm_process`` call ``wait_at_exit`` first), since its tuning asks the farm.
+A process that uses a farm waits before it lets the farm go (``frontend.transports.modes`` and
+``frontend.transports.process`` call ``wait_at_exit`` first), since its tuning asks the farm.
 No GPU of the target's arch means nothing runs here (CPU graphs never tune).
 
 Tuning in this process waits for the graph's first output (``hold``): its candidate
 compiles would otherwise take the CPUs and the GIL from the rest of the first call
 (Dynamo's guards, loading, the call itself). The loaded graph releases it after its
-first call (``frontend.hotswap``); a graph that is not called within ``HOLD_S`` seconds,
+first call (``frontend.core.hotswap``); a graph that is not called within ``HOLD_S`` seconds,
 or a process that waits for its tuning (exit, a benchmark), starts it anyway. Once
 started, each candidate's compile and benchmark still waits while another graph compiles
 here, or while a forward's backward is still to come (``workers.foreground``).
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from kiln.compiler import trace
 from kiln.workers import foreground
+from kiln.workers.ray_farm import on_exit as on_leaving_ray
 
 if TYPE_CHECKING:  # not imported by a client's farm process, which has no torch
     from kiln.compiler.compiled_graph import CompiledGraph
@@ -204,3 +205,7 @@ def _now() -> float:
     import time
 
     return time.monotonic()
+
+
+# A process that joined Ray waits for its tuning before Kiln leaves Ray at exit.
+on_leaving_ray(wait_at_exit)

@@ -25,10 +25,10 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute)
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "backend": ("kiln.frontend.backend", "kiln_backend"),
-    "kiln_backend": ("kiln.frontend.backend", "kiln_backend"),
-    "main": ("kiln.frontend.cli", "main"),
-    "KilnFallbackWarning": ("kiln.frontend.backend", "KilnFallbackWarning"),
+    "backend": ("kiln.frontend.core.backend", "kiln_backend"),
+    "kiln_backend": ("kiln.frontend.core.backend", "kiln_backend"),
+    "main": ("kiln.frontend.cli.main", "main"),
+    "KilnFallbackWarning": ("kiln.frontend.core.fallback", "KilnFallbackWarning"),
     "KilnConfigWarning": ("kiln.frontend.config", "KilnConfigWarning"),
     "load_package": ("kiln.frontend.package", "load_package"),
     "PackageError": ("kiln.frontend.package", "PackageError"),

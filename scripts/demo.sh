@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m kiln.frontend.demo
-exec .venv/bin/python -m kiln.frontend.demo farm
+.venv/bin/python -m kiln.frontend.cli.demo
+exec .venv/bin/python -m kiln.frontend.cli.demo farm

@@ -22,7 +22,7 @@ common.aot_module_simplified = counted
 """
 
 # The counters of every Kiln client of the child, in ``counts`` (flushed to the stats
-# file, where there is one); the child imports ``_clients`` from kiln.frontend.client.
+# file, where there is one); the child imports ``_clients`` from kiln.frontend.core.client.
 COLLECT_COUNTERS = """counts = {}
 for client in _clients.values():
     counts.update(client.counters.snapshot())

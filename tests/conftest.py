@@ -25,7 +25,7 @@ def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     once. Shared by tests/cpu and tests/triton_interp."""
     import torch
 
-    from kiln.frontend.client import reset_clients
+    from kiln.frontend.core.client import reset_clients
 
     for name in [n for n in os.environ if n.startswith("KILN_")]:
         if name != "KILN_CACHE_DIR":

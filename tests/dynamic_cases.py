@@ -84,8 +84,8 @@ def run_case(case: DynamicCase, options: dict[str, Any], sizes: Sequence[int] = 
              seed: int = 0) -> int:
     """Compile ``case`` once, call it at ``sizes`` against eager; fail on any eager
     fallback. Returns how many ATen graphs Dynamo asked Kiln to compile."""
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     asked = []
     original = kiln_compile.compile_and_load
@@ -125,10 +125,10 @@ def run_decoder(options: dict[str, Any], seed: int = 0,
                 lengths: Sequence[int] = MODEL_LENGTHS) -> dict[str, Any]:
     """Call a small decoder-only transformer at every (batch, length) pair; outputs equal
     eager's, no eager fallback. Returns Dynamo's graph count and the client's counters."""
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
-    from kiln.frontend.client import client_for
     from kiln.frontend.config import KilnConfig
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.client import client_for
+    from kiln.frontend.core.fallback import KilnFallbackWarning
     from tests.models import Decoder
 
     torch.manual_seed(seed)

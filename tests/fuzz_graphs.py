@@ -315,7 +315,7 @@ def check_program(program: Program, seed: int, device: str = "cpu") -> Failure |
     from kiln.compiler.compiled_graph import load
     from kiln.compiler.decompositions import trace_aten
     from kiln.compiler.driver import compile_graph
-    from kiln.frontend.compile import graph_constants
+    from kiln.frontend.core.graphs import graph_constants
 
     fn = program.function()
     inputs = [t.to(device) for t in program.make_inputs(seed)]

@@ -54,7 +54,7 @@ def aot_graphs(step: Callable[..., Any], args: Sequence[torch.Tensor]
     each, ready to compile again on fake CUDA inputs of the same metadata."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from kiln.frontend.backend import aot_kiln
+    from kiln.frontend.core.backend import aot_kiln
 
     graphs: list[tuple[str, torch.fx.GraphModule, list[Any]]] = []
 

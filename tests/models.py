@@ -101,7 +101,7 @@ def compile_checked(fn: Callable[..., torch.Tensor], *args: torch.Tensor
                     ) -> list[warnings.WarningMessage]:
     """``fn(*args)`` through ``torch.compile(backend="kiln")``: no graph fell back to
     eager, the output equals eager's (fp32 tolerances); the warnings the call gave."""
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

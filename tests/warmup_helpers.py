@@ -17,7 +17,7 @@ def compile_after_the_warmup(monkeypatch: pytest.MonkeyPatch,
     """Patch the client's ``overlap`` so its compile starts once the warm-up has ended;
     ``warm_here`` (when given) places the warm-up on the caller's thread or not, as
     beside a farm's compile or beside a local one."""
-    from kiln.frontend import client as kiln_client
+    from kiln.frontend.core import client as kiln_client
 
     real_overlap = kiln_client.overlap
 

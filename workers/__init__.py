@@ -8,6 +8,11 @@ de-duplication.
 - ``workers.coordinator``: ``KilnFarm``, the named detached actor every client calls
   (``get_farm_actor()``).
 
+- ``workers.ray_farm``: ``RayFarm``, the coordinator reached over Ray (clients and the
+  gateway call it); ``workers.farm_api``: what the farm's clients and its gateway share;
+- ``workers.serve``: the processes ``kiln farm up`` starts: the gateway, the cluster's
+  start and stop, their wire format and files.
+
 Importing this package does not import Ray; ``workers.actors`` and
 ``workers.coordinator`` do. Workers import ``compiler`` and never ``frontend``.
 """

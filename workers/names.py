@@ -1,5 +1,5 @@
 """The coordinator's name and Ray namespace, without Ray or torch: a client's farm process
-(``frontend.farm_process``) looks the coordinator up by them before it imports anything
+(``frontend.transports.process``) looks the coordinator up by them before it imports anything
 heavier, and the coordinator is created under them (``workers.coordinator``)."""
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def replaying(owner: Any, slow: Callable[..., Any]) -> Callable[..., Any]:
     :class:`CudaGraphRunner`, or None) reading these inputs in place, if it has one, and
     goes to ``slow`` otherwise (which calls the runner with the grad and autocast handling
     a plain or recording call needs; a replay runs no op and needs none). The runner is
-    read at each call: an owner that switches to a new runner (``frontend.hotswap``: tuned
+    read at each call: an owner that switches to a new runner (``frontend.core.hotswap``: tuned
     kernels) or to None is seen by the next call, which never replays a recording of the
     runner it left."""
     data_ptr = _DATA_PTR

@@ -1,4 +1,4 @@
-"""The AOT cache (frontend.aot_cache): a warm start serves the ATen graph AOTAutograd
+"""The AOT cache (frontend.core.aot.cache): a warm start serves the ATen graph AOTAutograd
 made last time with no AOT trace, and its outputs equal eager on fresh inputs; a
 tampered or forged entry is refused and the graph traced; graphs the cache cannot serve
 (dynamic shapes, an output aliasing an input) are traced, each counted."""
@@ -19,8 +19,8 @@ import torch
 
 from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import process_counters, reset_clients
+from kiln.frontend.core.client import process_counters, reset_clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,8 +197,8 @@ def test_dynamic_shapes_take_the_aot_path(store: Path) -> None:
 
 CHILD = """
 import json, os, sys, warnings, torch
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import _clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import _clients
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_aot_cache import MLP
 """ + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)
@@ -235,7 +235,7 @@ def test_a_fresh_process_skips_aotautograd(tmp_path: Path) -> None:
     names = {e.get("name") for e in spans}
     assert "AOT cache lookup" in names and "AOTAutograd (compiles inside)" not in names
     assert any(e.get("name") == "AOT cache lookup" and e["args"].get("hit") for e in spans)
-    stats = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+    stats = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "stats", "--json"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     summary = json.loads(stats.stdout)
     assert (summary["aot_hits"], summary["aot_traces"], summary["aot_publishes"]) == (1, 1, 1)
@@ -243,7 +243,7 @@ def test_a_fresh_process_skips_aotautograd(tmp_path: Path) -> None:
 
 def test_a_failure_of_the_cache_itself_costs_the_trace_not_the_graph(
         store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from kiln.frontend import aot_cache
+    from kiln.frontend.core.aot import cache as aot_cache
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a torch this code did not expect")

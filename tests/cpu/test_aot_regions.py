@@ -1,4 +1,4 @@
-"""The AOT cache serves graphs compiled as regions (frontend.regions): the entry names
+"""The AOT cache serves graphs compiled as regions (frontend.core.regions): the entry names
 the whole graph's key, whose manifest is the region plan, and a warm start loads the plan
 and every region's artifact (each a verified hit) with no AOTAutograd trace: inference,
 and a training step's forward and backward. Outputs and gradients equal eager's on
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kiln.artifact_store.manifest import decode_manifest
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import process_counters, reset_clients
+from kiln.frontend.core.client import process_counters, reset_clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 from tests.cpu.test_aot_training import train_steps
 from tests.regions_models import Stack
@@ -54,8 +54,8 @@ def train(model: torch.nn.Module) -> None:
 
 CHILD = """
 import json, os, sys, warnings, torch
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import _clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import _clients
 from tests.regions_models import Stack
 """ + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(int(os.environ["SEED"]))  # fresh weights and inputs in each process
@@ -157,7 +157,7 @@ def test_a_deferred_regional_entry_waits_for_its_plans(store: Path,
     """Backward compiled beside the forward, both deferred (as with a farm up): no entry
     until both graphs' plans are stored (the backward's at the first backward); then the
     entry names both plans, and a warm start is served."""
-    import kiln.frontend.regions as regions
+    import kiln.frontend.core.regions as regions
 
     monkeypatch.setattr(regions, "overlap_backward", lambda gm, config: True)
     torch.manual_seed(5)
@@ -181,7 +181,7 @@ def test_a_deferred_region_that_fails_makes_an_entry_that_traces(
         store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deferred training graph whose region fails runs eagerly (one warning): its
     entry is published as not served ("regions"), so a warm start traces, counted."""
-    import kiln.frontend.regions as regions
+    import kiln.frontend.core.regions as regions
     from tests.regions_models import fail_second_region_compile
 
     monkeypatch.setattr(regions, "overlap_backward", lambda gm, config: True)

@@ -1,4 +1,4 @@
-"""The AOT cache serves training graphs (frontend.aot_training): a warm start runs no
+"""The AOT cache serves training graphs (frontend.core.aot.training): a warm start runs no
 AOTAutograd trace for a training graph whose runtime is simple, and its loss and every
 parameter gradient equal eager's on fresh inputs over two steps; a graph whose runtime is
 not simple (BatchNorm's running statistics: an input mutation) is still traced, counted;
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kiln.artifact_store import Artifact, open_store
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import process_counters, reset_clients
+from kiln.frontend.core.client import process_counters, reset_clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,8 +197,8 @@ def test_a_double_backward_through_a_served_graph_raises(store: Path) -> None:
 
 CHILD = """
 import json, os, sys, warnings, torch
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import _clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import _clients
 sys.path.insert(0, os.path.join(os.environ["ROOT"], "bench"))
 from coldstart_models import encoder_train, max_error
 """ + COUNT_AOT_TRACES + """warnings.simplefilter("error", KilnFallbackWarning)

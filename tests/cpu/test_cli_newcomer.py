@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import kiln.frontend.cli as cli
+import kiln.frontend.cli.main as cli
 
 MLP = """
 import torch
@@ -44,7 +44,7 @@ class World:
 
     def kiln(self, *argv: str, cwd: Path | None = None, **env: str
              ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *argv],
+        return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *argv],
                               cwd=cwd or self.root / "proj", env={**self.env, **env},
                               capture_output=True, text=True, timeout=300)
 

@@ -372,7 +372,7 @@ def test_op_backward(name: str, fn: Callable[..., Any],
 
 def test_missing_compiler_falls_back_to_eager_with_one_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     monkeypatch.setenv("KILN_CXX", str(tmp_path / "no-such-g++"))
     fn = lambda a, b: (a * b).cos().sum(-1) + 7.25  # noqa: E731  (a kernel no test shares)

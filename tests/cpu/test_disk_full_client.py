@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.artifact_store import open_store
-from kiln.frontend.client import reset_clients
+from kiln.frontend.core.client import reset_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.models import compile_checked  # noqa: E402

@@ -34,7 +34,7 @@ def test_lowering_family_matches_eager_at_every_size(case: DynamicCase) -> None:
 
 def _output_code(fn: Any, make: Any, sizes: list[int], dim: int = 0) -> list[Any]:
     """The CompiledGraphs Kiln produced for ``fn`` called at ``sizes``."""
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))
@@ -72,7 +72,7 @@ def test_equal_sizes_reuse_buffers_only_when_provably_equal() -> None:
         return (a.exp() + 1, b.cos())
 
     torch._dynamo.reset()
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))
@@ -123,7 +123,7 @@ def test_precompile_a_range_compiles_once_forward_and_backward(tmp_path: Path) -
     env = {**os.environ, "KILN_FARM": "inprocess", "KILN_STORE": str(tmp_path / "store"),
            "KILN_LOCAL_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests" / "farm")])}
-    args = [sys.executable, "-m", "kiln.frontend.cli", "precompile", "cli_models:mlp",
+    args = [sys.executable, "-m", "kiln.frontend.cli.main", "precompile", "cli_models:mlp",
             "--shapes", "1-64x16", "--mode", "train", "--option", "cpu_backend=cpp", "--json"]
     runs = []
     for _ in range(2):
@@ -137,7 +137,7 @@ def test_precompile_a_range_compiles_once_forward_and_backward(tmp_path: Path) -
 
 
 def test_parse_shapes_ranges() -> None:
-    from kiln.frontend.precompile import parse_shapes
+    from kiln.frontend.cli.targets import parse_shapes
 
     assert parse_shapes("1-64x128,128") == [((1, 64), 128), (128,)]
     with pytest.raises(Exception, match="dynamic range"):

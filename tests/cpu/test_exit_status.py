@@ -23,7 +23,7 @@ import pytest
 SCRIPT = r"""
 import sys, time, warnings
 import torch
-from kiln.frontend.backend import KilnFallbackWarning
+from kiln.frontend.core.fallback import KilnFallbackWarning
 
 warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(int(sys.argv[2]))
@@ -47,7 +47,7 @@ with torch.no_grad():  # and an inference graph after it
     torch.testing.assert_close(infer(y), model(y), rtol=1e-5, atol=1e-5)
 
 if sys.argv[1] == "pending":  # tuning still running at exit, inside torch's C++ code
-    from kiln.frontend.client import _clients
+    from kiln.frontend.core.client import _clients
     from kiln.workers import foreground
     started = []
 

@@ -20,19 +20,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kiln.artifact_store import open_store
 from kiln.compiler.request import deserialize_graph
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend import compile as kiln_compile
-from kiln.frontend.client import reset_clients
+from kiln.frontend.cli.precompile_gpu import expand_shape_range
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.cuda_guard_shim import ensure_fake_cuda_guard
-from kiln.frontend.fake_device import (
+from kiln.frontend.core import compile as kiln_compile
+from kiln.frontend.core.client import reset_clients
+from kiln.frontend.core.keys import compute_key, versions
+from kiln.frontend.cross.cuda_guard_shim import ensure_fake_cuda_guard
+from kiln.frontend.cross.fake_device import (
     FakeDeviceError,
     fake_inputs,
     fake_module,
     parse_gpu,
     trace_requests,
 )
-from kiln.frontend.keys import compute_key, versions
-from kiln.frontend.precompile_gpu import expand_shape_range
 from tests import fleet_models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def run_cli(args: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``kiln ARGS`` in a fresh process (its keys are computed apart from this one's)."""
-    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *args], cwd=ROOT,
                           env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=600)
 
@@ -166,7 +166,7 @@ def test_fp16_keys_equal_the_h200_clients(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from kiln.compiler.request import CompileRequest
-    from kiln.frontend.keys import explain_miss
+    from kiln.frontend.core.keys import explain_miss
 
     recorded = CompileRequest.from_bytes(
         (Path(__file__).parent / "data" / "h200_block_half_request.msgpack").read_bytes())

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import process_counters
+from kiln.frontend.core.client import process_counters
+from kiln.frontend.core.fallback import KilnFallbackWarning
 
 
 @pytest.fixture(autouse=True)

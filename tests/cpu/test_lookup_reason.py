@@ -11,10 +11,10 @@ import torch
 
 from kiln.artifact_store import open_store
 from kiln.compiler.decompositions import trace_aten
-from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import InProcessFarm
-from kiln.frontend.serialize import make_request
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.serialize import make_request
+from kiln.frontend.transports.inprocess import InProcessFarm
 
 
 def model(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ def f(a, b):
 a, b = torch.randn(8, 33), torch.randn(8, 33)
 got = torch.compile(f, backend="kiln")(a, b)
 torch.testing.assert_close(got, f(a, b), rtol=1.3e-6, atol=1e-5)
-import kiln.frontend.client as client
+import kiln.frontend.core.client as client
 counters = [c.counters.snapshot() for c in client._clients.values()]
 print(json.dumps({"backend_is_kiln": kiln.backend is kiln.kiln_backend,
                   "mods": sorted(m for m in __import__("sys").modules

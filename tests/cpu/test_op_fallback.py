@@ -28,7 +28,7 @@ def _isolated(kiln_isolated: None) -> None:
 @pytest.fixture
 def compiled_graphs() -> Iterator[list[CompiledGraph]]:
     """The graphs Kiln compiles during the test, in order."""
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[CompiledGraph] = []
 

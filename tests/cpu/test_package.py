@@ -16,7 +16,7 @@ import torch
 
 import kiln
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend.client import reset_clients
+from kiln.frontend.core.client import reset_clients
 from kiln.frontend.package import PackageError, read_package
 from tests import fleet_models
 
@@ -42,7 +42,7 @@ out = model(x)
 loaded_s = time.perf_counter() - start
 heavy = sorted(m for m in set(sys.modules) - before if m.startswith((
     "torch._dynamo", "torch.export", "torch._functorch.aot_autograd", "kiln.compiler.driver",
-    "kiln.compiler.graph", "kiln.compiler.scheduler", "kiln.frontend.backend")))
+    "kiln.compiler.graph", "kiln.compiler.scheduler", "kiln.frontend.core.backend")))
 with torch.no_grad():
     ref = getattr(fleet_models, sys.argv[2])()(x)
 tol = 1e-4 if x.dtype == torch.float32 else 2e-2
@@ -64,7 +64,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 
 def kiln_cmd(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *args], cwd=ROOT,
                           env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=600)
 

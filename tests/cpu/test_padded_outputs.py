@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kiln.compiler.lowering import extern_ops
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.compile import request_options
 from kiln.frontend.config import KilnConfig
+from kiln.frontend.core.compile import request_options
+from kiln.frontend.core.fallback import KilnFallbackWarning
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +84,7 @@ class _MatmulChain(torch.nn.Module):
 
 
 def test_regions_pass_padded_products_on_and_return_padded_rows() -> None:
-    from kiln.frontend.client import process_counters
+    from kiln.frontend.core.client import process_counters
 
     torch.manual_seed(3)
     model = _MatmulChain().eval()

@@ -131,7 +131,7 @@ def test_dynamic_batch_recompiles_once_and_matches_eager() -> None:
     it through (height and width stay static), no graph falls back to eager."""
     import warnings
 
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch._dynamo.reset()
     fn = lambda x: F.max_pool2d(x.relu(), 3, 2, 1) + 1  # noqa: E731
@@ -189,7 +189,7 @@ def test_max_pool_training_step_matches_eager() -> None:
     compiled = torch.compile(fn, backend="kiln")
     import warnings
 
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", KilnFallbackWarning)

@@ -74,7 +74,7 @@ def test_precompiled_shapes_and_mode_are_all_hits(tmp_path: Path, mode: str) -> 
     (tmp_path / "model.py").write_text(MODEL)
     (tmp_path / "client.py").write_text(CLIENT)
     env = _env(tmp_path)
-    pre = _run(["-m", "kiln.frontend.cli", "precompile", "model:build_model", "--shapes",
+    pre = _run(["-m", "kiln.frontend.cli.main", "precompile", "model:build_model", "--shapes",
                 "4x16", "8x16", "--mode", mode, "--json"], env, tmp_path)
     assert pre.returncode == 0, pre.stderr[-3000:]
     summary = json.loads(pre.stdout.strip().splitlines()[-1])
@@ -86,7 +86,7 @@ def test_precompiled_shapes_and_mode_are_all_hits(tmp_path: Path, mode: str) -> 
     client_env = {**env, "KILN_STATS_FILE": str(tmp_path / "client-stats.json")}
     client = _run(["client.py", mode], client_env, tmp_path)
     assert client.returncode == 0 and "client ok" in client.stdout, client.stderr[-3000:]
-    stats = _run(["-m", "kiln.frontend.cli", "stats", "--json"], client_env, tmp_path)
+    stats = _run(["-m", "kiln.frontend.cli.main", "stats", "--json"], client_env, tmp_path)
     counted = json.loads(stats.stdout)
     assert counted["graphs"] == counted["graph_hits"] == graphs  # 100% hits
     assert (counted["compiles"], counted["load_errors"]) == (0, 0)
@@ -96,7 +96,7 @@ def test_precompile_fails_when_a_graph_runs_eagerly(tmp_path: Path) -> None:
     """No C++ compiler: the graph runs eagerly, so nothing is stored; exit 1 naming why."""
     (tmp_path / "model.py").write_text(MODEL)
     env = _env(tmp_path, KILN_CXX=str(tmp_path / "no-such-cxx"))
-    pre = _run(["-m", "kiln.frontend.cli", "precompile", "model:build_model", "--shapes",
+    pre = _run(["-m", "kiln.frontend.cli.main", "precompile", "model:build_model", "--shapes",
                 "4x16"], env, tmp_path)
     assert pre.returncode == 1, pre.stderr[-3000:]
     assert "published 0 artifacts (0 bytes)" in pre.stdout
@@ -129,9 +129,9 @@ def test_bad_settings_warn_once_and_never_reach_the_program(
 
 def test_a_hit_that_fails_to_load_is_a_load_error_not_time_saved(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.client import client_for, reset_clients
     from kiln.frontend.config import KilnConfig
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.client import client_for, reset_clients
 
     for name, value in _env(tmp_path, KILN_STATS_FILE="off").items():
         if name.startswith("KILN_"):

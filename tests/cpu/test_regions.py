@@ -18,9 +18,9 @@ import torch
 from kiln import KilnFallbackWarning
 from kiln.compiler.regions import Source, compute_nodes, live_counts, split_graph
 from kiln.compiler.runtime.stitch import Step, schedule, stitch
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.keys import compute_key
 from tests.regions_models import BLOCK_NODES, Stack, aten_graph, fail_second_region_compile
 
 OPTIONS = {"regions": "on", "region_nodes": 15}  # about one block per region
@@ -33,7 +33,7 @@ def _isolated(kiln_isolated: None) -> None:
 
 
 def counters() -> dict[str, Any]:
-    from kiln.frontend.client import process_counters
+    from kiln.frontend.core.client import process_counters
 
     return process_counters()
 
@@ -87,7 +87,7 @@ def test_regions_are_whole_blocks_aligned_to_the_repeat() -> None:
 
 
 def test_six_identical_blocks_compile_each_distinct_region_once() -> None:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     torch.manual_seed(1)
     model = Stack().eval()
@@ -132,7 +132,7 @@ def test_training_step_forward_and_backward_as_regions() -> None:
 
 
 def test_a_warm_start_reads_the_plan_and_compiles_nothing() -> None:
-    from kiln.frontend.client import reset_clients
+    from kiln.frontend.core.client import reset_clients
 
     torch.manual_seed(3)
     model = Stack().eval()
@@ -216,7 +216,7 @@ def test_stitch_frees_each_value_right_after_its_last_use() -> None:
 
 
 def test_a_stored_plan_is_checked_before_use() -> None:
-    from kiln.frontend.regions import Plan
+    from kiln.frontend.core.regions import Plan
 
     good = {"num_inputs": 1, "outputs": [["value", 0, 0]], "regions": [
         {"key": "a" * 64, "inputs": [["input", 0, 0]], "strides": [None], "constants": [],
@@ -239,7 +239,7 @@ def test_a_stored_plan_is_checked_before_use() -> None:
 
 @pytest.fixture
 def stage_pool_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from kiln.frontend import regions
+    from kiln.frontend.core import regions
 
     monkeypatch.setattr(regions, "_pool", None)
     yield
@@ -250,7 +250,7 @@ def stage_pool_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_graph_stages_run_in_child_processes(stage_pool_env: None) -> None:
     """A process pool for graph stages (here 2 children; on this 2-core machine this
     proves it works, not that it is faster: bench/coldstart.py measures that)."""
-    from kiln.frontend import regions
+    from kiln.frontend.core import regions
 
     torch.manual_seed(5)
     model = Stack().eval()

@@ -17,9 +17,9 @@ import torch
 from torch._functorch import config as functorch_config
 
 from kiln import KilnFallbackWarning
-from kiln.frontend.backend import aot_kiln, compile_aten_graph
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.regions import DeferredGraph
+from kiln.frontend.core.backend import aot_kiln, compile_aten_graph
+from kiln.frontend.core.regions import DeferredGraph
 from tests.regions_models import Stack, fail_second_region_compile
 
 OPTIONS = {"regions": "on", "region_nodes": 15}  # about one block per region
@@ -36,7 +36,7 @@ def _isolated(kiln_isolated: None) -> None:
 
 
 def counters() -> dict[str, Any]:
-    from kiln.frontend.client import process_counters
+    from kiln.frontend.core.client import process_counters
 
     return process_counters()
 

@@ -20,8 +20,8 @@ import torch
 from kiln.artifact_store import open_store
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime import local_cache
-from kiln.frontend import farm as farm_module
-from kiln.frontend.client import KilnRepairWarning, reset_clients
+from kiln.frontend.core.client import KilnRepairWarning, reset_clients
+from kiln.frontend.transports import modes as farm_module
 from tests.models import compile_checked
 
 BUILDER_KEY = "hmac:local-builder"
@@ -64,7 +64,7 @@ def run_checked(fn: Callable[..., torch.Tensor] = model) -> list[warnings.Warnin
 CLIENT = """
 import json, warnings, torch
 from test_trust_local import model
-from kiln.frontend.backend import KilnFallbackWarning
+from kiln.frontend.core.fallback import KilnFallbackWarning
 args = [torch.randn(8, 32), torch.randn(8, 32)]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -165,7 +165,7 @@ def test_debug_dir_in_a_request_writes_nothing(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from kiln.compiler.decompositions import trace_aten
     from kiln.compiler.keys import compute_key
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.serialize import make_request
     from kiln.workers.pipeline import compile_inprocess
 
     monkeypatch.delenv("KILN_DEBUG", raising=False)

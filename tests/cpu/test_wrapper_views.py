@@ -25,7 +25,7 @@ def _isolated(kiln_isolated: None) -> None:
 @pytest.fixture
 def compiled_graphs() -> Iterator[dict[str, CompiledGraph]]:
     """The graphs Kiln compiles during the test, by name (``forward_0``, ...)."""
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: dict[str, CompiledGraph] = {}
 

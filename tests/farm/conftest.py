@@ -42,8 +42,8 @@ from farm_helpers import BUCKET, RayHead, free_port  # noqa: E402
 
 from kiln.compiler import trace  # noqa: E402
 from kiln.compiler.versions import versions  # noqa: E402
-from kiln.frontend.client import reset_clients  # noqa: E402
-from kiln.frontend.farm import RayFarm  # noqa: E402
+from kiln.frontend.core.client import reset_clients  # noqa: E402
+from kiln.workers.ray_farm import RayFarm  # noqa: E402
 
 
 @pytest.fixture(scope="session")

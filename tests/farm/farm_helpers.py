@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from kiln.artifact_store import Artifact  # noqa: E402
 from kiln.compiler.decompositions import trace_aten  # noqa: E402
 from kiln.compiler.request import CompileRequest, TensorMeta  # noqa: E402
-from kiln.frontend.serialize import make_request  # noqa: E402
+from kiln.frontend.core.serialize import make_request  # noqa: E402
 
 CUDA_TARGET = {"kind": "cuda", "backend": "cuda", "arch": 90, "warp_size": 32}
 BUCKET = "kiln-farm-test"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from farm_helpers import RayHead, free_port, python_env, run_python, s3_env
 
-from kiln.frontend.farm import RayFarm
+from kiln.workers.ray_farm import RayFarm
 from tests.aot_children import COUNT_AOT_TRACES
 
 STEP = """
@@ -51,7 +51,7 @@ ref = model(x).square().mean()
 ref.backward()
 want = [ref.detach()] + [p.grad.clone() for p in model.parameters()]
 error = max((g - w).abs().max().item() for g, w in zip(got, want))
-from kiln.frontend.client import _clients
+from kiln.frontend.core.client import _clients
 counters = {{}}
 for client in _clients.values():
     counters.update(client.counters.snapshot())

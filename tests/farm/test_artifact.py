@@ -8,8 +8,8 @@ from pathlib import Path
 from farm_helpers import RayHead, cuda_request, python_env, run_python
 
 from kiln.artifact_store import open_store
-from kiln.frontend.artifact import WRAPPER_BLOB, from_artifact, to_artifact
-from kiln.frontend.keys import PART_NAMES, compute_key
+from kiln.frontend.core.keys import PART_NAMES, compute_key
+from kiln.workers.artifact import WRAPPER_BLOB, from_artifact, to_artifact
 from kiln.workers.pipeline import compile_inprocess
 
 
@@ -40,9 +40,9 @@ def test_artifact_round_trip_through_the_store(tmp_path: Path) -> None:
 AUTOTUNE_CLIENT = """
 import json
 from farm_helpers import cuda_request
-from kiln.frontend.client import KilnClient
+from kiln.frontend.core.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.artifact import from_artifact
+from kiln.workers.artifact import from_artifact
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(cuda_request(shapes=((16, 32), (32, 32))))
 first = result.compiled

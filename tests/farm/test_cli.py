@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from farm_helpers import SRC, RayHead, python_env, run_python
 
-from kiln.frontend.cli import main
+from kiln.frontend.cli.main import main
 
 
 def kiln(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`kiln ARGS` in a fresh process (the console script is `frontend.cli:main`)."""
-    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *args], env=env, cwd=SRC,
+    """`kiln ARGS` in a fresh process (the console script is `frontend.cli.main:main`)."""
+    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *args], env=env, cwd=SRC,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,7 +110,7 @@ def test_gc_dry_run_reports_and_keeps_everything(
 LOCAL_CLIENT = """
 import json, sys
 from farm_helpers import cuda_request
-from kiln.frontend.client import KilnClient
+from kiln.frontend.core.client import KilnClient
 from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 result = client.compile(cuda_request(shapes=((4, 8), (8, 8))))

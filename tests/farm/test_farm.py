@@ -25,17 +25,17 @@ from farm_helpers import (
     run_python,
 )
 
-from kiln.frontend.client import KilnClient, KilnFarmWarning
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import RayFarm
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.client import KilnClient, KilnFarmWarning
+from kiln.frontend.core.keys import compute_key
 from kiln.workers.pipeline import CompileFailure
+from kiln.workers.ray_farm import RayFarm
 
 # A client in a fresh process: compiles the helpers' request and prints what it got.
 CLIENT = """
 import json
 from farm_helpers import blob_digests, cuda_request
-from kiln.frontend.client import KilnClient
+from kiln.frontend.core.client import KilnClient
 from kiln.frontend.config import KilnConfig
 request = cuda_request(shapes={shapes!r})
 client = KilnClient(KilnConfig.resolve())
@@ -156,7 +156,8 @@ def test_complex_ops_run_eagerly_inside_a_farm_compiled_graph(farm: RayFarm,
     import torch
 
     from kiln.compiler.decompositions import trace_aten
-    from kiln.frontend.backend import KilnFallbackWarning, compile_aten_graph
+    from kiln.frontend.core.backend import compile_aten_graph
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     x = torch.randn(4, 2)
     gm = trace_aten(complex_model, [x])

@@ -13,11 +13,12 @@ import pytest
 from farm_helpers import RayHead, cuda_request, farm_stats, python_env, run_python
 
 from kiln.compiler import trace
-from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import InProcessFarm, RayFarm
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.keys import compute_key
 from kiln.frontend.trace import Span, critical_path
+from kiln.frontend.transports.inprocess import InProcessFarm
+from kiln.workers.ray_farm import RayFarm
 
 
 def test_a_traced_farm_compile_carries_every_process_spans(farm: RayFarm,
@@ -77,7 +78,7 @@ def test_the_farm_finds_kernels_in_its_store_by_content_key(farm: RayFarm) -> No
 
 WARM_AND_LEAVE = """
 import json, ray
-from kiln.frontend.farm import use_auth_token
+from kiln.workers.ray_farm import use_auth_token
 from kiln.workers.coordinator import get_farm_actor
 use_auth_token()
 ray.init(address="{ADDRESS}", log_to_driver=False)
@@ -117,7 +118,7 @@ def test_a_farm_warmed_by_a_process_that_left_compiles_in_its_warm_kernel_worker
 CONNECT_EARLY = """
 import json, sys, threading, time
 from farm_helpers import cuda_request
-from kiln.frontend.client import KilnClient
+from kiln.frontend.core.client import KilnClient
 from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 assert "ray" not in sys.modules

@@ -30,8 +30,8 @@ CLIENT = """
 import json, sys, time, warnings
 import torch
 from farm_helpers import cuda_request
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import client_for
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import client_for
 from kiln.frontend.config import KilnConfig
 
 warnings.simplefilter("error", KilnFallbackWarning)
@@ -64,7 +64,7 @@ def farm_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     env = python_env(XDG_CACHE_HOME=str(root / "farm-cache"), KILN_STORE=str(root / "store"),
                      KILN_FARM_FILE=str(root / "farm.json"), KILN_TEST_FAKE_AUTOTUNE="1",
                      KILN_TEST_FAKE_AUTOTUNE_MS=str(FAKE_MS))
-    command = [sys.executable, "-m", "kiln.frontend.cli", "farm"]
+    command = [sys.executable, "-m", "kiln.frontend.cli.main", "farm"]
     try:
         up = subprocess.run(command + ["up", "--num-cpus", "2", "--num-gpus", "1"], env=env,
                             cwd=SRC, capture_output=True, text=True, timeout=300)
@@ -97,7 +97,7 @@ def run_client(env: dict[str, str], n: int) -> tuple[dict[str, object], float]:
 
 
 def client_stats(env: dict[str, str]) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "stats", "--json"],
                           env=env, cwd=SRC, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats: dict[str, object] = json.loads(proc.stdout)

@@ -1,4 +1,4 @@
-"""A client reaches a real farm through its child process (frontend.farm_process): the
+"""A client reaches a real farm through its child process (frontend.transports.process): the
 client never imports Ray, its graphs compile on the farm and match eager, the child's
 join is on the client's timeline (off the first output's path), a compile error keeps
 its key, stage and op across both hops, and the child leaves once the client ends."""
@@ -14,17 +14,17 @@ import pytest
 from farm_helpers import RayHead, cuda_request, failing_lowering_request, python_env, run_python
 
 from kiln.compiler import trace
-from kiln.frontend.farm import RayFarm
-from kiln.frontend.farm_process import ProcessFarm
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.keys import compute_key
 from kiln.frontend.trace import critical_path, load_spans
+from kiln.frontend.transports.process import ProcessFarm
 from kiln.workers.pipeline import CompileFailure
+from kiln.workers.ray_farm import RayFarm
 
 CLIENT = """
 import json, sys, time, warnings
 import torch
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import client_for
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import client_for
 from kiln.frontend.config import KilnConfig
 
 warnings.simplefilter("error", KilnFallbackWarning)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from farm_helpers import RayHead, cuda_request, farm_stats, python_env, run_python
 
-from kiln.frontend.client import KilnClient, KilnFarmWarning
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import RayFarm
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.client import KilnClient, KilnFarmWarning
+from kiln.frontend.core.keys import compute_key
+from kiln.workers.ray_farm import RayFarm
 
 # A client in a fresh process that joins a cluster (in its own process, or through its farm
 # process with KILN_FARM_PROCESS=1), compiles one graph there, then finds the cluster's head
@@ -22,7 +22,7 @@ from kiln.frontend.keys import compute_key
 DEAD_HEAD_CLIENT = """
 import json, os, signal, sys, time, warnings
 from farm_helpers import cuda_request
-from kiln.frontend.client import KilnClient, KilnFarmWarning
+from kiln.frontend.core.client import KilnClient, KilnFarmWarning
 from kiln.frontend.config import KilnConfig
 client = KilnClient(KilnConfig.resolve())
 first = client.compile(cuda_request(shapes=((4, 8), (8, 8)))).source

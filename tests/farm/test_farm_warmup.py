@@ -1,4 +1,4 @@
-"""A graph's first-call warm-up beside a real farm's compile (``frontend.overlap``): it
+"""A graph's first-call warm-up beside a real farm's compile (``frontend.core.overlap``): it
 runs on the client's own thread (cuDNN keeps attention plans per thread: the thread that
 will call the graph) while a helper thread waits for the farm, at the same time as the
 farm works; the result is the farm's, and a hit warms nothing."""
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from farm_helpers import RayHead, cuda_request
 
-from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import RayFarm
-from kiln.frontend.gateway import Gateway
-from kiln.frontend.gateway_client import GatewayFarm
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.transports.gateway import GatewayFarm
+from kiln.workers.ray_farm import RayFarm
+from kiln.workers.serve.gateway import Gateway
 
 
 @pytest.mark.parametrize("front", ["ray", "gateway"])

@@ -1,4 +1,4 @@
-"""`kiln farm up`'s gateway (frontend.gateway) in front of the session's real Ray farm: a
+"""`kiln farm up`'s gateway (workers.serve.gateway) in front of the session's real Ray farm: a
 compile through it gives the in-process artifact byte for byte; a client process that
 compiles through it never imports Ray; a wrong token is refused (the client compiles
 itself, one farm warning); oversized, untagged and malformed frames are refused by name
@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 from farm_helpers import RayHead, blob_digests, cuda_request, python_env, run_python
 
-from kiln.frontend.client import KilnClient, KilnFarmWarning
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import FarmUnavailable, RayFarm
-from kiln.frontend.farm_wire import HEADER, MAGIC, mac, pack, read_frame, write_frame
-from kiln.frontend.gateway import Gateway, ready_address
-from kiln.frontend.gateway_client import GatewayFarm
+from kiln.frontend.core.client import KilnClient, KilnFarmWarning
+from kiln.frontend.transports.gateway import GatewayFarm
 from kiln.workers import FARM_COUNTERS
+from kiln.workers.farm_api import FarmUnavailable
+from kiln.workers.ray_farm import RayFarm
+from kiln.workers.serve.gateway import Gateway, ready_address
+from kiln.workers.serve.wire import HEADER, MAGIC, mac, pack, read_frame, write_frame
 
 
 @pytest.fixture
@@ -70,8 +71,8 @@ def test_a_compile_through_the_gateway_matches_inprocess_byte_for_byte(
 CLIENT = """
 import json, sys, time, warnings
 import torch
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import KilnFarmWarning, client_for
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.client import KilnFarmWarning, client_for
 from kiln.frontend.config import KilnConfig
 
 warnings.simplefilter("error", KilnFallbackWarning)
@@ -141,8 +142,8 @@ def test_a_wrong_token_is_refused_and_the_client_compiles_itself(
 def _handshake(address: str, token: bytes) -> tuple[socket.socket, bytes]:
     """A raw connection past the handshake, and its session key."""
     from kiln.compiler.versions import versions
-    from kiln.frontend.farm_wire import session_key
     from kiln.workers.names import namespace_for
+    from kiln.workers.serve.wire import session_key
 
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -209,7 +210,7 @@ def test_a_gateway_killed_mid_call_costs_one_local_compile(
     log = tmp_path / "gateway.log"
     env = python_env(KILN_FARM_FILE=str(farm_file))
     with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.frontend.gateway", "--ray",
+        proc = subprocess.Popen([sys.executable, "-m", "kiln.workers.serve.gateway", "--ray",
                                  ray_cluster.address, "--join-now"], env=env, stdout=sink,
                                 stderr=subprocess.STDOUT, cwd=os.environ["FARM_TEST_SRC"])
     try:

@@ -27,8 +27,8 @@ import os
 import torch
 import torch.nn.functional as F
 from farm_helpers import cuda_request
-from kiln.frontend.client import KilnClient
-from kiln.frontend.compile import request_options
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.compile import request_options
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.trace import start_recording
 
@@ -89,7 +89,7 @@ def _drop_graph_artifacts(store: Path) -> int:
 
 def _gemm_stats(env: dict[str, str]) -> dict[str, int]:
     """`kiln stats --json`'s max-autotune counters (every process so far)."""
-    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli", "stats", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", "stats", "--json"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads(proc.stdout)

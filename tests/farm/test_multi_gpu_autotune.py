@@ -24,9 +24,9 @@ import glob, json, os, time
 import ray
 import torch
 from farm_helpers import cuda_request
-from kiln.frontend.compile import request_options
+from kiln.frontend.core.compile import request_options
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import use_auth_token
+from kiln.workers.ray_farm import use_auth_token
 from kiln.frontend.trace import gpu_usage, spans_from_events
 from kiln.workers.coordinator import get_farm_actor
 

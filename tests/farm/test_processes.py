@@ -8,7 +8,7 @@ from pathlib import Path
 
 from farm_helpers import RayHead, free_port, python_env, run_python, s3_env
 
-from kiln.frontend.farm import RayFarm
+from kiln.workers.ray_farm import RayFarm
 
 # torch.compile of a small model on CPU (Triton's interpreter runs the kernels); prints
 # the client's counters and Kiln's warnings. {patch} may forbid the compiler.
@@ -27,7 +27,7 @@ with warnings.catch_warnings(record=True) as caught:
     compiled = torch.compile(model, backend="kiln", options={{"cpu_backend": "triton-interpret"}})
     out = compiled(x, w)
 torch.testing.assert_close(out, model(x, w), rtol=1e-4, atol=1e-4)
-from kiln.frontend.client import _clients
+from kiln.frontend.core.client import _clients
 print(json.dumps({{"counters": [c.counters.snapshot() for c in _clients.values()],
                   "warnings": [str(w.message) for w in caught if "kiln" in str(w.message)]}}))
 """
@@ -53,7 +53,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from farm_helpers import CUDA_TARGET, layer_model
 from kiln.compiler.decompositions import trace_aten
-from kiln.frontend.compile import build_request, compile_request
+from kiln.frontend.core.compile import build_request, compile_request
 from kiln.frontend.config import KilnConfig
 
 args = [torch.randn(16, 32), torch.randn(32, 32)]

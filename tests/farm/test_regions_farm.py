@@ -15,16 +15,16 @@ import torch
 from farm_helpers import farm_stats
 
 from kiln.compiler import trace
-from kiln.frontend.client import KilnClient
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import RayFarm
-from kiln.frontend.regions import (
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.regions import (
     DeferredGraph,
     compile_regional,
     overlap_backward,
     regions_deferred,
 )
+from kiln.workers.ray_farm import RayFarm
 from tests.regions_models import Stack, aten_graph
 
 

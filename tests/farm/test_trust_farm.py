@@ -20,10 +20,10 @@ from farm_helpers import SRC, cuda_request, python_env, s3_env
 from kiln.artifact_store import generate_ed25519_key
 from kiln.artifact_store.signing import ed25519_available
 from kiln.compiler.keys import compute_key
-from kiln.frontend.client import KilnClient
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import RayFarm
+from kiln.frontend.core.client import KilnClient
 from kiln.workers.pipeline import compile_inprocess
+from kiln.workers.ray_farm import RayFarm
 
 
 def victim_and_attacker() -> tuple[Any, Any]:
@@ -143,8 +143,8 @@ def test_farm_up_listens_on_loopback_only_and_refuses_callers_without_the_token(
     non-loopback address), or from this one without the token, and run code there.
     Every port of the farm's processes, workers included, listens on 127.0.0.1 only;
     a caller without the token is refused."""
-    from kiln.frontend import farm as farm_module
-    from kiln.frontend import farm_cluster
+    from kiln.workers import ray_farm as farm_module
+    from kiln.workers.serve import cluster as farm_cluster
 
     monkeypatch.setenv("KILN_FARM_FILE", str(tmp_path / "farm.json"))
     info = farm_cluster.start_local_cluster(num_cpus=1)

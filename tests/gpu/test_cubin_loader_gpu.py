@@ -116,9 +116,9 @@ def test_a_hits_cubins_load_while_its_blobs_are_read_and_match_eager(
     those modules, and the outputs match eager."""
     from kiln.artifact_store import open_store
     from kiln.compiler.runtime.static_launcher import cubin_prefetch
-    from kiln.frontend.artifact import cubin_records, from_artifact, to_artifact
-    from kiln.frontend.keys import compute_key
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.keys import compute_key
+    from kiln.frontend.core.serialize import make_request
+    from kiln.workers.artifact import cubin_records, from_artifact, to_artifact
 
     torch.manual_seed(0)
     compiled, args = _graph(first, "first")

@@ -150,7 +150,7 @@ def test_switch_of_kernels_after_recordings_is_replayed_from_the_next_call(
     a switch of kernels every call computes with the new ones (twice the graph's outputs,
     a stand-in that shows which kernels ran), never a replay of the old recordings; the
     new runner records each set again and then replays it with no wrapper call either."""
-    from kiln.frontend import hotswap
+    from kiln.frontend.core import hotswap
 
     made: list[hotswap.SwappableGraph] = []
 

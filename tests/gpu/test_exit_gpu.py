@@ -16,7 +16,7 @@ import pytest
 SCRIPT = r"""
 import sys, warnings
 import torch
-from kiln.frontend.backend import KilnFallbackWarning
+from kiln.frontend.core.fallback import KilnFallbackWarning
 
 warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(int(sys.argv[1]))

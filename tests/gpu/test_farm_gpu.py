@@ -12,10 +12,10 @@ import torch
 pytest.importorskip("ray")
 
 from kiln.compiler.decompositions import trace_aten  # noqa: E402
-from kiln.frontend.artifact import from_artifact  # noqa: E402
-from kiln.frontend.client import client_for  # noqa: E402
-from kiln.frontend.compile import build_request, compile_request  # noqa: E402
 from kiln.frontend.config import KilnConfig  # noqa: E402
+from kiln.frontend.core.client import client_for  # noqa: E402
+from kiln.frontend.core.compile import build_request, compile_request  # noqa: E402
+from kiln.workers.artifact import from_artifact  # noqa: E402
 
 
 @pytest.mark.gpu

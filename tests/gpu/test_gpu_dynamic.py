@@ -14,7 +14,7 @@ from tests.models import Decoder, mlp
 
 
 def _graphs() -> list[Any]:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))
@@ -23,8 +23,8 @@ def _graphs() -> list[Any]:
 
 @pytest.mark.gpu
 def test_decoder_dynamic_length_one_compile_on_gpu() -> None:
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch.manual_seed(0)
     model = Decoder(d=64, heads=4, layers=2).cuda().half().eval()
@@ -47,7 +47,7 @@ def test_decoder_dynamic_length_one_compile_on_gpu() -> None:
 
 @pytest.mark.gpu
 def test_training_step_with_dynamic_batch_on_gpu() -> None:
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch.manual_seed(0)
     model = mlp().cuda()
@@ -75,10 +75,10 @@ def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu(kiln_isolated: No
     and after), the artifact records a config and a cubin per bucket, and a new client
     loads them and launches each bucket's own config."""
     from kiln.compiler.runtime.buckets import BucketedLauncher
-    from kiln.frontend.backend import KilnFallbackWarning
-    from kiln.frontend.client import client_for, reset_clients, wait_for_background
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.hotswap import SwappableGraph
+    from kiln.frontend.core.client import client_for, reset_clients, wait_for_background
+    from kiln.frontend.core.fallback import KilnFallbackWarning
+    from kiln.frontend.core.hotswap import SwappableGraph
 
     torch.manual_seed(0)
     model = Decoder(d=64, heads=4, layers=2).cuda().half().eval()
@@ -109,7 +109,7 @@ def test_decoder_buckets_tuned_in_process_then_reloaded_on_gpu(kiln_isolated: No
     assert counters.get("hot_swaps", 0) >= 1 and counters.get("bucket_tunes", 0) >= 3, counters
     # Called with no AOTAutograd runtime wrapper, as a static inference graph is.
     assert counters.get("inference_direct") == 1, counters
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     kiln_compile.observers.pop()
     key = seen[0].key.key

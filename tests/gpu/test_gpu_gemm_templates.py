@@ -109,9 +109,9 @@ CLIENT_MODELS = {
 def test_max_autotune_end_to_end_second_model_benchmarks_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kiln.compiler.decompositions import trace_aten
-    from kiln.frontend.client import KilnClient
-    from kiln.frontend.compile import build_request
     from kiln.frontend.config import KilnConfig
+    from kiln.frontend.core.client import KilnClient
+    from kiln.frontend.core.compile import build_request
 
     for name, value in (("KILN_FARM", "inprocess"), ("KILN_STORE", str(tmp_path / "store")),
                         ("KILN_LOCAL_CACHE", "off"), ("KILN_STATS_FILE", "off")):

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import kiln
-from kiln.frontend import compile as kiln_compile
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import reset_clients
+from kiln.frontend.core import compile as kiln_compile
+from kiln.frontend.core.client import reset_clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests import fleet_models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ CASES = [("mlp", (64, 16), torch.float32), ("block", (4, 16, 32), torch.float32)
 
 def without_gpu(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``kiln ARGS`` in a process that sees no GPU, as on a CPU-only CI runner."""
-    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *args], cwd=ROOT,
                           env={**os.environ, **env, "PYTHONPATH": str(ROOT),
                                "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=600)

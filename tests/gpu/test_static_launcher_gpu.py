@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = """
 import json, sys, time, warnings
 import torch
-from kiln.frontend.backend import KilnFallbackWarning
+from kiln.frontend.core.fallback import KilnFallbackWarning
 from kiln.compiler import compiled_graph
 from tests.models import Block
 warnings.simplefilter("error", KilnFallbackWarning)
@@ -38,7 +38,7 @@ with torch.no_grad():
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-3)
-from kiln.frontend.client import _clients
+from kiln.frontend.core.client import _clients
 client = next(iter(_clients.values()))
 if sys.argv[1] == "cold":
     client.tuner.wait(600)

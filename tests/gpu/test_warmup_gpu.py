@@ -1,4 +1,4 @@
-"""The first-call warm-up on a real GPU (``frontend.warmup``): every library call of an
+"""The first-call warm-up on a real GPU (``frontend.core.warmup``): every library call of an
 attention block's graph (SDPA's fused kernel as this torch picks it, the linear layers'
 matmuls) runs once on scratch tensors without error, leaves the user's CUDA random state
 as it was, and a model compiled with the warm-up on matches eager, with its calls warmed
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.compiler import trace
-from kiln.frontend import warmup
-from kiln.frontend.warmup import Warmup, plan, run
+from kiln.frontend.core import warmup
+from kiln.frontend.core.warmup import Warmup, plan, run
 from tests.warmup_helpers import compile_after_the_warmup
 
 
@@ -65,9 +65,9 @@ def test_a_model_compiled_with_the_warm_up_matches_eager(tmp_path: object,
                                                          on_callers_thread: bool) -> None:
     """``on_callers_thread``: placed as beside a farm's compile (the client's thread,
     inside Dynamo's fake mode)."""
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
-    from kiln.frontend.client import reset_clients
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.client import reset_clients
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     monkeypatch.setenv("KILN_FARM", "inprocess")
     monkeypatch.setenv("KILN_STORE", str(tmp_path) + "/store")

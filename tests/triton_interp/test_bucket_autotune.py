@@ -21,10 +21,10 @@ import torch
 
 from kiln.compiler.runtime.buckets import BucketedLauncher, bucket_name
 from kiln.compiler.runtime.triton_launcher import TritonLauncher
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import client_for, reset_clients, wait_for_background
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.hotswap import SwappableGraph
+from kiln.frontend.core.client import client_for, reset_clients, wait_for_background
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.hotswap import SwappableGraph
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
 
 OPTIONS = {"cpu_backend": "triton-interpret"}
@@ -107,7 +107,7 @@ def test_buckets_tuned_swapped_recorded_and_reloaded(
     assert counters["hot_swaps"] == graph.swaps == 4, counters  # 64; 2; 13; 1031
     assert counters["bucket_tunes"] == 4, counters
     client_for(KilnConfig.resolve(OPTIONS)).counters.flush()
-    from kiln.frontend.cli import main
+    from kiln.frontend.cli.main import main
 
     capsys.readouterr()
     assert main(["stats"]) == 0
@@ -158,7 +158,7 @@ def test_launcher_picks_the_bucket_config() -> None:
 def test_failed_tuning_keeps_heuristic_kernels_with_one_warning(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         launches: list[tuple[int, int]]) -> None:
-    from kiln.frontend import hotswap
+    from kiln.frontend.core import hotswap
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no candidate compiled")
@@ -183,7 +183,7 @@ def test_finished_tuning_switches_a_running_static_graph_between_calls(
     (on a GPU): the loaded graph switches to the tuned configs; calls running on other
     threads meanwhile finish with whole graphs and match eager."""
     from kiln.compiler.decompositions import trace_aten
-    from kiln.frontend.compile import _builder, build_request
+    from kiln.frontend.core.compile import _builder, build_request
     from kiln.workers.autotune import fake_timings
 
     g = torch.Generator().manual_seed(3)

@@ -29,7 +29,7 @@ def _fn(x: torch.Tensor) -> torch.Tensor:
 
 def test_softmax_variants_match_eager_and_follow_alignment() -> None:
     from kiln import KilnFallbackWarning
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))

@@ -25,7 +25,7 @@ def test_lowering_family_matches_eager_at_every_size(case: DynamicCase) -> None:
 
 
 def test_kernel_takes_numels_and_sizes_as_arguments() -> None:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))
@@ -53,7 +53,7 @@ def test_kernel_takes_numels_and_sizes_as_arguments() -> None:
 def test_symbolic_row_reduction_is_guarded() -> None:
     """A row of unbounded symbolic length cannot be proved to fit one block: a looped
     kernel, and persistent ones the wrapper picks for short rows at run time."""
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[Any] = []
     kiln_compile.observers.append(lambda name, result: seen.append(result))

@@ -1,5 +1,5 @@
 """The first call of graphs run by Triton kernels (the interpreter, on CPU) with the
-first-call warm-up forced on (``frontend.warmup``; it never runs for CPU graphs by
+first-call warm-up forced on (``frontend.core.warmup``; it never runs for CPU graphs by
 itself, so the test builds a CPU one): an MLP's library calls run beside the compile on
 scratch tensors, the outputs match eager, the user's random state is untouched, and the
 timeline holds the first call with its library calls."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kiln.compiler import trace
-from kiln.frontend import compile as kiln_compile
-from kiln.frontend.backend import KilnFallbackWarning
-from kiln.frontend.client import reset_clients
-from kiln.frontend.warmup import Warmup, plan
+from kiln.frontend.core import compile as kiln_compile
+from kiln.frontend.core.client import reset_clients
+from kiln.frontend.core.fallback import KilnFallbackWarning
+from kiln.frontend.core.warmup import Warmup, plan
 from tests.warmup_helpers import compile_after_the_warmup
 
 OPTIONS: dict[str, Any] = {"cpu_backend": "triton-interpret"}

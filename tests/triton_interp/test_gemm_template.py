@@ -126,15 +126,15 @@ def test_backend_max_autotune_falls_back_to_extern_without_choices(
     """``mode="max-autotune"`` through torch.compile on CPU, with no GPU to measure: the
     extern call stays, the result is eager's, and the key differs from the default's."""
     import kiln
-    from kiln.frontend.compile import build_request
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.keys import compute_key
+    from kiln.frontend.core.compile import build_request
+    from kiln.frontend.core.keys import compute_key
 
     for name, value in (("KILN_CPU_BACKEND", "triton-interpret"), ("KILN_FARM", "inprocess"),
                         ("KILN_STORE", "memory://gemm-fallback"), ("KILN_LOCAL_CACHE", "off"),
                         ("KILN_STATS_FILE", "off")):
         monkeypatch.setenv(name, value)
-    from kiln.frontend import compile as frontend_compile
+    from kiln.frontend.core import compile as frontend_compile
 
     requests: list[Any] = []
     real_build = frontend_compile.build_request
@@ -163,7 +163,7 @@ def test_training_step_under_max_autotune(make: type, shape: tuple[int, ...],
                                           tmp_path: Path) -> None:
     """torch.compile(mode max-autotune) end to end, forward and backward graphs: choices
     made by the fake benchmark (templates win), every matmul a template kernel."""
-    from kiln.frontend import compile as frontend_compile
+    from kiln.frontend.core import compile as frontend_compile
 
     monkeypatch.setenv("KILN_TEST_FAKE_AUTOTUNE", "1")
     results: list[Any] = []

@@ -12,10 +12,10 @@ import torch
 
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend.client import KilnClient
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import InProcessFarm
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.transports.inprocess import InProcessFarm
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
 from tests.unit.test_cubin import SM90, fake_cuda
 
@@ -85,7 +85,7 @@ def test_tuning_in_process_waits_for_the_graphs_first_output(
     would take the CPUs and the GIL from that call."""
     import time
 
-    from kiln.frontend.hotswap import SwappableGraph
+    from kiln.frontend.core.hotswap import SwappableGraph
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
     monkeypatch.setenv(FAKE_AUTOTUNE_ENV, "1")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.artifact_store import Artifact, open_store
-from kiln.frontend.cli import main
+from kiln.frontend.cli.main import main
 
 KEYS = ["ab" + "1" * 62, "ab" + "2" * 62, "cd" + "3" * 62]
 
@@ -81,7 +81,7 @@ def test_explain_miss_names_the_first_node_where_two_saved_graphs_differ(
     import torch
 
     from kiln.compiler.request import graph_difference
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.serialize import make_request
 
     def graph(scale: float) -> torch.fx.GraphModule:
         g = torch.fx.Graph()

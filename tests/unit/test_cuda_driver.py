@@ -317,9 +317,9 @@ def stored_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The softmax graph (sm_90 cubins) published to a real store on disk: (store, key,
     compiled graph)."""
     from kiln.artifact_store import open_store
-    from kiln.frontend.artifact import to_artifact
-    from kiln.frontend.keys import compute_key
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.keys import compute_key
+    from kiln.frontend.core.serialize import make_request
+    from kiln.workers.artifact import to_artifact
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kcache"))
     args = fake_cuda([torch.randn(64, 300)])
@@ -338,7 +338,7 @@ def test_a_hits_cubins_start_loading_while_its_blobs_are_read(
     graph is decoded; the loaded graph's kernels then find those loads (one module per
     cubin), and outputs come from the same function handles."""
     from kiln.compiler.runtime.static_launcher import CubinPrefetch
-    from kiln.frontend.artifact import cubin_records, from_artifact
+    from kiln.workers.artifact import cubin_records, from_artifact
 
     store, key, compiled = stored_graph
     lib, impl = RecordingLibcuda(), RecordingLauncher()
@@ -375,7 +375,7 @@ def test_a_cubin_failing_its_digest_is_never_loaded_and_named(stored_graph: Any,
     """A damaged cubin blob in the store: the observer never hears of it, nothing is
     loaded from it, and the lookup is a miss whose problem names the kernel's blob."""
     from kiln.compiler.runtime.static_launcher import CubinPrefetch
-    from kiln.frontend.artifact import cubin_records
+    from kiln.workers.artifact import cubin_records
 
     store, key, compiled = stored_graph
     spec = compiled.kernels[0]
@@ -400,7 +400,7 @@ def test_an_early_load_deferred_during_the_lookup_is_retried_under_the_same_job(
     early loads are deferred; the graph's kernels then ask again under the same jobs:
     new futures (not the lookup's), one load each, and no second job."""
     from kiln.compiler.runtime.static_launcher import CubinPrefetch
-    from kiln.frontend.artifact import cubin_records, from_artifact
+    from kiln.workers.artifact import cubin_records, from_artifact
 
     store, key, compiled = stored_graph
     lib, impl = RecordingLibcuda(), RecordingLauncher()

@@ -16,9 +16,9 @@ import torch
 
 from kiln.compiler.runtime import cudagraphs
 from kiln.compiler.runtime.cudagraphs import CudaGraphRunner
-from kiln.frontend import hotswap
-from kiln.frontend.aot_cache import served_graph
-from kiln.frontend.hotswap import SwappableGraph
+from kiln.frontend.core import hotswap
+from kiln.frontend.core.aot.cache import served_graph
+from kiln.frontend.core.hotswap import SwappableGraph
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
 from tests.cudagraph_stand_in import cpu_capture
 from tests.unit.test_cudagraphs import _CpuRunner, _kiln_frames

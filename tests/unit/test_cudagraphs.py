@@ -246,7 +246,7 @@ def test_served_entry_replays_before_the_slow_path() -> None:
     """What Dynamo calls for an inference graph under CUDA graphs (``served_graph`` around
     the runner): an address set with its own recording replays at once; any other call
     goes through the grad-off path into the runner; outputs match eager throughout."""
-    from kiln.frontend.aot_cache import served_graph
+    from kiln.frontend.core.aot.cache import served_graph
 
     slow: list[int] = []
 

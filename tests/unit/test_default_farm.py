@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.frontend.client import KilnClient, KilnFarmWarning
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import FarmNotUp, LocalFarm, farm_for
+from kiln.frontend.core.client import KilnClient, KilnFarmWarning
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.transports.modes import LocalFarm, farm_for
+from kiln.workers.farm_api import FarmNotUp
 
 
 @pytest.fixture(autouse=True)

@@ -47,7 +47,7 @@ def _compile(dynamic: bool) -> CompiledGraph:
     from torch._dynamo.backends.common import aot_autograd
 
     from kiln.compiler.decompositions import kiln_decompositions
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.serialize import make_request
     from kiln.workers.pipeline import compile_sources
 
     requests: list[Any] = []

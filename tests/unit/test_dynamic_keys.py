@@ -13,8 +13,8 @@ import torch
 from kiln.compiler.request import CompileRequest, SerializationError, SymIntMeta, TensorMeta
 from kiln.compiler.sizevars import SizeVars, SymbolRange, size_symbol
 from kiln.compiler.symwire import decode_expr
-from kiln.frontend.keys import compute_key
-from kiln.frontend.serialize import make_request
+from kiln.frontend.core.keys import compute_key
+from kiln.frontend.core.serialize import make_request
 
 TARGET = {"kind": "cpu", "isa": "x86-64-v2"}
 

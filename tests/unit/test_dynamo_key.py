@@ -1,4 +1,4 @@
-"""The AOT cache's key (frontend.dynamo_key): Dynamo graphs that AOTAutograd would trace
+"""The AOT cache's key (frontend.core.aot.dynamo_key): Dynamo graphs that AOTAutograd would trace
 differently never share a key; the same graph and inputs always do; what the key cannot
 see is refused (NotCacheable), never guessed."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.frontend.dynamo_key import NotCacheable, aot_key
+from kiln.frontend.core.aot.dynamo_key import NotCacheable, aot_key
 
 CPU = {"kind": "cpu"}
 

@@ -1,4 +1,4 @@
-"""The client's farm process (frontend.farm_process): its wire, when it is used, and a
+"""The client's farm process (frontend.transports.process): its wire, when it is used, and a
 farm that cannot be reached reported through it by name, the child exiting once let go.
 (A real farm behind it: tests/farm/test_farm_process.py.)"""
 
@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import FarmUnavailable, LocalFarm, farm_for, remote_farm
-from kiln.frontend.farm_process import ENV, ProcessFarm, receive, send, wanted
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.keys import compute_key
+from kiln.frontend.transports.modes import LocalFarm, farm_for, remote_farm
+from kiln.frontend.transports.process import ENV, ProcessFarm, receive, send, wanted
+from kiln.workers.farm_api import FarmUnavailable
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The farm gateway's wire (frontend.farm_wire): frames round-trip with bytes intact, and a
+"""The farm gateway's wire (workers.serve.wire): frames round-trip with bytes intact, and a
 frame over the limit, with a wrong tag, cut short or not msgpack is refused by name; the
 gateway's request checks and the error maps both ways."""
 
@@ -11,8 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kiln.frontend.farm import FarmTimeout, FarmUnavailable
-from kiln.frontend.farm_wire import (
+from kiln.frontend.transports.gateway import error_from
+from kiln.workers.farm_api import FarmTimeout, FarmUnavailable
+from kiln.workers.pipeline import CompileFailure
+from kiln.workers.serve.gateway import checked_call, error_fields
+from kiln.workers.serve.wire import (
     HEADER,
     FrameError,
     field,
@@ -21,9 +24,6 @@ from kiln.frontend.farm_wire import (
     session_key,
     write_frame,
 )
-from kiln.frontend.gateway import checked_call, error_fields
-from kiln.frontend.gateway_client import error_from
-from kiln.workers.pipeline import CompileFailure
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import torch
 from kiln.compiler import trace
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.keys import compute_key
 from kiln.workers import foreground
 from kiln.workers.pipeline import KERNEL_THREADS_ENV, KernelCache, compile_inprocess, kernel_jobs
 from tests.unit.test_cubin import SM90, fake_cuda
@@ -121,7 +121,7 @@ class _Encoder(torch.nn.Module):
 
 @pytest.mark.usefixtures("kiln_isolated")
 def test_a_training_steps_backward_is_expected_from_its_forward_until_it_compiles() -> None:
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch.manual_seed(0)
     model = _Encoder()

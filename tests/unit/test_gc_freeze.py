@@ -1,11 +1,11 @@
 """The backend freezes the objects older than a compile for the garbage collector while
-it runs, and gives them back when the outermost compile returns (``frontend.backend``)."""
+it runs, and gives them back when the outermost compile returns (``frontend.core.backend``)."""
 
 from __future__ import annotations
 
 import gc
 
-from kiln.frontend.backend import older_objects_frozen
+from kiln.frontend.core.backend import older_objects_frozen
 
 FRESH = 10_000  # objects made between two steps of a test
 

@@ -21,9 +21,9 @@ from kiln.compiler.select_algorithm import (
     library_only,
     library_record,
 )
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.keys import compute_key
 from kiln.workers.pipeline import KernelCache, compile_inprocess
 from kiln.workers.select import by_rule
 from tests.gemm_helpers import aot_graphs, as_fake_cuda

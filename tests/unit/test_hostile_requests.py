@@ -22,7 +22,7 @@ from kiln.compiler.request import (
     compile_options,
     deserialize_graph,
 )
-from kiln.frontend.serialize import make_request
+from kiln.frontend.core.serialize import make_request
 from kiln.workers.artifact import from_artifact
 
 

@@ -12,10 +12,10 @@ import torch
 
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend.client import KilnClient
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.farm import InProcessFarm
+from kiln.frontend.core.client import KilnClient
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.transports.inprocess import InProcessFarm
 from kiln.workers.kernel_store import KernelStore, kernel_store_key
 from kiln.workers.pipeline import KernelJob, kernel_jobs
 from tests.unit.test_cubin import SM90, fake_cuda

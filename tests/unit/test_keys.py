@@ -22,8 +22,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_aggregate
 
 import kiln.compiler.keys as keys
-from kiln.frontend.keys import KeyInfo, compute_key, diff_requests, explain_miss, hash_source_tree
-from kiln.frontend.serialize import (
+from kiln.frontend.core.keys import (
+    KeyInfo,
+    compute_key,
+    diff_requests,
+    explain_miss,
+    hash_source_tree,
+)
+from kiln.frontend.core.serialize import (
     CompileRequest,
     TensorMeta,
     deserialize_graph,
@@ -44,8 +50,8 @@ import torch._dynamo
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.proxy_tensor import make_fx
-from kiln.frontend.keys import compute_key
-from kiln.frontend.serialize import make_request
+from kiln.frontend.core.keys import compute_key
+from kiln.frontend.core.serialize import make_request
 
 def model(x, w):
     scale = torch.tensor([0.5, 2.0, float("inf")])

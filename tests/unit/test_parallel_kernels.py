@@ -12,9 +12,9 @@ import torch
 from kiln.compiler import trace
 from kiln.compiler.decompositions import trace_aten
 from kiln.compiler.runtime.kernel_files import interpreter_active
-from kiln.frontend.compile import build_request
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.keys import compute_key
+from kiln.frontend.core.compile import build_request
+from kiln.frontend.core.keys import compute_key
 from kiln.workers.pipeline import KERNEL_THREADS_ENV, KernelCache, compile_inprocess, kernel_jobs
 from tests.unit.test_cubin import SM90, fake_cuda
 

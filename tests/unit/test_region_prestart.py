@@ -1,4 +1,4 @@
-"""When the graph-stage processes start ahead of AOTAutograd (``frontend.regions``'s
+"""When the graph-stage processes start ahead of AOTAutograd (``frontend.core.regions``'s
 ``prestart``): only for a Dynamo graph likely to make an ATen graph that is cut, so a
 model like GPT-2 (715 Dynamo nodes, 929 ATen nodes: never cut) starts no processes."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.frontend import regions
 from kiln.frontend.config import KilnConfig
+from kiln.frontend.core import regions
 
 
 def dynamo_like_graph(nodes: int) -> torch.fx.GraphModule:

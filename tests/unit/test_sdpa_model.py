@@ -1,4 +1,4 @@
-"""The SDPA chooser of a GPU host this machine does not have (``frontend.sdpa_model``):
+"""The SDPA chooser of a GPU host this machine does not have (``frontend.cross.sdpa_model``):
 which fused kernel the target's torch picks, and the ops its CUDA path records."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kiln.frontend.cuda_guard_shim import ensure_fake_cuda_guard
-from kiln.frontend.sdpa_model import SdpaCall, SdpaHost, choose, gpu_sdpa, host_runtime
+from kiln.frontend.cross.cuda_guard_shim import ensure_fake_cuda_guard
+from kiln.frontend.cross.sdpa_model import SdpaCall, SdpaHost, choose, gpu_sdpa, host_runtime
 
 H200_211 = SdpaHost(torch=(2, 11), capability=(9, 0), cuda=(13, 0))
 H200_210 = SdpaHost(torch=(2, 10), capability=(9, 0), cuda=(12, 8))

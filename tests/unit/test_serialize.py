@@ -1,4 +1,4 @@
-"""Round trips of ATen graphs through frontend.serialize, checked against the original."""
+"""Round trips of ATen graphs through frontend.core.serialize, checked against the original."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.frontend.serialize import (
+from kiln.frontend.core.serialize import (
     GRAPH_FORMAT_VERSION,
     CompileRequest,
     SerializationError,

@@ -115,7 +115,7 @@ def test_option_problems_are_what_the_cli_refuses() -> None:
 
 
 def test_a_join_failure_names_its_cause_and_fix() -> None:
-    from kiln.frontend.farm import explain_join_failure
+    from kiln.workers.ray_farm import explain_join_failure
 
     ray_said = ("gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: "
                 "RPC error: InvalidAuthToken: Authentication token is missing or incorrect")

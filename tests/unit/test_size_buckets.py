@@ -131,9 +131,9 @@ def test_bucket_candidates_cross_compile_for_sm90_and_round_trip(
     fake chooser here): every candidate of a dynamic kernel compiled for sm_90, the
     bucket's binary compiled for the bucket's config, stored and read back."""
     from kiln.compiler.runtime.kernel_files import interpreter_active
-    from kiln.frontend.client import KilnClient
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.farm import InProcessFarm
+    from kiln.frontend.core.client import KilnClient
+    from kiln.frontend.transports.inprocess import InProcessFarm
     from kiln.workers.autotune import FAKE_AUTOTUNE_ENV
     from kiln.workers.buckets import tune_buckets
 
@@ -168,7 +168,7 @@ def _dynamic_request(config: Any) -> object:
     kernels: the interpreter backend, compiled here without being run)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from kiln.frontend.compile import build_request
+    from kiln.frontend.core.compile import build_request
 
     out: list[object] = []
 

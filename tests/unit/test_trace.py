@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kiln.compiler import trace
-from kiln.frontend.cli import main
+from kiln.frontend.cli.main import main
 from kiln.frontend.trace import Span, critical_path, load_spans, summarize, write_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +164,7 @@ def test_trace_file_and_cli_summary(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 COMPILE = """
 import torch, warnings
-from kiln.frontend.backend import KilnFallbackWarning
+from kiln.frontend.core.fallback import KilnFallbackWarning
 warnings.simplefilter("error", KilnFallbackWarning)
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32))

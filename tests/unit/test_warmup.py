@@ -1,5 +1,5 @@
-"""The first call's warm-up (``frontend.warmup``, ``frontend.overlap``) and its spans
-(``frontend.first_call``, the static launcher's ``load cubin``).
+"""The first call's warm-up (``frontend.core.warmup``, ``frontend.core.overlap``) and its spans
+(``frontend.core.first_call``, the static launcher's ``load cubin``).
 
 No GPU here: plans are read from ATen graphs traced on fake CUDA tensors; the warm-up's
 calls run on CPU through ``run_on`` (``run`` itself never warms a CPU graph); the client
@@ -20,10 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.compiler import trace
-from kiln.frontend.cuda_guard_shim import ensure_fake_cuda_guard
-from kiln.frontend.first_call import FirstCallSpan, traced_first_call
-from kiln.frontend.overlap import overlap
-from kiln.frontend.warmup import ScratchTensor, WarmCall, Warmup, plan, run, run_on
+from kiln.frontend.core.first_call import FirstCallSpan, traced_first_call
+from kiln.frontend.core.overlap import overlap
+from kiln.frontend.core.warmup import ScratchTensor, WarmCall, Warmup, plan, run, run_on
+from kiln.frontend.cross.cuda_guard_shim import ensure_fake_cuda_guard
 
 aten = torch.ops.aten
 HALF = torch.float16
@@ -318,9 +318,9 @@ def test_a_compile_through_the_client_runs_the_warm_up_beside_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real client compiling a CPU graph here: the warm-up given runs once, on a
     helper thread, during the compile; a hit runs none; outputs match eager."""
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
-    from kiln.frontend.client import reset_clients
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.client import reset_clients
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     monkeypatch.setenv("KILN_STORE", str(tmp_path / "store"))

@@ -1,0 +1,71 @@
+"""What a farm's clients and its gateway share: the errors that send a graph back to the
+client's own compile, the coordinator's answer decoded, and the quick TCP probe that fails
+fast where Ray's own connect would wait minutes for a cluster that is not there.
+
+No Ray and no torch here: a client's farm process and the gateway import this module."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from kiln.compiler import trace
+
+if TYPE_CHECKING:
+    from kiln.compiler.compiled_graph import CompiledGraph
+
+PROBE_TIMEOUT_S = 3.0
+
+
+class FarmUnavailable(RuntimeError):
+    """The farm cannot compile this graph now; the client compiles it itself."""
+
+class FarmTimeout(FarmUnavailable):
+    """The farm did not answer within ``KILN_FARM_TIMEOUT``: it is up, only slow (the
+    client compiles itself and stays connected)."""
+
+class FarmNotUp(FarmUnavailable):
+    """``local`` mode and no farm is up: compile here, quietly (that is the default)."""
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) to probe for an address; None where there is nothing to probe."""
+    rest = address.removeprefix("ray://")
+    if address in ("auto", "") or ":" not in rest:
+        return None
+    host, _, port = rest.rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        return None
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``address`` cannot be reached (a TCP connect), or None if it answers.
+
+    Ray's own connect waits minutes for a cluster that is not there; this fails fast."""
+    target = host_port(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{target[0]}:{target[1]} does not answer ({e})"
+
+
+@contextmanager
+def farm_waits(key: str) -> Iterator[None]:
+    """The client's wait for the farm's answer, on the timeline."""
+    with trace.span("farm compile (client waits)", cat="client", key=key[:16]):
+        yield
+
+def answer_to_graph(answer: dict[str, Any]) -> CompiledGraph:
+    """The compiled graph of the coordinator's answer (its timeline merged here)."""
+    from kiln.compiler.compiled_graph import CompiledGraph
+
+    trace.merge(answer.pop("trace", None))
+    compiled = CompiledGraph.from_dict(answer["compiled"])
+    compiled.published_to = str(answer.get("published") or "")
+    return compiled

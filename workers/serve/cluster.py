@@ -1,0 +1,256 @@
+"""`kiln farm up` / `kiln farm down`: a Ray cluster on this machine for every local
+client (``KILN_FARM=local`` finds it through the farm file); `kiln farm status`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.workers.farm_api import host_port, probe
+from kiln.workers.ray_farm import LOOPBACK, RAY_LOOPBACK_ENV, is_loopback
+from kiln.workers.serve.farm_files import (
+    farm_file,
+    farm_token,
+    farm_token_file,
+    read_farm_file,
+    write_farm_file,
+)
+from kiln.workers.serve.gateway import ready_address
+
+GATEWAY_START_S = 30.0
+
+
+def _ray_executable() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if not found:
+        raise FileNotFoundError("the `ray` command is not installed (pip install ray)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_port(port: int) -> None:
+    """OSError naming the port unless it is valid and free on this machine."""
+    if not 0 < port < 65536:
+        raise OSError(f"port {port} is out of range (1 to 65535)")
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise OSError(f"port {port} is in use on this machine ({e.strerror}); pick "
+                          "another with --port, or leave --port out for a free one") from None
+
+
+def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None,
+                        port: int | None = None, host: str | None = None,
+                        timeout: float = 120.0, join_now: bool = True) -> dict[str, Any]:
+    """`ray start --head` in the background, with Ray's token authentication on (the
+    token in a private file, ``farm_token_file()``); its address and token file go to
+    the farm file, which ``local`` clients read. ``host``: the address other machines
+    join it by (Ray's node IP), and Ray then listens on every interface: the token, and
+    a firewall for the ports, keep strangers out. Without it every Ray port of the farm
+    listens on 127.0.0.1 only (RAY_LOOPBACK_ENV). A cluster already up is returned as
+    it is."""
+    info = read_farm_file()
+    if info is not None and probe(str(info["address"])) is None:
+        if not info.get("gateway") or probe(str(info["gateway"])) is not None:
+            info.update(start_gateway(str(info["address"]), int(info.get("pid", 0)),
+                                      str(info.get("host") or LOOPBACK), join_now=join_now))
+            write_farm_file(info)  # a gateway that had died, started again
+        return {**info, "already_running": True}
+    log_path = farm_file().with_name("farm-head.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if port is not None:
+        check_port(port)
+    port = port or _free_port()
+    # Ray's session logs and sockets in a folder of Kiln's own, not the shared /tmp/ray
+    # (short: Ray's socket paths must fit 107 bytes); removed by `kiln farm down`.
+    temp_dir = tempfile.mkdtemp(prefix="kiln-ray-")
+    command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
+               f"--temp-dir={temp_dir}",
+               f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
+               "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
+               f"--node-ip-address={host or LOOPBACK}"]
+    if num_gpus is not None:
+        command.append(f"--num-gpus={num_gpus}")
+    farm_token(create=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
+    if not host:
+        env[RAY_LOOPBACK_ENV] = "0"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        address = _wait_for_head(proc, log_path, timeout, f"{LOOPBACK}:{port}")
+    except (RuntimeError, TimeoutError):
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
+            "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
+            "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
+            "host": host or ""}
+    write_farm_file(info)
+    info.update(start_gateway(address, proc.pid, host or LOOPBACK, join_now=join_now))
+    write_farm_file(info)
+    return info
+
+
+def start_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True,
+                  timeout: float = GATEWAY_START_S) -> dict[str, Any]:
+    """Start the farm's gateway (``workers.serve.gateway``: clients reach the farm through it
+    without Ray) next to the head; its address, pid and log for the farm file. A gateway
+    that does not come up costs clients only the gateway (they join Ray instead)."""
+    log_path = farm_file().with_name("farm-gateway.log")
+    command = [sys.executable, "-m", "kiln.workers.serve.gateway", "--ray", address,
+               "--host", host, "--head-pid", str(head_pid)] + (["--join-now"] * join_now)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ready_address(log_path)
+        if found is not None:
+            return {"gateway": found, "gateway_pid": proc.pid, "gateway_log": str(log_path)}
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    print(f"kiln farm: the gateway did not start (see {log_path}); clients join Ray",
+          file=sys.stderr)
+    return {}
+
+
+def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
+                   loopback: str) -> str:
+    """The head's address once Ray says it started: the one it tells other nodes to
+    join by, or ``loopback`` where it names none (a node on 127.0.0.1)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        if "Ray runtime started" in text:
+            found = re.search(r"ray start --address='([^']+)'", text)
+            return found.group(1) if found else loopback
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start failed: {_last_error_line(text)} (see {log_path})")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise TimeoutError(f"ray start did not come up in {timeout:g}s (see {log_path})")
+
+
+def _last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["it exited before it was up"])[-1][:300]
+
+
+def head_process_problem(info: dict[str, Any]) -> str | None:
+    """Why the process named by the farm file cannot be proved to be that farm's Ray
+    head (`ray start --head` on the recorded port, by its command line); None if it is."""
+    try:
+        pid = int(info.get("pid", 0))
+    except (TypeError, ValueError):
+        pid = 0
+    if pid <= 0:
+        return "it names no process"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return f"process {pid} is not running"
+    target = host_port(str(info.get("address", "")))
+    port = info.get("port") or (target[1] if target else None)
+    is_ray = any(Path(arg).name == "ray" for arg in argv[:3])
+    if not (is_ray and "start" in argv and "--head" in argv):
+        return f"process {pid} is not a Ray head ({' '.join(argv)[:80]})"
+    if port is None or f"--port={port}" not in argv:
+        return f"process {pid} is a Ray head on another port than the farm's {port}"
+    return None
+
+
+def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
+    """Stop the cluster of `kiln farm up` and forget its address. Only a process proved
+    to be that farm's head is stopped (with its process group); a stale farm file is
+    removed, and the returned info's ``stale`` says why. None when there is no file."""
+    path = farm_file()
+    if not path.exists():
+        return None
+    info = read_farm_file() or {"address": "?", "stale": "the farm file is unreadable"}
+    problem = info.get("stale") or head_process_problem(info)
+    if problem is None:
+        _stop_gateway(info)
+        _kill_group(int(info["pid"]), grace_s)
+        if str(info.get("temp_dir", "")).startswith(os.path.join(tempfile.gettempdir(),
+                                                                 "kiln-ray-")):
+            shutil.rmtree(str(info["temp_dir"]), ignore_errors=True)
+    else:
+        info["stale"] = problem
+    path.unlink(missing_ok=True)
+    return info
+
+
+def _stop_gateway(info: dict[str, Any]) -> None:
+    """Stop the farm's gateway: only a process proved to be one (by its command line)."""
+    try:
+        pid = int(info.get("gateway_pid", 0))
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid > 0 else []
+    except (TypeError, ValueError, OSError):
+        return
+    if b"kiln.workers.serve.gateway" in argv:
+        _kill_group(pid, 1.0)
+
+
+def _kill_group(pid: int, grace_s: float) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    try:  # Ray drains for up to 30 s on SIGTERM; a farm going down need not wait
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def auth_instructions(info: dict[str, Any]) -> str:
+    """What `kiln farm up` prints: how clients send the farm's Ray token, and which
+    interfaces the farm's Ray ports listen on."""
+    token_file = info.get("token_file") or farm_token_file()
+    lines = [f"Ray token authentication is on; the token is in {token_file} (mode 0600).",
+             f"  clients on this machine (KILN_FARM=local) read it from {farm_file()}"]
+    if is_loopback(str(info.get("address", ""))):
+        lines += ["  Every Ray port listens on 127.0.0.1 only: other machines cannot reach "
+                  "the farm (start it",
+                  "  with --host ADDRESS to serve them); other users of this machine can, "
+                  "and the token refuses them."]
+    else:
+        lines += [f"  clients elsewhere: export RAY_AUTH_MODE=token "
+                  f"RAY_AUTH_TOKEN=\"$(cat {token_file})\" KILN_FARM={info.get('address')}",
+                  "  Ray listens on every interface (--host): the GCS port, the raylet's and "
+                  "each worker's gRPC",
+                  "  ports are open to the network, guarded by the token: keep them behind "
+                  "a firewall too."]
+    lines += ["  Ray access runs code on the farm, which holds the signing key: give the "
+              "token to trusted",
+              "  builders and clients only (infra/README.md)."]
+    return "\n".join(lines)

@@ -1,0 +1,281 @@
+"""The farm gateway: the process `kiln farm up` starts next to its Ray head, through which
+clients on this machine (``KILN_FARM=local``) reach the farm without importing Ray.
+
+It is a Ray driver of the farm (a ``RayFarm``, joined once when the farm comes up) that
+listens on a TCP port (127.0.0.1 unless `kiln farm up --host` names another address) and
+relays ``compile_raw``, ``tuned_raw`` and ``stats`` to the coordinator. The wire is
+``farm_wire``'s: msgpack frames, a handshake over the farm token, and every frame after it
+tagged. Every byte a connection sends is hostile: a frame over ``REQUEST_LIMIT``, a bad
+tag, a body that is not msgpack, an unknown call or a field of the wrong type is answered
+with an error naming it, and that connection (never the gateway) is closed. The gateway
+exits when the farm's Ray head does. Its address goes in the farm file (``gateway``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.workers.farm_api import FarmTimeout, FarmUnavailable
+from kiln.workers.ray_farm import RayFarm
+from kiln.workers.serve.wire import (
+    HANDSHAKE_LIMIT,
+    MAGIC,
+    NONCE_BYTES,
+    REQUEST_LIMIT,
+    FrameError,
+    field,
+    mac,
+    nonce_of,
+    read_frame,
+    session_key,
+    write_frame,
+)
+
+log = logging.getLogger("kiln.farm")
+HANDSHAKE_TIMEOUT_S = 5.0
+HEAD_CHECK_S = 2.0
+READY = "kiln gateway listening on "
+NUMBER = (int, float)
+KEY = str
+# Each call's arguments, in order, with the types a request may give them.
+CALLS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "compile_raw": (("key", KEY), ("request", bytes), ("delay", NUMBER),
+                    ("traced", bool), ("timeout", (*NUMBER, type(None)))),
+    "tuned_raw": (("key", KEY), ("timeout", (*NUMBER, type(None))), ("traced", bool)),
+    "stats": (),
+}
+MAX_DELAY_S = 60.0  # the tests' compile delay (KILN_TEST_DELAY) a request may ask for
+
+
+def checked_call(message: Any) -> tuple[int, str, dict[str, Any]]:
+    """A request frame's call id, method and arguments by name, each checked
+    (``FrameError``)."""
+    call_id = field(message, "id", int, "a request")
+    method = field(message, "method", str, "a request")
+    args = field(message, "args", list, "a request")
+    spec = CALLS.get(method)
+    if spec is None:
+        raise FrameError(f"call {call_id}: the gateway has no call {method[:40]!r}")
+    if len(args) != len(spec):
+        raise FrameError(f"call {call_id} ({method}): {len(args)} arguments, not {len(spec)}")
+    named = dict(zip((name for name, _ in spec), args))
+    for name, kind in spec:
+        field(named, name, kind, f"call {call_id} ({method})")
+    if method == "compile_raw" and not 0 <= named["delay"] <= MAX_DELAY_S:
+        raise FrameError(f"call {call_id} (compile_raw): delay {named['delay']} is not "
+                         f"within 0 to {MAX_DELAY_S:g} s")
+    if len(named.get("key", "")) > 256:
+        raise FrameError(f"call {call_id} ({method}): a key of {len(named['key'])} characters")
+    return call_id, method, named
+
+
+def error_fields(error: BaseException) -> dict[str, Any]:
+    """An exception as an answer's ``error`` map (``gateway_client.error_from`` reads it)."""
+    from kiln.workers.pipeline import CompileFailure
+
+    if isinstance(error, CompileFailure):
+        return {"type": "CompileFailure", "fields": [str(a) for a in error.args]}
+    kind = "FarmTimeout" if isinstance(error, FarmTimeout) else "FarmUnavailable"
+    message = str(error) if isinstance(error, FarmUnavailable) else \
+        f"{type(error).__name__}: {error}"
+    return {"type": kind, "message": message}
+
+
+class Gateway:
+    """Serves ``farm``'s calls on ``host:port`` (0: a free port) to holders of ``token``."""
+
+    def __init__(self, farm: RayFarm, token: str, host: str = "127.0.0.1", port: int = 0,
+                 namespace: str | None = None) -> None:
+        from kiln.workers.names import namespace_for
+
+        if namespace is None:
+            from kiln.compiler.versions import versions
+
+            namespace = namespace_for(versions())
+        self.farm, self.token, self.namespace = farm, token.encode(), namespace
+        self.server = socket.create_server((host, port))
+        self.address = f"{host}:{self.server.getsockname()[1]}"
+        self.closed = threading.Event()
+
+    def start(self) -> Gateway:
+        threading.Thread(target=self.serve, daemon=True, name="kiln-gateway").start()
+        return self
+
+    def serve(self) -> None:
+        """Accept connections until ``close``; each runs on a thread of its own."""
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                break
+            threading.Thread(target=self._connection, args=(conn,), daemon=True,
+                             name="kiln-gateway-conn").start()
+
+    def close(self) -> None:
+        self.closed.set()
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.server.close()
+
+    def _connection(self, conn: socket.socket) -> None:
+        lock = threading.Lock()
+        key: bytes | None = None
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            key = self._handshake(conn)
+            conn.settimeout(None)
+            while key is not None and (
+                    message := read_frame(conn, REQUEST_LIMIT, key)) is not None:
+                call_id, method, args = checked_call(message)
+                threading.Thread(target=self._run, args=(conn, lock, key, call_id, method,
+                                                         args), daemon=True).start()
+        except FrameError as e:
+            log.warning("kiln gateway: refused a connection's frame: %s", e)
+            self._refuse(conn, lock, key, f"the farm gateway refused a frame: {e}")
+        except OSError as e:
+            log.debug("kiln gateway: a connection failed: %s", e)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, lock: threading.Lock, key: bytes | None,
+                reason: str) -> None:
+        try:
+            write_frame(conn, {"id": None, "ok": False,
+                               "error": {"type": "FarmUnavailable", "message": reason}},
+                        key, lock)
+        except OSError:
+            pass
+
+    def _handshake(self, conn: socket.socket) -> bytes | None:
+        """The session key once the client proved the token; None (refused) if not."""
+        server_nonce = secrets.token_bytes(NONCE_BYTES)
+        write_frame(conn, {"magic": MAGIC, "nonce": server_nonce})
+        hello = read_frame(conn, HANDSHAKE_LIMIT)
+        if hello is None:
+            return None
+        if field(hello, "magic", str, "the client's hello") != MAGIC:
+            raise FrameError(f"the client speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
+        client_nonce = nonce_of(hello, "the client's hello")
+        proof = field(hello, "proof", bytes, "the client's hello")
+        namespace = field(hello, "namespace", str, "the client's hello")
+        if not secrets.compare_digest(proof, mac(self.token, b"client", server_nonce,
+                                                 client_nonce)):
+            return self._deny(conn, "the client's farm token is wrong (the farm's is in its "
+                                    "farm-token file)")
+        if namespace != self.namespace:
+            return self._deny(conn, f"the farm runs another Kiln (its namespace "
+                                    f"{self.namespace}, the client's {namespace[:80]})")
+        write_frame(conn, {"ok": True, "proof": mac(self.token, b"server", client_nonce,
+                                                    server_nonce)})
+        return session_key(self.token, server_nonce, client_nonce)
+
+    @staticmethod
+    def _deny(conn: socket.socket, reason: str) -> None:
+        log.warning("kiln gateway: refused a client: %s", reason)
+        write_frame(conn, {"ok": False, "error": reason})
+        return None
+
+    def _run(self, conn: socket.socket, lock: threading.Lock, key: bytes, call_id: int,
+             method: str, args: dict[str, Any]) -> None:
+        events: list[Any] = []
+        try:
+            value = self._dispatch(method, args, events)
+            answer = {"id": call_id, "ok": True, "value": value, "events": events}
+        except Exception as e:
+            answer = {"id": call_id, "ok": False, "error": error_fields(e), "events": events}
+        try:
+            write_frame(conn, answer, key, lock)
+        except (TypeError, ValueError) as e:  # an answer msgpack cannot carry
+            write_frame(conn, {"id": call_id, "ok": False, "events": [], "error": {
+                "type": "FarmUnavailable", "message": f"the gateway could not send the "
+                f"farm's answer to {method}: {type(e).__name__}: {e}"}}, key, lock)
+        except OSError:
+            pass  # the client is gone
+
+    def _dispatch(self, method: str, args: dict[str, Any], events: list[Any]) -> Any:
+        """Run one checked call on the farm; its tuning timeline (if asked) in ``events``."""
+        if method == "compile_raw":
+            return self.farm.compile_raw(args["key"], args["request"], float(args["delay"]),
+                                         args["traced"], args["timeout"])
+        if method == "tuned_raw":
+            result = self.farm.tuned_raw(args["key"], args["timeout"], False)
+            if args["traced"]:
+                events.extend(self.farm.tuning_trace(args["timeout"]))
+            return result
+        return self.farm.stats()
+
+
+def _watch_head(pid: int, gateway: Gateway) -> None:
+    """Close the gateway once the farm's Ray head (``pid``) is gone."""
+    while not gateway.closed.is_set():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            gateway.close()
+            return
+        time.sleep(HEAD_CHECK_S)
+
+
+def _join(farm: RayFarm) -> None:
+    try:  # the coordinator found (or made) before the first client asks
+        farm.actor()
+    except Exception as e:  # each call joins again and reports it
+        log.warning("kiln gateway: joining the farm failed: %s", e)
+
+
+def main(argv: list[str], ready: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kiln.workers.serve.gateway")
+    parser.add_argument("--ray", required=True, help="the farm's Ray address")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--head-pid", type=int, default=0)
+    parser.add_argument("--join-now", action="store_true")
+    args = parser.parse_args(argv)
+    from kiln.workers.serve.farm_files import farm_token, farm_token_file
+
+    token = farm_token()
+    if token is None:
+        print(f"kiln gateway: no farm token in {farm_token_file()}", file=sys.stderr)
+        return 2
+    farm = RayFarm(args.ray)  # joined with the farm file's Ray token where it names args.ray
+    gateway = Gateway(farm, token, args.host, args.port)
+    if args.join_now:
+        threading.Thread(target=_join, args=(farm,), daemon=True).start()
+    if args.head_pid:
+        threading.Thread(target=_watch_head, args=(args.head_pid, gateway),
+                         daemon=True).start()
+    ready(READY + gateway.address)
+    sys.stdout.flush()
+    gateway.serve()
+    farm.release()
+    return 0
+
+
+def ready_address(log_path: Path) -> str | None:
+    """The gateway's address once its log says it listens; None before."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(READY):
+            return line[len(READY):].strip()
+    return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main(sys.argv[1:]))
