@@ -43,7 +43,7 @@ def cmd_package(args: argparse.Namespace) -> int:
     from kiln.frontend.config import KilnConfig
     from kiln.frontend.core.compile import target_for
     from kiln.frontend.cross.fake_device import FakeDeviceError, parse_gpu
-    from kiln.frontend.package import PackageError, build_package, module_tensors
+    from kiln.frontend.package.archive import PackageError, build_package, module_tensors
 
     try:
         target = parse_gpu(args.gpu) if args.gpu else target_for(torch.device(args.device))

@@ -17,7 +17,7 @@ import torch
 import kiln
 from kiln.compiler.runtime.kernel_files import interpreter_active
 from kiln.frontend.core.client import reset_clients
-from kiln.frontend.package import PackageError, read_package
+from kiln.frontend.package.archive import PackageError, read_package
 from tests import fleet_models
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import kiln
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.core.client import reset_clients
 from kiln.frontend.core.compile import target_for
-from kiln.frontend.package import build_package, module_tensors, read_package
+from kiln.frontend.package.archive import build_package, module_tensors, read_package
 from tests import fleet_models
 
 
