@@ -9,6 +9,10 @@ with fresh caches (``bench/suite/row.py`` says what a row measures).
     python3 bench/suite/report.py /tmp/out/s*.json        # merge shards, summary, plot
 
 Rows go round-robin to shards (``--shard i/n``), so each shard gets a mix of sizes.
+``--parallel N`` runs N rows at once, each in its own process on its own GPU (a row's
+eager, Inductor and Kiln figures still come from one process on one card; compiles of
+neighbouring rows share the host's cores). ``--budget S`` starts no row after S seconds
+and prints the ``--models`` list of the rows left.
 A row that fails records its error and the run goes on; the JSON is rewritten after
 every row, so a run cut short keeps what it measured.
 """
@@ -21,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda (default if present) or cpu")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds per row")
     p.add_argument("--reps", type=int, default=None, help="timed calls per backend")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="rows at once, each on its own GPU (CUDA_VISIBLE_DEVICES=0..N-1)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: start no row after this; the rows left are listed")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -102,15 +111,19 @@ def fresh_env(folder: Path) -> dict[str, str]:
     return env
 
 
-def run_one(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+def run_one(name: str, args: argparse.Namespace, device: str,
+            gpu: int | None = None) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--mode",
            args.mode, "--backends", args.backends, "--device", device]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--reps", str(args.reps)] if args.reps else []
     base = {"model": name, "mode": args.mode, "tiny": args.tiny, "device": device}
     with tempfile.TemporaryDirectory(prefix="kiln-suite-") as tmp:
+        env = fresh_env(Path(tmp))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         try:
-            done = subprocess.run(cmd, env=fresh_env(Path(tmp)), capture_output=True,
+            done = subprocess.run(cmd, env=env, capture_output=True,
                                   text=True, timeout=args.row_timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {**base, "error": f"row timed out after {args.row_timeout:.0f} s"}
@@ -146,15 +159,52 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"mode": args.mode, "backends": args.backends.split(","),
                               "shard": args.shard, "commit": commit(), "tiny": args.tiny,
                               "device": args.device, "rows": []}
-    for spec in rows:
-        row = run_one(spec.name, args, args.device)
-        result["rows"].append(row)
-        result.setdefault("card", row.get("card"))
-        print(summary_line(row), flush=True)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1))
+    left = run_rows([m.name for m in rows], args, result)
+    if left:
+        print(f"budget spent; rows not run: --models {','.join(left)}")
     return 0
+
+
+def run_rows(names: list[str], args: argparse.Namespace, result: dict[str, Any]
+             ) -> list[str]:
+    """Each row in its own process, ``--parallel`` at once (one GPU each); returns the
+    rows the budget left unstarted."""
+    start = time.monotonic()
+    lock = threading.Lock()
+    queue = list(names)
+    left: list[str] = []
+
+    def worker(gpu: int | None) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                if args.budget is not None and time.monotonic() - start > args.budget:
+                    left.extend(queue)
+                    queue.clear()
+                    return
+                name = queue.pop(0)
+            row = run_one(name, args, args.device, gpu)
+            with lock:
+                record(row, args, result)
+
+    gpus: list[int | None] = list(range(args.parallel)) if args.parallel > 1 else [None]
+    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return left
+
+
+def record(row: dict[str, Any], args: argparse.Namespace, result: dict[str, Any]) -> None:
+    result["rows"].append(row)
+    if row.get("card"):
+        result.setdefault("card", row["card"])
+    print(summary_line(row), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 def summary_line(row: dict[str, Any]) -> str:
