@@ -140,6 +140,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                                         if n in sg.graph.graph_input_names)},
         lifetimes=describe(sg.memory, sg.scheduler.nodes))
     compiled.stats["buffers"] = len(sg.memory.allocations)
+    compiled.stats["fallback_ops"] = fallback_ops(sg.graph)
     record_gemm_choices(compiled, sg.graph.gemm_selection)
     if sg.graph.sizevars.is_dynamic():
         compiled.stats["dynamic"] = dynamic_stats(sg.graph.sizevars)
@@ -155,6 +156,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             compile_all(compiled, chosen)
     _log_output_code(options, compiled)
     return compiled
+
+
+def fallback_ops(graph: GraphLowering) -> dict[str, int]:
+    """How many times each ATen op runs eagerly in the wrapper (a ``FallbackKernel``: no
+    lowering, or one that must stay eager), by ``aten.op.overload`` name."""
+    from .ir.extern import FallbackKernel
+
+    counts: dict[str, int] = {}
+    for buf in graph.buffers:
+        if isinstance(buf, FallbackKernel):
+            name = str(buf.op_overload)
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def dynamic_stats(sizevars: SizeVars) -> dict[str, Any]:

@@ -10,4 +10,12 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || .venv/bin/python -m pip install -q torch==2.13.0
+# The model suite (bench/suite/, tests/cpu/test_model_suite.py) needs torchvision, which
+# pins one torch release: 0.28.0 is torch 2.13.0's. Installed first and without its
+# dependencies, so that neither it nor timm's unpinned requirement on it replaces the
+# CPU torch (PyPI's torchvision is a CUDA build: its native ops do not load next to a
+# CPU torch, and bench/suite/tv_shim.py lets its Python half import).
+.venv/bin/python -m pip install -q --no-deps torchvision==0.28.0 pillow
 .venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" \
+  || { echo "setup.sh: torch is no longer 2.13.0" >&2; exit 1; }
