@@ -188,7 +188,7 @@ def peak_memory_mb(step: Step, inputs: Inputs) -> float:
 
 def compile_backend(name: str, dynamic: bool) -> Callable[[Any], Any]:
     if name == "kiln":
-        from kiln.frontend.backend import KilnFallbackWarning
+        from kiln.frontend.core.fallback import KilnFallbackWarning
 
         warnings.simplefilter("error", KilnFallbackWarning)
     return lambda f: torch.compile(f, backend=name, dynamic=True if dynamic else None)

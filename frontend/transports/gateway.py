@@ -1,5 +1,5 @@
 """A client of `kiln farm up`'s gateway (``workers.serve.gateway``): the farm over one TCP
-connection, without Ray. Connecting is a socket connect and ``farm_wire``'s handshake
+connection, without Ray. Connecting is a socket connect and ``workers.serve.wire``'s handshake
 (milliseconds), done in the background when the backend is first called. The gateway's
 answers are hostile until checked: every frame's tag under the session key, its fields'
 types, and then ``answer_to_graph`` as for any farm's answer."""

@@ -12,7 +12,7 @@ the child imports Ray, joins and finds the coordinator on its own core while Dyn
 AOTAutograd trace here, and then relays this process's calls
 (``compile``, ``tuned``, ``stats``) to the farm through its ``RayFarm``.
 
-The call ids, reader thread and futures are ``farm_relay.RelayFarm``'s. Wire: 8-byte
+The call ids, reader thread and futures are ``relay.RelayFarm``'s. Wire: 8-byte
 big-endian length, then a pickled tuple; (call id, method, args) down and
 (call id, ok, value, trace events) up, over a socketpair the child inherits (no name
 that another process could open). The child is Kiln's own process and relays what Ray

@@ -2,8 +2,8 @@
 ``RayFarm`` (``compile``, ``tuned``, ``stats``, ``release``) as numbered messages, one
 reader thread handing each answer to its caller's future, so that several graphs and
 background tuning lookups share the connection. Subclasses open the socket and frame the
-messages: ``farm_process.ProcessFarm`` (a child process that joins Ray) and
-``gateway_client.GatewayFarm`` (`kiln farm up`'s gateway, over TCP)."""
+messages: ``process.ProcessFarm`` (a child process that joins Ray) and
+``gateway.GatewayFarm`` (`kiln farm up`'s gateway, over TCP)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ clients on this machine (``KILN_FARM=local``) reach the farm without importing R
 It is a Ray driver of the farm (a ``RayFarm``, joined once when the farm comes up) that
 listens on a TCP port (127.0.0.1 unless `kiln farm up --host` names another address) and
 relays ``compile_raw``, ``tuned_raw`` and ``stats`` to the coordinator. The wire is
-``farm_wire``'s: msgpack frames, a handshake over the farm token, and every frame after it
+``wire``'s: msgpack frames, a handshake over the farm token, and every frame after it
 tagged. Every byte a connection sends is hostile: a frame over ``REQUEST_LIMIT``, a bad
 tag, a body that is not msgpack, an unknown call or a field of the wrong type is answered
 with an error naming it, and that connection (never the gateway) is closed. The gateway
@@ -80,7 +80,7 @@ def checked_call(message: Any) -> tuple[int, str, dict[str, Any]]:
 
 
 def error_fields(error: BaseException) -> dict[str, Any]:
-    """An exception as an answer's ``error`` map (``gateway_client.error_from`` reads it)."""
+    """An exception as an answer's ``error`` map (``frontend.transports.gateway.error_from`` reads it)."""
     from kiln.workers.pipeline import CompileFailure
 
     if isinstance(error, CompileFailure):
