@@ -69,19 +69,22 @@ def gpu_arch() -> int | None:
 
 
 def benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[int] = (),
-              arg_bytes: Sequence[int] = ()) -> list[float]:
+              arg_bytes: Sequence[int] = (), pacer: Any = None) -> list[float]:
     """Milliseconds per candidate on this GPU (infinity where a candidate fails). A kernel
     with dynamic sizes runs at one bucket's launch: its integer ``sizes`` arguments, on
-    scratch buffers of ``arg_bytes``."""
+    scratch buffers of ``arg_bytes``. ``pacer``: the GPU runs a program too, and each
+    group of launches waits for its turn (``workers.gpu_share``)."""
     if fake_autotune():
-        fake_gpu_work(len(binaries))
+        for _ in binaries:  # the fake's GPU time in turns, as a real benchmark's would be
+            with pacer.turn() if pacer is not None else contextlib.nullcontext():
+                fake_gpu_work(1)
         return fake_timings([b.config for b in binaries], sizes)
     import torch
 
     from kiln.compiler.autotune import time_candidates
 
     device = torch.device("cuda", torch.cuda.current_device())
-    return time_candidates(spec, binaries, device, sizes, tuple(arg_bytes) or None)
+    return time_candidates(spec, binaries, device, sizes, tuple(arg_bytes) or None, pacer)
 
 
 def fake_gemm_timings(count: int) -> dict[str, Any]:

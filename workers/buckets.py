@@ -46,8 +46,10 @@ def can_tune_buckets(request: CompileRequest) -> bool:
 def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
                  cache: KernelCache | None = None) -> CompiledGraph:
     """A copy of ``graph`` with a timed config for each (kernel, bucket) of ``seen``."""
+    from . import gpu_share
     from .autotune import benchmark
 
+    share = gpu_share.local_share()
     cache = cache or KernelCache()
     out = CompiledGraph.from_dict(graph.to_dict())
     specs = {spec.name: spec for spec in out.kernels}
@@ -62,9 +64,10 @@ def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
         candidates = [binaries.get(j.key) or KernelBinary(name, target, j.config)
                       for j in group]
         foreground.check_stopped()  # exit: not into another benchmark
-        with trace.span("bucket autotune benchmark", cat="autotune", kernel=name,
-                        bucket=bucket, candidates=len(group)):
-            timings = benchmark(specs[name], candidates, sizes, nbytes)
+        with share.tuning(), trace.span("bucket autotune benchmark", cat="autotune",
+                                        kernel=name, bucket=bucket, candidates=len(group),
+                                        gpu=share.stats.gpu):
+            timings = benchmark(specs[name], candidates, sizes, nbytes, pacer=share)
         if not any(math.isfinite(t) for t in timings):
             continue  # no candidate ran at this size: the heuristic config stays
         best, record = fastest(group, timings, candidates)
