@@ -144,12 +144,13 @@ class GpuShare:
 
     def __init__(self, device: Device | None, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] | None = None, lock: Any = None,
-                 slice_ms_: float | None = None, share_: float | None = None) -> None:
+                 slice_ms_: float | None = None, share_: float | None = None,
+                 name: str = "") -> None:
         self.device = device
         self.clock = clock
         self.slice_ms = slice_ms() if slice_ms_ is None else slice_ms_
         self.share = share() if share_ is None else share_
-        self.stats = ShareStats(gpu=device.name if device else "")
+        self.stats = ShareStats(gpu=device.name if device else name)
         self._lock = lock if lock is not None else threading.RLock()
         self._cond = threading.Condition()
         self._sleep = sleep
@@ -458,7 +459,8 @@ def local_share() -> GpuShare:
     with _shares_lock:
         if index not in _shares:
             device = None if index < 0 else TorchDevice(index)
-            _shares[index] = GpuShare(device, lock=GPU_WORK_LOCK)
+            _shares[index] = GpuShare(device, lock=GPU_WORK_LOCK,
+                                      name="" if device else "fake GPU")
         return _shares[index]
 
 
