@@ -146,6 +146,9 @@ class Autotuner:
     def benchmark_gemm(self, problem: dict[str, Any], specs: list[dict[str, Any]],
                        binaries: list[dict[str, Any] | None]) -> dict[str, Any]:
         """The extern call and each template config of one matmul problem, timed."""
+        from . import gpu_share
+
         return autotune.benchmark_gemm(
             GemmProblem.from_dict(problem), [KernelSpec.from_dict(s) for s in specs],
-            [None if b is None else KernelBinary.from_dict(b) for b in binaries])
+            [None if b is None else KernelBinary.from_dict(b) for b in binaries],
+            pacer=gpu_share.farm_pacer())
