@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +52,10 @@ FIRST_BUDGET_MS = 0.25  # a turn's budget before any call's time is known
 IDLE_S = 0.05  # no call for this long: the program is doing something else
 SLOW_RATIO = 1.1  # a call this much over its steady time counts as slowed
 CLEAN_CALLS = 3  # calls with no turn beside them before a graph's steady time is known
+# While tuning compiles candidates here, a thread running Python keeps the GIL up to the
+# interpreter's switch interval before a waiting thread gets it: the program's call would
+# wait that long (several times a short call) behind a candidate's compile.
+SWITCH_S = 0.0005
 
 
 def _env_float(name: str, default: float) -> float:
@@ -164,6 +169,7 @@ class GpuShare:
         self._pending: deque[_Call] = deque(maxlen=256)  # calls whose events are not done
         self._graphs: dict[str, _Graph] = {}
         self._tuning = 0
+        self._switch = sys.getswitchinterval()
         self._taken: dict[str, float] = {}
 
     # -- the program's side (``frontend.core.hotswap``) -----------------------------
@@ -193,14 +199,20 @@ class GpuShare:
 
     @contextmanager
     def tuning(self) -> Iterator[None]:
-        """Tuning runs here for the block: calls are reported meanwhile."""
+        """Tuning runs here for the block: calls are reported meanwhile, and the GIL
+        changes hands sooner (``SWITCH_S``)."""
         with self._cond:
             self._tuning += 1
+            if self._tuning == 1:
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._switch, SWITCH_S))
         try:
             yield
         finally:
             with self._cond:
                 self._tuning -= 1
+                if self._tuning == 0:
+                    sys.setswitchinterval(self._switch)
 
     def budget_ms(self) -> float:
         """A turn's budget: ``share`` of the fastest graph's steady time (calls overlap

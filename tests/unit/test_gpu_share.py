@@ -174,3 +174,15 @@ def test_the_farm_shares_its_gpu_as_told(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_only_kernels_far_from_the_roofline_are_worth_tuning(
         nbytes: int, ms: float, peak: float | None, worth: bool) -> None:
     assert worth_tuning(nbytes, ms, peak) is worth
+
+
+def test_while_tuning_runs_the_gil_changes_hands_sooner() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    share = _share(FakeClock())
+    with share.tuning():
+        with share.tuning():  # (nested: a graph's tuning and a bucket's)
+            assert sys.getswitchinterval() == min(before, gpu_share.SWITCH_S)
+        assert sys.getswitchinterval() == min(before, gpu_share.SWITCH_S)
+    assert sys.getswitchinterval() == before
