@@ -156,16 +156,18 @@ def _time_paced(spec: KernelSpec, binaries: list[KernelBinary], device: torch.de
 def time_sliced(run: Any, args: list[Any], pacer: Any, reps: int = PACED_REPS,
                 launches: Any = None) -> float:
     """Median milliseconds of one launch, timed in the pacer's turns: as many launches
-    per turn as its budget holds (one at first), a warm-up launch alone first; infinity
+    per turn as its budget holds (one at first, after a warm-up launch); infinity
     for a launch too long for any turn (``OVER_BUDGET``). ``launches(run, args, n)``:
     the milliseconds of ``n`` launches (CUDA events; a stand-in in tests)."""
     launches = launches or _timed_launches
     times: list[float] = []
     estimate: float | None = None
-    with pacer.turn():
-        run(*args)
+    first = True
     while len(times) < reps:
         with pacer.turn() as budget:
+            if first:  # the warm-up launch (a cubin's load), then one timed launch
+                run(*args)
+                first = False
             count = reps if not math.isfinite(budget) else (
                 1 if estimate is None else int(budget // max(estimate, 1e-3)))
             times.extend(launches(run, args, max(1, min(count, reps - len(times)))))

@@ -158,6 +158,7 @@ class GpuShare:
         self.stats = ShareStats(gpu=device.name if device else name)
         self._lock = lock if lock is not None else threading.RLock()
         self._cond = threading.Condition()
+        self._settle_lock = threading.Lock()
         self._sleep = sleep
         self._ended = 0  # calls ended so far
         self._ended_at_turn = 0
@@ -216,12 +217,17 @@ class GpuShare:
 
     def budget_ms(self) -> float:
         """A turn's budget: ``share`` of the fastest graph's steady time (calls overlap
-        one turn at most), at most ``slice_ms``."""
-        self._settle()
-        known = [s for g in self._graphs.values() if (s := g.steady()) is not None]
+        one turn at most), at most ``slice_ms``; ``slice_ms`` while the program is idle."""
+        known = self._steady_times()
+        if self.clock() - self._last_call >= IDLE_S:
+            return self.slice_ms
         if not known:
             return min(self.slice_ms, FIRST_BUDGET_MS)
         return min(self.slice_ms, self.share * min(known))
+
+    def _steady_times(self) -> list[float]:
+        self._settle()
+        return [s for g in self._graphs.values() if (s := g.steady()) is not None]
 
     @contextmanager
     def turn(self) -> Iterator[float]:
@@ -263,20 +269,31 @@ class GpuShare:
         stats.first_turn = stats.first_turn or stats.last_turn
 
     def _wait_for_turn(self) -> None:
-        """Until a call ended since the last turn (or none came for ``IDLE_S``), no call
-        is starting on the host, and the rest after the last turn is over."""
+        """Until a call ended since the last turn with the calls' steady time known (or
+        none came for ``IDLE_S``), no call is starting on the host, and the rest after
+        the last turn is over."""
         from kiln.workers import foreground
 
         with self._cond:
             while True:
                 foreground.check_stopped()
                 now = self.clock()
-                ready = (self._ended > self._ended_at_turn
-                         or now - self._last_call >= IDLE_S)
+                idle = now - self._last_call >= IDLE_S
+                # A loop's first calls set the budget: no turn beside them until then.
+                ready = idle or (self._ended > self._ended_at_turn and self._knows_steady())
                 if ready and now >= self._rest_until and not self._in_call:
                     return
                 wait = max(self._rest_until - now, 0.0) if ready else IDLE_S
                 self._pause(max(wait, 1e-4))
+
+    def _knows_steady(self) -> bool:
+        """Whether a steady time is known (called holding ``_cond``, released meanwhile:
+        timing the calls queries their events)."""
+        self._cond.release()
+        try:
+            return bool(self._steady_times())
+        finally:
+            self._cond.acquire()
 
     def _pause(self, seconds: float) -> None:
         """Sleep (the fake clock's ``sleep`` in tests), waking early for a call's end."""
@@ -291,7 +308,11 @@ class GpuShare:
 
     def _settle(self) -> None:
         """Time the calls whose events are done: clean ones make a graph's steady time,
-        those beside a turn count as slowed when over it."""
+        those beside a turn count as slowed when over it (one tuning thread at a time)."""
+        with self._settle_lock:
+            self._settle_done()
+
+    def _settle_done(self) -> None:
         with self._cond:
             pending = list(self._pending)
         done = []
@@ -537,12 +558,25 @@ def _farm_stream() -> tuple[str, Any]:
     return device.name, lambda: device.turn_stream(None)
 
 
+_peaks: dict[int, float | None] = {}
+
+
 def peak_gb_s(pacer: Pacer) -> float | None:
-    """The GPU's bandwidth (GB/s) from one device-to-device copy, timed in a turn."""
+    """The GPU's bandwidth (GB/s) from one device-to-device copy, timed in a turn (once
+    per GPU)."""
     from .autotune import fake_autotune
 
     if fake_autotune():
         return None
+    import torch
+
+    index = torch.cuda.current_device()
+    if index not in _peaks:
+        _peaks[index] = _copy_gb_s(pacer)
+    return _peaks[index]
+
+
+def _copy_gb_s(pacer: Pacer) -> float | None:
     import torch
 
     with pacer.turn():

@@ -124,9 +124,9 @@ def test_a_benchmark_fits_its_launches_in_the_turns() -> None:
     launches, pacer = _Launches(0.1), _Pacer(0.45)
     ran: list[int] = []
     ms = time_sliced(lambda: ran.append(1), [], pacer, reps=10, launches=launches)
-    assert ms == pytest.approx(0.1) and ran == [1]  # the warm-up launch, alone
+    assert ms == pytest.approx(0.1) and ran == [1]  # the warm-up launch
     assert launches.per_turn == [1, 4, 4, 1]  # one first, then what a turn holds
-    assert pacer.turns == 5
+    assert pacer.turns == 4
 
 
 def test_a_launch_too_long_for_any_turn_is_never_chosen() -> None:
@@ -186,3 +186,13 @@ def test_while_tuning_runs_the_gil_changes_hands_sooner() -> None:
             assert sys.getswitchinterval() == min(before, gpu_share.SWITCH_S)
         assert sys.getswitchinterval() == min(before, gpu_share.SWITCH_S)
     assert sys.getswitchinterval() == before
+
+
+def test_no_turn_beside_a_loops_first_calls_and_a_whole_slice_when_idle() -> None:
+    clock = FakeClock()
+    share = _share(clock)
+    _call(share, clock, 4.0)  # one call: its steady time is not known yet
+    start = clock.t
+    with share.turn() as budget:  # so the turn waits until the program looks idle
+        assert clock.t - start >= IDLE_S - 1e-9
+        assert budget == 2.0  # and, idle, the turn may take the whole slice
