@@ -394,14 +394,17 @@ def tunable(compiled: CompiledGraph, target: dict[str, Any]) -> bool:
 
 
 def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
-                       cache: KernelCache | None = None) -> CompiledGraph:
+                       cache: KernelCache | None = None, *, beside_program: bool = True
+                       ) -> CompiledGraph:
     """The graph with kernels' candidates compiled and timed on this process's GPU
     (``workers.autotune.benchmark``), the fastest chosen: what a client runs in the
     background after its first output came from heuristic configs. The GPU runs the
     user's program meanwhile: every launch waits for a turn of ``workers.gpu_share``;
     each kernel's heuristic config is timed first, and only kernels it leaves far from
     the roofline (``worth_tuning``), the slowest first, have their other candidates
-    compiled and timed."""
+    compiled and timed. ``beside_program=False``: a GPU worker with no program of its
+    own (``kiln precompile --gpu-worker``) times every candidate, in turns only where
+    another process computes on its GPU (``gpu_share.farm_pacer``)."""
     from . import gpu_share
 
     cache = cache or KernelCache()
@@ -409,18 +412,24 @@ def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
     compiled.stats.pop("autotune_pending", None)
     start = time.perf_counter()
     jobs = kernel_jobs(compiled, target, autotune=True)
-    share = gpu_share.local_share()
-    with share.tuning(), trace.span("autotune beside the program", cat="autotune",
-                                    gpu=share.stats.gpu):
-        chosen, timed = _tune_sliced(jobs, cache, share)
-    compiled.stats["gpu_share"] = {"skipped_near_roofline": sum(
-        1 for records in timed.values() if records and records[0].get("kept"))}
+    if beside_program:
+        share = gpu_share.local_share()
+        with share.tuning(), trace.span("autotune beside the program", cat="autotune",
+                                        gpu=share.stats.gpu):
+            chosen, timed = _tune_sliced(jobs, cache, share, share.stats.gpu)
+        compiled.stats["gpu_share"] = {"skipped_near_roofline": sum(
+            1 for records in timed.values() if records and records[0].get("kept"))}
+    else:
+        chosen, timed = _tune_sliced(jobs, cache, gpu_share.farm_pacer(), "local",
+                                     every_kernel=True)
     return finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
 
 
-def _tune_sliced(jobs: dict[str, list[KernelJob]], cache: KernelCache, share: Any
+def _tune_sliced(jobs: dict[str, list[KernelJob]], cache: KernelCache, pacer: Any,
+                 gpu: str, every_kernel: bool = False
                  ) -> tuple[dict[str, KernelBinary], dict[str, list[dict[str, Any]]]]:
-    """Each kernel's chosen binary and its timing record (see ``autotune_inprocess``)."""
+    """Each kernel's chosen binary and its timing record (see ``autotune_inprocess``);
+    ``pacer`` None: the GPU is the tuner's own."""
     from . import gpu_share
     from .autotune import benchmark
 
@@ -430,21 +439,22 @@ def _tune_sliced(jobs: dict[str, list[KernelJob]], cache: KernelCache, share: An
     for name, group in jobs.items():
         if len(group) > 1:
             foreground.wait_idle()
-            with trace.span("autotune heuristic", cat="autotune", kernel=name,
-                            gpu=share.stats.gpu):
-                first[name] = benchmark(group[0].spec, [heuristics[name]], pacer=share)[0]
-    peak = gpu_share.peak_gb_s(share) if first else None
+            with trace.span("autotune heuristic", cat="autotune", kernel=name, gpu=gpu):
+                first[name] = benchmark(group[0].spec, [heuristics[name]], pacer=pacer)[0]
+    peak = gpu_share.peak_gb_s(pacer or gpu_share.Unpaced()) if first and not every_kernel \
+        else None
     timed: dict[str, list[dict[str, Any]]] = {}
     for name in sorted(first, key=lambda n: -first[n] if math.isfinite(first[n]) else -1e9):
         group = jobs[name]
-        if not gpu_share.worth_tuning(sum(group[0].spec.arg_bytes), first[name], peak):
+        if not every_kernel and not gpu_share.worth_tuning(
+                sum(group[0].spec.arg_bytes), first[name], peak):
             timed[name] = [{"config": group[0].config, "ms": first[name], "kept": True}]
             continue
         rest = cache.compile_all(group[1:])
         foreground.wait_idle()
-        with trace.span("autotune benchmark", cat="autotune", kernel=name,
-                        gpu=share.stats.gpu, candidates=len(group)):
-            timings = [first[name], *benchmark(group[0].spec, rest, pacer=share)]
+        with trace.span("autotune benchmark", cat="autotune", kernel=name, gpu=gpu,
+                        candidates=len(group)):
+            timings = [first[name], *benchmark(group[0].spec, rest, pacer=pacer)]
         chosen[name], timed[name] = fastest(group, timings, [heuristics[name], *rest])
     return chosen, timed
 
