@@ -134,6 +134,7 @@ class _Call:
     start: Any
     end: Any = None
     beside_turn: bool = False
+    wall_us: float = 0.0  # when it began, on the timeline's clock
 
 
 @dataclass
@@ -183,7 +184,7 @@ class GpuShare:
         start = self.device.mark() if self.device else self.clock()
         with self._cond:
             self._in_call += 1
-            return _Call(graph, start, beside_turn=self._in_turn)
+            return _Call(graph, start, beside_turn=self._in_turn, wall_us=trace.now_us())
 
     def call_end(self, call: _Call) -> None:
         call.end = self.device.mark() if self.device else self.clock()
@@ -349,6 +350,10 @@ class GpuShare:
         if ratio > SLOW_RATIO:
             stats.slowed_calls += 1
             stats.slowed_ms += ms - steady
+            trace.complete("call slowed by tuning", call.wall_us, call.wall_us + 1000 * ms,
+                           cat="autotune", gpu=stats.gpu, graph=call.graph[:16],
+                           ms=round(ms, 4), steady_ms=round(steady, 4),
+                           ratio=round(ratio, 3))
 
     def take_counters(self) -> dict[str, Any]:
         """``kiln stats``'s ``gpu_share`` counters since the last take, by GPU (with the

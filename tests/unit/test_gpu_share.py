@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kiln.compiler import trace
 from kiln.compiler.autotune import OVER_BUDGET, time_sliced
 from kiln.workers import gpu_share
 from kiln.workers.gpu_share import IDLE_S, DutyCycle, GpuShare, worth_tuning
@@ -76,7 +77,7 @@ def test_turns_come_one_per_call_and_rest_for_the_share() -> None:
 def test_calls_beside_a_turn_count_as_slowed_by_their_time_over_steady() -> None:
     clock = FakeClock()
     share = _share(clock)
-    with share.tuning():
+    with share.tuning(), trace.capture() as events:
         assert share.watching()
         for _ in range(4):
             _call(share, clock, 4.0)
@@ -84,6 +85,10 @@ def test_calls_beside_a_turn_count_as_slowed_by_their_time_over_steady() -> None
             _call(share, clock, 5.0)  # ran beside the turn: 1 ms over steady
         _call(share, clock, 4.0)
         counts = share.take_counters()["gpu_share"]["gpu"]
+    slowed = [e for e in events if e["name"] == "call slowed by tuning"]
+    assert len(slowed) == 1 and slowed[0]["args"]["ratio"] == pytest.approx(1.25)
+    assert slowed[0]["dur"] == pytest.approx(5000)  # microseconds, the call's time
+    assert [e["name"] for e in events].count("gpu turn") == 1
     assert not share.watching()
     assert counts["turns"] == 1 and counts["calls_timed"] == 6
     assert counts["calls_beside_turns"] == 1 and counts["slowed_calls"] == 1
