@@ -10,6 +10,11 @@ finishes with the kernels it started with and the next call runs the tuned ones;
 lock is taken on the call path. ``kiln stats`` counts each switch (``hot_swaps``) and
 each bucket tuned (``bucket_tunes``).
 
+While tuning runs in this process, each call reports its begin and end to the GPU's
+share (``workers.gpu_share``), which fits the benchmarks' turns between calls and counts
+the calls they slowed. Before a switch the new kernels' cubins finish loading on the
+tuning thread, so the first call after it loads nothing.
+
 A tuning that fails leaves the heuristic kernels running: one warning (from the tuning
 thread), and no more tuning of that graph in this process.
 
