@@ -106,27 +106,89 @@ def autotune_kernel(spec: KernelSpec, target: dict[str, Any], device: torch.devi
 
 
 def time_candidates(spec: KernelSpec, binaries: list[KernelBinary], device: torch.device,
-                    sizes: Sequence[int] = (), arg_bytes: tuple[int, ...] | None = None
-                    ) -> list[float]:
+                    sizes: Sequence[int] = (), arg_bytes: tuple[int, ...] | None = None,
+                    pacer: Any = None) -> list[float]:
     """Median milliseconds of each candidate binary of ``spec`` on scratch arguments
     (``arg_bytes`` where given, then the integer ``sizes`` of a dynamic kernel's bucket);
     infinity where one does not run (resources). Never during a CUDA graph capture of
-    this process: the benchmark's allocations and syncs would invalidate it."""
+    this process: the benchmark's allocations and syncs would invalidate it. ``pacer``
+    (``workers.gpu_share``): the GPU is shared with a program, and each group of launches
+    waits for a turn that the pacer grants (and that holds the capture lock itself)."""
     from .runtime.cudagraphs import GPU_WORK_LOCK
-    from .runtime.triton_launcher import TritonLauncher
 
+    if pacer is not None:
+        return _time_paced(spec, binaries, device, sizes, arg_bytes, pacer)
     with GPU_WORK_LOCK:
         args: list[Any] = [*scratch_args(spec, device, arg_bytes), *sizes]
-        timings = []
-        for binary in binaries:
-            try:
-                launcher = TritonLauncher(spec, binary.config, "binary", binary)
-                timings.append(time_launch(launcher.run, args))
-            except Exception as e:  # a candidate that cannot run is never chosen
-                log.warning("kiln autotune: kernel %s config %s failed: %s", spec.name,
-                            binary.config, e)
-                timings.append(math.inf)
-        return timings
+        return [_time_one(spec, binary, lambda run: time_launch(run, args))
+                for binary in binaries]
+
+
+def _time_one(spec: KernelSpec, binary: KernelBinary, timer: Any) -> float:
+    """``timer(launch)`` for one candidate; infinity where it cannot run."""
+    from .runtime.triton_launcher import TritonLauncher
+
+    try:
+        launcher = TritonLauncher(spec, binary.config, "binary", binary)
+        return float(timer(launcher.run))
+    except Exception as e:  # a candidate that cannot run is never chosen
+        log.warning("kiln autotune: kernel %s config %s failed: %s", spec.name,
+                    binary.config, e)
+        return math.inf
+
+
+# Timed launches of one candidate on a shared GPU (fewer than alone: turns are short).
+PACED_REPS = 10
+# A candidate whose one launch takes this many turn budgets cannot share the GPU with the
+# program: it is never chosen (the heuristic config is measured first, and stays).
+OVER_BUDGET = 2.0
+
+
+def _time_paced(spec: KernelSpec, binaries: list[KernelBinary], device: torch.device,
+                sizes: Sequence[int], arg_bytes: tuple[int, ...] | None, pacer: Any
+                ) -> list[float]:
+    with pacer.turn():  # scratch buffers are filled on the turn's stream too
+        args: list[Any] = [*scratch_args(spec, device, arg_bytes), *sizes]
+    return [_time_one(spec, binary, lambda run: time_sliced(run, args, pacer))
+            for binary in binaries]
+
+
+def time_sliced(run: Any, args: list[Any], pacer: Any, reps: int = PACED_REPS,
+                launches: Any = None) -> float:
+    """Median milliseconds of one launch, timed in the pacer's turns: as many launches
+    per turn as its budget holds (one at first, after a warm-up launch); infinity
+    for a launch too long for any turn (``OVER_BUDGET``). ``launches(run, args, n)``:
+    the milliseconds of ``n`` launches (CUDA events; a stand-in in tests)."""
+    launches = launches or _timed_launches
+    times: list[float] = []
+    estimate: float | None = None
+    first = True
+    while len(times) < reps:
+        with pacer.turn() as budget:
+            if first:  # the warm-up launch (a cubin's load), then one timed launch
+                run(*args)
+                first = False
+            count = reps if not math.isfinite(budget) else (
+                1 if estimate is None else int(budget // max(estimate, 1e-3)))
+            times.extend(launches(run, args, max(1, min(count, reps - len(times)))))
+        estimate = statistics.median(times)
+        if estimate > OVER_BUDGET * budget:
+            log.debug("kiln autotune: a launch takes %.3f ms, over a turn's %.3f ms",
+                      estimate, budget)
+            return math.inf
+    return statistics.median(times)
+
+
+def _timed_launches(run: Any, args: list[Any], count: int) -> list[float]:
+    events = []
+    for _ in range(count):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(*args)
+        end.record()
+        events.append((start, end))
+    events[-1][1].synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def autotune_graph(compiled: CompiledGraph, target: dict[str, Any],

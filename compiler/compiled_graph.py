@@ -93,6 +93,7 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     exec(code, namespace)
     call = namespace["call"]
     call._boxed_call = True
+    call.launchers = [namespace[spec.name] for spec in compiled.kernels]  # (hot swaps)
     return call  # type: ignore[no-any-return]
 
 

@@ -18,7 +18,13 @@ it itself). Benchmarks that need the tuned artifact wait for it
 (``client.wait_for_background``) or set a longer wait.
 A process that uses a farm waits before it lets the farm go (``frontend.transports.modes`` and
 ``frontend.transports.process`` call ``wait_at_exit`` first), since its tuning asks the farm.
-No GPU of the target's arch means nothing runs here (CPU graphs never tune).
+No GPU of the target's arch means nothing runs here (CPU graphs never tune). With a farm
+up nothing is benchmarked here at all (``KilnClient.farm_serves``): the farm's GPU
+autotuners tune and the tuned graph comes back in the farm's answer.
+
+Tuning in this process shares the GPU with the program's calls: every benchmark launch
+waits for a turn (``workers.gpu_share``), a small part of a call's time each, between
+the calls; only kernels far from the roofline are tuned.
 
 Tuning in this process waits for the graph's first output (``hold``): its candidate
 compiles would otherwise take the CPUs and the GIL from the rest of the first call

@@ -129,12 +129,26 @@ class Autotuner:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def benchmark(self, spec: dict[str, Any], binaries: list[dict[str, Any]]) -> list[float]:
+        """Each candidate's milliseconds; in turns (``workers.gpu_share.DutyCycle``) while
+        another process computes on this GPU (a client beside a one-GPU farm)."""
+        from . import gpu_share
+
         return autotune.benchmark(KernelSpec.from_dict(spec),
-                                  [KernelBinary.from_dict(b) for b in binaries])
+                                  [KernelBinary.from_dict(b) for b in binaries],
+                                  pacer=gpu_share.farm_pacer())
+
+    def share_stats(self) -> dict[str, Any]:
+        """What pacing on a shared GPU did (``kiln stats``): turns and their time."""
+        from . import gpu_share
+
+        return gpu_share.farm_stats()
 
     def benchmark_gemm(self, problem: dict[str, Any], specs: list[dict[str, Any]],
                        binaries: list[dict[str, Any] | None]) -> dict[str, Any]:
         """The extern call and each template config of one matmul problem, timed."""
+        from . import gpu_share
+
         return autotune.benchmark_gemm(
             GemmProblem.from_dict(problem), [KernelSpec.from_dict(s) for s in specs],
-            [None if b is None else KernelBinary.from_dict(b) for b in binaries])
+            [None if b is None else KernelBinary.from_dict(b) for b in binaries],
+            pacer=gpu_share.farm_pacer())

@@ -69,19 +69,22 @@ def gpu_arch() -> int | None:
 
 
 def benchmark(spec: KernelSpec, binaries: list[KernelBinary], sizes: Sequence[int] = (),
-              arg_bytes: Sequence[int] = ()) -> list[float]:
+              arg_bytes: Sequence[int] = (), pacer: Any = None) -> list[float]:
     """Milliseconds per candidate on this GPU (infinity where a candidate fails). A kernel
     with dynamic sizes runs at one bucket's launch: its integer ``sizes`` arguments, on
-    scratch buffers of ``arg_bytes``."""
+    scratch buffers of ``arg_bytes``. ``pacer``: the GPU runs a program too, and each
+    group of launches waits for its turn (``workers.gpu_share``)."""
     if fake_autotune():
-        fake_gpu_work(len(binaries))
+        for _ in binaries:  # the fake's GPU time in turns, as a real benchmark's would be
+            with pacer.turn() if pacer is not None else contextlib.nullcontext():
+                fake_gpu_work(1)
         return fake_timings([b.config for b in binaries], sizes)
     import torch
 
     from kiln.compiler.autotune import time_candidates
 
     device = torch.device("cuda", torch.cuda.current_device())
-    return time_candidates(spec, binaries, device, sizes, tuple(arg_bytes) or None)
+    return time_candidates(spec, binaries, device, sizes, tuple(arg_bytes) or None, pacer)
 
 
 def fake_gemm_timings(count: int) -> dict[str, Any]:
@@ -91,32 +94,39 @@ def fake_gemm_timings(count: int) -> dict[str, Any]:
 
 
 def benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
-                   binaries: list[KernelBinary | None]) -> dict[str, Any]:
+                   binaries: list[KernelBinary | None], pacer: Any = None) -> dict[str, Any]:
     """Milliseconds of the extern call and of each template config (infinity where one
     fails) for ``problem`` on this GPU, and of a round trip of its output through memory
-    (what an unfused epilogue costs the extern call)."""
+    (what an unfused epilogue costs the extern call). ``pacer``: the GPU is shared, and
+    each timing takes turns (``workers.gpu_share``)."""
     if fake_autotune():
-        fake_gpu_work(1 + len(specs))
+        for _ in range(1 + len(specs)):
+            with pacer.turn() if pacer is not None else contextlib.nullcontext():
+                fake_gpu_work(1)
         return fake_gemm_timings(len(specs))
     from kiln.compiler.runtime.cudagraphs import GPU_WORK_LOCK
 
     with GPU_WORK_LOCK:  # never during a CUDA graph capture of this process
-        return _benchmark_gemm(problem, specs, binaries)
+        return _benchmark_gemm(problem, specs, binaries, pacer)
 
 
 def _benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
-                    binaries: list[KernelBinary | None]) -> dict[str, Any]:
+                    binaries: list[KernelBinary | None], pacer: Any = None
+                    ) -> dict[str, Any]:
     import torch
 
-    from kiln.compiler.autotune import time_launch
+    from kiln.compiler.autotune import time_launch, time_sliced
     from kiln.compiler.runtime.triton_launcher import TritonLauncher
+
+    def timed(run: Any, args: list[Any]) -> float:
+        return time_launch(run, args) if pacer is None else time_sliced(run, args, pacer)
 
     device = torch.device("cuda", torch.cuda.current_device())
     a, b, out = gemm_operands(problem, device)
     extern = torch.bmm if problem.op == "bmm" else torch.mm
     ca, cb = a.to(problem.torch_dtype), b.to(problem.torch_dtype)
     with library_precision(problem):
-        extern_ms = time_launch(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
+        extern_ms = timed(lambda x, y, o: extern(x, y, out=o), [ca, cb, out])
     expected = out.float()
     template_ms = []
     for spec, binary in zip(specs, binaries):
@@ -126,13 +136,13 @@ def _benchmark_gemm(problem: GemmProblem, specs: list[KernelSpec],
             out.zero_()
             launcher.run(a, b, out)
             check_product(out, expected, problem)
-            template_ms.append(time_launch(launcher.run, [a, b, out]))
+            template_ms.append(timed(launcher.run, [a, b, out]))
         except Exception as e:  # a config that cannot run here is never chosen
             log.warning("kiln autotune: GEMM template %s config %s failed: %s", spec.name,
                         spec.configs[0], e)
             template_ms.append(math.inf)
     copy = torch.empty_like(out)
-    round_trip_ms = time_launch(lambda src, dst: dst.copy_(src), [out, copy])
+    round_trip_ms = timed(lambda src, dst: dst.copy_(src), [out, copy])
     return {"extern_ms": extern_ms, "template_ms": template_ms, "round_trip_ms": round_trip_ms}
 
 

@@ -45,10 +45,19 @@ def can_tune_buckets(request: CompileRequest) -> bool:
 
 def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
                  cache: KernelCache | None = None) -> CompiledGraph:
-    """A copy of ``graph`` with a timed config for each (kernel, bucket) of ``seen``."""
+    """A copy of ``graph`` with a timed config for each (kernel, bucket) of ``seen``; the
+    compiles and benchmarks share the program's GPU and GIL (``workers.gpu_share``)."""
+    from . import gpu_share
+
+    share = gpu_share.local_share()
+    with share.tuning():
+        return _tune_buckets(graph, target, seen, cache or KernelCache(), share)
+
+
+def _tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
+                  cache: KernelCache, share: Any) -> CompiledGraph:
     from .autotune import benchmark
 
-    cache = cache or KernelCache()
     out = CompiledGraph.from_dict(graph.to_dict())
     specs = {spec.name: spec for spec in out.kernels}
     todo = [(name, bucket) for name, bucket in seen if name in specs]
@@ -63,8 +72,8 @@ def tune_buckets(graph: CompiledGraph, target: dict[str, Any], seen: Seen,
                       for j in group]
         foreground.check_stopped()  # exit: not into another benchmark
         with trace.span("bucket autotune benchmark", cat="autotune", kernel=name,
-                        bucket=bucket, candidates=len(group)):
-            timings = benchmark(specs[name], candidates, sizes, nbytes)
+                        bucket=bucket, candidates=len(group), gpu=share.stats.gpu):
+            timings = benchmark(specs[name], candidates, sizes, nbytes, pacer=share)
         if not any(math.isfinite(t) for t in timings):
             continue  # no candidate ran at this size: the heuristic config stays
         best, record = fastest(group, timings, candidates)

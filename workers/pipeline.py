@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -393,32 +394,69 @@ def tunable(compiled: CompiledGraph, target: dict[str, Any]) -> bool:
 
 
 def autotune_inprocess(heuristic: CompiledGraph, target: dict[str, Any],
-                       cache: KernelCache | None = None) -> CompiledGraph:
-    """The graph with each kernel's candidates compiled and timed on this process's GPU
+                       cache: KernelCache | None = None, *, beside_program: bool = True
+                       ) -> CompiledGraph:
+    """The graph with kernels' candidates compiled and timed on this process's GPU
     (``workers.autotune.benchmark``), the fastest chosen: what a client runs in the
-    background after its first output came from heuristic configs."""
-    from .autotune import benchmark
+    background after its first output came from heuristic configs. The GPU runs the
+    user's program meanwhile: every launch waits for a turn of ``workers.gpu_share``;
+    each kernel's heuristic config is timed first, and only kernels it leaves far from
+    the roofline (``worth_tuning``), the slowest first, have their other candidates
+    compiled and timed. ``beside_program=False``: a GPU worker with no program of its
+    own (``kiln precompile --gpu-worker``) times every candidate, in turns only where
+    another process computes on its GPU (``gpu_share.farm_pacer``)."""
+    from . import gpu_share
 
     cache = cache or KernelCache()
     compiled = CompiledGraph.from_dict(heuristic.to_dict())
     compiled.stats.pop("autotune_pending", None)
     start = time.perf_counter()
     jobs = kernel_jobs(compiled, target, autotune=True)
-    flat = [job for group in jobs.values() for job in group]
-    binaries = dict(zip((j.key for j in flat), cache.compile_all(flat)))
-    chosen: dict[str, KernelBinary] = {}
-    timed: dict[str, list[dict[str, Any]]] = {}
-    for name, group in jobs.items():
-        candidates = [binaries[j.key] for j in group]
-        if len(group) == 1:
-            chosen[name] = candidates[0]
-            continue
-        foreground.wait_idle()
-        with trace.span("autotune benchmark", cat="autotune", kernel=name, gpu="local",
-                        candidates=len(group)):
-            timings = benchmark(group[0].spec, candidates)
-        chosen[name], timed[name] = fastest(group, timings, candidates)
+    if beside_program:
+        share = gpu_share.local_share()
+        with share.tuning(), trace.span("autotune beside the program", cat="autotune",
+                                        gpu=share.stats.gpu):
+            chosen, timed = _tune_sliced(jobs, cache, share, share.stats.gpu)
+        compiled.stats["gpu_share"] = {"skipped_near_roofline": sum(
+            1 for records in timed.values() if records and records[0].get("kept"))}
+    else:
+        chosen, timed = _tune_sliced(jobs, cache, gpu_share.farm_pacer(), "local",
+                                     every_kernel=True)
     return finish(compiled, chosen, autotune=timed, kernel_wall_s=time.perf_counter() - start)
+
+
+def _tune_sliced(jobs: dict[str, list[KernelJob]], cache: KernelCache, pacer: Any,
+                 gpu: str, every_kernel: bool = False
+                 ) -> tuple[dict[str, KernelBinary], dict[str, list[dict[str, Any]]]]:
+    """Each kernel's chosen binary and its timing record (see ``autotune_inprocess``);
+    ``pacer`` None: the GPU is the tuner's own."""
+    from . import gpu_share
+    from .autotune import benchmark
+
+    heuristics = dict(zip(jobs, cache.compile_all([group[0] for group in jobs.values()])))
+    chosen: dict[str, KernelBinary] = dict(heuristics)
+    first: dict[str, float] = {}
+    for name, group in jobs.items():
+        if len(group) > 1:
+            foreground.wait_idle()
+            with trace.span("autotune heuristic", cat="autotune", kernel=name, gpu=gpu):
+                first[name] = benchmark(group[0].spec, [heuristics[name]], pacer=pacer)[0]
+    peak = gpu_share.peak_gb_s(pacer or gpu_share.Unpaced()) if first and not every_kernel \
+        else None
+    timed: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted(first, key=lambda n: -first[n] if math.isfinite(first[n]) else -1e9):
+        group = jobs[name]
+        if not every_kernel and not gpu_share.worth_tuning(
+                sum(group[0].spec.arg_bytes), first[name], peak):
+            timed[name] = [{"config": group[0].config, "ms": first[name], "kept": True}]
+            continue
+        rest = cache.compile_all(group[1:])
+        foreground.wait_idle()
+        with trace.span("autotune benchmark", cat="autotune", kernel=name, gpu=gpu,
+                        candidates=len(group)):
+            timings = [first[name], *benchmark(group[0].spec, rest, pacer=pacer)]
+        chosen[name], timed[name] = fastest(group, timings, [heuristics[name], *rest])
+    return chosen, timed
 
 
 def local_autotune(request: CompileRequest) -> bool:

@@ -226,6 +226,24 @@ def prefetch_all(launchers: Iterable[Any]) -> None:
             kernel._pending = future
 
 
+def wait_prefetched(launchers: Iterable[Any]) -> int:
+    """Wait for the cubin loads ``prefetch_all`` started (a graph about to replace one
+    that runs: its first call then loads nothing); the number waited for. A load that
+    failed is left to the kernel's first launch, which reports it."""
+    waited = 0
+    for launcher in launchers:
+        kernel = launcher if isinstance(launcher, StaticCudaKernel) \
+            else getattr(launcher, "default", None)
+        pending = getattr(kernel, "_pending", None)
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # LoadDeferred, or a failure the first launch reports
+                pass
+            waited += 1
+    return waited
+
+
 def _result_unless_deferred(pending: Future[LoadedCubin] | None) -> LoadedCubin | None:
     """A helper's load, or None where there is none or the helper deferred it."""
     if pending is None:

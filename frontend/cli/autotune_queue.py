@@ -81,7 +81,8 @@ def _tune_one(client: Any, key: str, arch: int | None) -> TuneRecord:
                           f"{json.dumps(manifest.get('versions'), sort_keys=True)}")
     try:
         heuristic = from_artifact(artifact)
-        tuned = autotune_inprocess(heuristic, target, client.local.kernels)
+        tuned = autotune_inprocess(heuristic, target, client.local.kernels,
+                                   beside_program=False)
     except Exception as e:  # one graph's failure leaves it queued; the next goes on
         return TuneRecord(key, "failed", f"{type(e).__name__}: {e}")
     if not tuned.autotuned:

@@ -150,10 +150,37 @@ def stats_summary(data: dict[str, Any], stats_file: str | None = None) -> dict[s
     for name in CLIENT_COUNTERS:
         summary[name] = client.get(name, 0)
     summary["graph_hits"] = client.get("hits", 0)  # graphs loaded from the store
+    summary["tuned_took_over_after_ms"] = client.get("tuned_took_over_after_ms", 0)
+    summary["tuned_took_over_after_max_ms"] = client.get("tuned_took_over_after_max_ms", 0)
+    share = client.get("gpu_share")
+    summary["gpu_share"] = share if isinstance(share, dict) else {}
     for name in STORE_COUNTERS:
         summary[name] = store.get(name, 0)
     summary["store"] = summarize(store)
     return summary
+
+
+def print_gpu_share(summary: dict[str, Any]) -> None:
+    """Tuning on a GPU the program ran on: its turns, the calls it slowed and by how
+    much, and how long after a graph's first output its tuned kernels took over."""
+    swaps, after = summary["hot_swaps"], summary["tuned_took_over_after_ms"]
+    if swaps and after:
+        print(f"tuned took over {after / swaps / 1000:.2f} s after a graph's first output on "
+              f"average, {summary['tuned_took_over_after_max_ms'] / 1000:.2f} s at most")
+    for gpu, c in sorted(summary["gpu_share"].items()):
+        if not isinstance(c, dict):
+            continue
+        slowed = c.get("slowed_calls", 0)
+        print(f"tuning on GPU   {gpu}: {c.get('turns', 0)} turns, "
+              f"{c.get('turn_ms', 0.0) / 1000:.2f} s; {slowed} of {c.get('calls_timed', 0)} "
+              f"calls slowed, {c.get('slowed_ms', 0.0):.1f} ms in all, at most "
+              f"{c.get('worst_extra_max_ms', 0.0):.2f} ms in one call "
+              f"(first turn {_clock(c.get('since'))}, last {_clock(c.get('updated'))})")
+
+
+def _clock(when: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when)) if isinstance(
+        when, (int, float)) and when > 0 else "-"
 
 
 def _stats_file() -> str | None:
@@ -185,6 +212,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"autotuning      {summary['autotune_publishes']} tuned artifacts published; "
           f"{summary['hot_swaps']} switches to tuned kernels in running processes; "
           f"{summary['bucket_tunes']} size buckets tuned")
+    print_gpu_share(summary)
     print(f"max-autotune    {summary['gemm_problems']} GEMM problems: "
           f"{summary['gemm_benchmarked']} benchmarked, {summary['gemm_cached']} choices from "
           f"the store, {summary['gemm_untuned']} left to the library call untuned")

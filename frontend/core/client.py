@@ -45,7 +45,7 @@ from kiln.frontend.transports.base import Farm
 from kiln.frontend.transports.inprocess import InProcessFarm
 from kiln.frontend.transports.modes import farm_for
 from kiln.frontend.tuning import BackgroundTuner
-from kiln.workers import foreground
+from kiln.workers import foreground, gpu_share
 from kiln.workers.artifact import compile_seconds, cubin_records, from_artifact, to_artifact
 from kiln.workers.farm_api import FarmNotUp, FarmTimeout, FarmUnavailable
 from kiln.workers.kernel_store import KernelStore
@@ -318,9 +318,22 @@ class KilnClient:
             self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish,
                               hold=True)
         elif source == "local":  # held until the graph's first output
-            self.tuner.submit(key.key, lambda: autotune_inprocess(
-                compiled, request.target, self.local.kernels), publish, hold=True,
-                local=True)
+            def tune_here() -> CompiledGraph:
+                try:
+                    return autotune_inprocess(compiled, request.target, self.local.kernels)
+                finally:
+                    self.count_gpu_share()
+
+            self.tuner.submit(key.key, tune_here, publish, hold=True, local=True)
+
+    def count_gpu_share(self) -> None:
+        """Add what tuning on this process's GPU cost the program's calls (turns, calls
+        slowed and by how much: ``workers.gpu_share``) to ``kiln stats``."""
+        share = gpu_share.current()
+        if share is not None:
+            counts = share.take_counters()
+            if counts:
+                self.counters.add(**counts)
 
     def on_tuned(self, key: str, listener: Callable[[CompiledGraph], None]) -> None:
         """Call ``listener`` (a bound method, held weakly) with the graph of ``key`` once
@@ -416,6 +429,16 @@ class KilnClient:
         except CompileFailure:
             self.counters.add(compile_errors=1)
             raise
+
+    def farm_serves(self) -> bool:
+        """Whether a farm compiles and tunes for this process now (one that is up, not
+        given up): then no kernel is ever benchmarked here, on the user's GPU; the farm's
+        GPU autotuners tune, and the tuned artifact comes through the store or the
+        farm's answer (``farm.tuned``)."""
+        if self.farm is self.local or self.farm_down is not None:
+            return False
+        address = getattr(self.farm, "address", None)
+        return address() is not None if callable(address) else True
 
     def _give_up_farm(self, reason: str, leave: bool = True) -> None:
         with self._lock:

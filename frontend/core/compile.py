@@ -178,7 +178,7 @@ def _loaded(build: Callable[[CompiledGraph, NewBucket | None], Callable[..., Any
     from kiln.frontend.core.first_call import FirstCallSpan
     from kiln.frontend.core.hotswap import SwappableGraph, wants_swap
 
-    if not wants_swap(result.compiled, request, result.source):
+    if not wants_swap(result.compiled, request, result.source, client):
         fn = build(result.compiled, None)
         return FirstCallSpan(fn, result.key.key) if trace.recording() else fn
     recorded = result.recorded_compile_s or result.timings.get("compile_s", 0.0)

@@ -10,6 +10,11 @@ finishes with the kernels it started with and the next call runs the tuned ones;
 lock is taken on the call path. ``kiln stats`` counts each switch (``hot_swaps``) and
 each bucket tuned (``bucket_tunes``).
 
+While tuning runs in this process, each call reports its begin and end to the GPU's
+share (``workers.gpu_share``), which fits the benchmarks' turns between calls and counts
+the calls they slowed. Before a switch the new kernels' cubins finish loading on the
+tuning thread, so the first call after it loads nothing.
+
 A tuning that fails leaves the heuristic kernels running: one warning (from the tuning
 thread), and no more tuning of that graph in this process.
 
@@ -26,16 +31,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
 from kiln.compiler.runtime.cudagraphs import CudaGraphRunner, replaying
+from kiln.compiler.runtime.static_launcher import wait_prefetched
 from kiln.frontend.core.client import KilnClient
 from kiln.frontend.core.first_call import traced_first_call
 from kiln.frontend.core.keys import KeyInfo
+from kiln.workers import gpu_share
 from kiln.workers.buckets import Seen, can_tune_buckets, tune_buckets
 
 log = logging.getLogger("kiln.hotswap")
@@ -43,14 +52,15 @@ log = logging.getLogger("kiln.hotswap")
 Build = Callable[[CompiledGraph, "NewBucket | None"], Callable[..., Any]]
 
 
-def wants_swap(compiled: CompiledGraph, request: CompileRequest, source: str) -> bool:
+def wants_swap(compiled: CompiledGraph, request: CompileRequest, source: str,
+               client: KilnClient) -> bool:
     """Whether a loaded graph may change kernels while it runs: this process tunes it
     in the background (``source``: it compiled it), or it has kernels with dynamic sizes
     and this process can tune their buckets."""
     if compiled.stats.get("autotune_pending") and source != "hit":
         return True
     dynamic = any(s.size_args and s.backend == "triton" for s in compiled.kernels)
-    return dynamic and can_tune_buckets(request)
+    return dynamic and can_tune_buckets(request) and not client.farm_serves()
 
 
 class SwappableGraph:
@@ -68,7 +78,8 @@ class SwappableGraph:
         self.recorded_s = recorded_s
         self.swaps = 0
         self.failed = False
-        self._tune_buckets = can_tune_buckets(request)
+        # With a farm up, nothing is benchmarked here (``KilnClient.farm_serves``).
+        self._tune_buckets = can_tune_buckets(request) and not client.farm_serves()
         self._lock = threading.Lock()  # one tuning or switch of this graph at a time
         self._pending_lock = threading.Lock()
         self._pending: Seen = {}
@@ -77,10 +88,21 @@ class SwappableGraph:
         self.replayer: CudaGraphRunner | None = None  # replayed by ``served``'s entry
         self.call = build(compiled, self._hook())
         self.called = False
+        self.first_output = 0.0  # wall clock of the first call's return
         client.on_tuned(key.key, self.tuned)
 
     def __call__(self, args: list[Any]) -> Any:
-        out = self.call(args) if self.called else self._first_call(args)
+        share = gpu_share.current()
+        if not self.called:
+            out = self._first_call(args)
+        elif share is not None and share.watching():  # tuning takes turns with the calls
+            call = share.call_begin(self.key.key)
+            try:
+                out = self.call(args)
+            finally:
+                share.call_end(call)
+        else:
+            out = self.call(args)
         if self._pending:  # a kernel launched in a size bucket not tuned yet
             self._schedule()
         return out
@@ -89,6 +111,7 @@ class SwappableGraph:
         """The first output (on the timeline with its library calls and cubin loads:
         ``frontend.core.first_call``); this graph's held tuning may start after it."""
         out = traced_first_call(self.call, args, self.key.key)
+        self.first_output = time.time()
         with self._switch_lock:
             self.called = True
             self.replayer = _runner_of(self.call)
@@ -124,8 +147,11 @@ class SwappableGraph:
             if self.failed:
                 return
             try:
-                tuned = tune_buckets(self.compiled, self.request.target, seen,
-                                     self.client.local.kernels)
+                try:
+                    tuned = tune_buckets(self.compiled, self.request.target, seen,
+                                         self.client.local.kernels)
+                finally:
+                    self.client.count_gpu_share()
                 if tuned.buckets == self.compiled.buckets:
                     return  # no candidate ran at these sizes: nothing to switch to
                 self._install(tuned)
@@ -163,15 +189,32 @@ class SwappableGraph:
         """Load ``graph`` here, then switch to it between calls (``call`` in one
         assignment; ``replayer`` around it: see the module docstring)."""
         call = self._build(graph, self._hook())
+        # The new kernels' cubins finish loading here, on the tuning thread, so that the
+        # first call after the switch loads nothing (no call waits for the swap).
+        wait_prefetched(getattr(getattr(call, "call", call), "launchers", ()))
+        took_over = time.time()
         with self._switch_lock:
             self.replayer = None  # (a replay of the old runner never follows the switch)
             self.compiled, self.call = graph, call
             if self.called:
                 self.replayer = _runner_of(call)
         self.swaps += 1
-        self.client.counters.add(hot_swaps=1)
+        self.client.counters.add(hot_swaps=1, **took_over_counters(self.first_output,
+                                                                   took_over))
+        trace.complete("tuned kernels took over", took_over * 1e6, took_over * 1e6,
+                       cat="autotune", key=self.key.key[:16], switch=self.swaps)
         log.info("kiln: graph %s switched to tuned kernels (switch %d)", self.key.key[:16],
                  self.swaps)
+
+
+def took_over_counters(first_output: float, took_over: float) -> dict[str, float]:
+    """``kiln stats``'s record of a switch: how long after the graph's first output the
+    tuned kernels took over (the time the program ran on heuristic ones), summed and at
+    most; when is on the ``KILN_TRACE`` timeline ("tuned kernels took over")."""
+    if not first_output:
+        return {}
+    after_ms = 1000 * max(0.0, took_over - first_output)
+    return {"tuned_took_over_after_ms": after_ms, "tuned_took_over_after_max_ms": after_ms}
 
 
 def _runner_of(call: Callable[..., Any]) -> CudaGraphRunner | None:

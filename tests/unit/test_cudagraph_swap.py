@@ -154,6 +154,12 @@ class _Client:
     def on_tuned(self, key: str, listener: Any) -> None:
         pass
 
+    def farm_serves(self) -> bool:  # no farm: buckets tune here
+        return False
+
+    def count_gpu_share(self) -> None:
+        pass
+
 
 class _Counted(SwappableGraph):
     """Counts the calls that reach the SwappableGraph (the slow path)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.workers.farm_api import host_port, probe
+from kiln.workers.gpu_share import SHARED_GPU_ENV
 from kiln.workers.ray_farm import LOOPBACK, RAY_LOOPBACK_ENV, is_loopback
 from kiln.workers.serve.farm_files import (
     farm_file,
@@ -93,6 +94,10 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(farm_token_file()))
     if not host:
         env[RAY_LOOPBACK_ENV] = "0"
+    if not host and (num_gpus if num_gpus is not None else _gpu_count()) == 1:
+        # A farm for this host's programs on its only GPU: the Autotuner takes turns
+        # with them (``workers.gpu_share.DutyCycle``) instead of stalling their calls.
+        env.setdefault(SHARED_GPU_ENV, "1")
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -109,6 +114,14 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     info.update(start_gateway(address, proc.pid, host or LOOPBACK, join_now=join_now))
     write_farm_file(info)
     return info
+
+
+def _gpu_count() -> int:
+    """NVIDIA GPUs this host shows (its device files; no CUDA context is made)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    return len([p for p in Path("/dev").glob("nvidia[0-9]*")])
 
 
 def start_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True,
