@@ -80,7 +80,8 @@ def checked_call(message: Any) -> tuple[int, str, dict[str, Any]]:
 
 
 def error_fields(error: BaseException) -> dict[str, Any]:
-    """An exception as an answer's ``error`` map (``frontend.transports.gateway.error_from`` reads it)."""
+    """An exception as an answer's ``error`` map (the client's
+    ``frontend.transports.gateway.error_from`` reads it)."""
     from kiln.workers.pipeline import CompileFailure
 
     if isinstance(error, CompileFailure):
