@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,17 @@ def test_the_docs_and_the_demo_agree_on_the_default_farm(
     assert "`KILN_FARM=local`" in infra and "`KILN_FARM=local`" in README.read_text()
     monkeypatch.delenv("KILN_FARM", raising=False)
     assert demo.demo_farm() == "local"  # the demo shows the default
+
+
+def test_the_demos_hint_runs_without_an_active_environment() -> None:
+    """The demo prints `<command> inspect KEY`: a command found without the venv on PATH."""
+    from kiln.frontend.cli import demo
+
+    command = demo.kiln_command()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    done = subprocess.run([*command.split(), "--version"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("kiln "), done.stderr
 
 
 def test_benchmarks_hold_current_figures_only() -> None:
