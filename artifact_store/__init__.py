@@ -16,7 +16,7 @@ from .config import StoreConfig, default_stats_file, user_cache_dir
 from .errors import ConfigError, IntegrityError, StoreError
 from .factory import open_store
 from .signing import Keyring, ed25519_available, generate_ed25519_key, parse_keyring
-from .stats import read_stats, summarize
+from .stats import read_stats, reset_stats, summarize
 from .store import Store
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "open_store",
     "parse_keyring",
     "read_stats",
+    "reset_stats",
     "summarize",
     "user_cache_dir",
 ]

@@ -127,10 +127,29 @@ def is_private_store(url: str) -> bool:
     if os.path.exists(path):
         return all(_only_mine(p) for p in (path, os.path.join(path, "ac"),
                                            os.path.join(path, "cas")) if os.path.exists(p))
+    parent = nearest_existing(path)
+    if not os.path.isdir(parent):  # under a file: no store can be made there, none to share
+        return True
+    return _only_mine(parent) or bool(os.stat(parent).st_mode & stat.S_ISVTX)
+
+
+def nearest_existing(path: str) -> str:
+    """`path`'s nearest parent that exists (the root at worst)."""
     parent = os.path.dirname(path)
     while not os.path.exists(parent) and parent != os.path.dirname(parent):
         parent = os.path.dirname(parent)
-    return _only_mine(parent) or bool(os.stat(parent).st_mode & stat.S_ISVTX)
+    return parent
+
+
+def missing_folder_reason(path: str) -> str:
+    """Why a store folder at `path` cannot be used: a file stands at it or above it, or
+    the folder does not exist."""
+    if os.path.exists(path):
+        return f"no store at {path} ({path} is a file, not a folder)"
+    parent = nearest_existing(path)
+    if not os.path.isdir(parent):
+        return f"no store at {path} ({parent} is a file, not a folder)"
+    return f"no store at {path} (the folder does not exist)"
 
 
 def _only_mine(path: str) -> bool:

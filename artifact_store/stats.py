@@ -238,6 +238,26 @@ def persist_counters(path: str, section: str, delta: Mapping[str, Any]) -> None:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
+def reset_stats(path: str) -> bool:
+    """Remove the counters file at `path` under its lock (counting starts again from zero;
+    processes still running add only what they count from now on). False if there was
+    none."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return False
+    with open(path + ".lock", "a+") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            os.remove(path)
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            if fcntl is not None:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def _read_file(path: str) -> dict[str, Any]:
     try:
         with open(path) as handle:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from .artifact import Artifact, check_blob_name, check_key
 from .cas import AC_DIR, sha256_hex
-from .config import StoreConfig, redact_url
+from .config import StoreConfig, missing_folder_reason, redact_url
 from .errors import ConfigError, IntegrityError, UnsupportedFormat, describe_exception
 from .faults import READ, WRITE, Reporter
 from .gc import DEFAULT_GRACE_S, collect
@@ -187,10 +187,10 @@ class Store:
             outcome.artifact = Artifact(key=key, manifest=record.meta, blobs=blobs or {})
         return outcome
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def keys(self, prefix: str = "", errors: list[str] | None = None) -> list[str]:
         """Keys with a manifest in any tier that start with `prefix` (hex), sorted; for
         tools that accept a key's first characters. Never raises: a tier that cannot be
-        listed adds nothing."""
+        listed adds nothing, and says why in `errors` when given."""
         folder = f"{AC_DIR}/{prefix[:2]}" if len(prefix) >= 2 else AC_DIR
         found: set[str] = set()
         for tier in self._tiers:
@@ -198,6 +198,8 @@ class Store:
                 names = [e.name for e in tier.io.listing(folder) if not e.is_temp]
             except Exception as exc:
                 self._fault(tier, READ, exc)
+                if errors is not None:
+                    errors.append(f"{tier.label}: {describe_exception(exc)}")
                 continue
             found.update(n for n in names if n.startswith(prefix))
         return sorted(found)
@@ -261,7 +263,7 @@ class Store:
         if self.primary is None:
             return f"cannot open {self.url} (see the error above)"
         if self.primary.io.is_local and not self.primary.io.fs.isdir(self.primary.io.root):
-            return f"no store at {self.primary.io.root} (the folder does not exist)"
+            return missing_folder_reason(self.primary.io.root)
         return None
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:

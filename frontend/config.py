@@ -129,6 +129,18 @@ def choice(*names: str) -> Callable[[Any], str]:
     return parse
 
 
+def parse_isa(raw: Any) -> str:
+    """A CPU ISA level kernels can be built for; a bad one is warned about and the
+    compiler uses this machine's level instead."""
+    from kiln.compiler.codegen.cpp.build import isa_problem
+
+    text = str(raw).strip()
+    problem = isa_problem(text)
+    if problem is not None:
+        raise ValueError(f"{problem}; this machine's level is used")
+    return text
+
+
 def parse_logs(raw: Any) -> str:
     parts = [p.strip() for p in str(raw).split(",") if p.strip()]
     for part in parts:
@@ -219,7 +231,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("logs", parse_logs, "", "output_code prints wrappers and kernels"),
     Setting("debug", parse_flag, False, "write a debug folder per graph"),
     Setting("debug_dir", parse_text, None, "where debug folders go"),
-    Setting("cpu_isa", parse_text, None, "x86-64 level of CPU kernels (in the target)",
+    Setting("cpu_isa", parse_isa, None, "x86-64 level of CPU kernels (in the target)",
             env_only=True),
     Setting("cxx", parse_text, None, "C++ compiler for CPU kernels", env_only=True),
     Setting("cache_dir", parse_text, None, "kernel sources and binaries cache",

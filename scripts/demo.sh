@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: set-up, then the compiler's stages on the seed
-# example, then the whole path (a cold compile through the local Ray farm, and a second
-# process that hits the store and compiles nothing).
+# The main job: set-up, then the compiler's stages on the seed example, then the whole
+# path on Kiln's default farm setting (a cold compile, in process or on the farm of
+# `kiln farm up` if one is up, and a second process that hits the store and compiles
+# nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

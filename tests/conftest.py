@@ -38,3 +38,11 @@ def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     torch._dynamo.reset()
     yield
     reset_clients()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's store, caches and kernel files go with the session: nothing of a
+    test run is left in the temp folder."""
+    import shutil
+
+    shutil.rmtree(_ROOT, ignore_errors=True)

@@ -6,6 +6,7 @@ No Ray and no torch here: a client's farm process and the gateway import this mo
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +54,47 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
             return None
     except OSError as e:
         return f"{target[0]}:{target[1]} does not answer ({e})"
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, Ray
+# Client's server) answers with a SETTINGS frame of its own; anything else does not.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
+
+
+def probe_ray(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``address`` is not a Ray cluster that answers (nothing listens, or what listens
+    does not speak gRPC), or None if it may be one; within ``timeout``, never Ray's own
+    wait. Under RAY_USE_TLS the gRPC check is left to Ray."""
+    target = host_port(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return None
+            conn.sendall(_H2_PREFACE)
+            head = _read_some(conn, 9)
+    except OSError as e:
+        return f"{target[0]}:{target[1]} does not answer ({e})"
+    if len(head) == 9 and head[3] == _H2_SETTINGS:
+        return None
+    seen = f"it answered {head[:16]!r}" if head else "it answered nothing"
+    return (f"{target[0]}:{target[1]} is not a Ray cluster (it does not speak gRPC: {seen}); "
+            "check the address (KILN_FARM)")
+
+
+def _read_some(conn: socket.socket, nbytes: int) -> bytes:
+    data = b""
+    try:
+        while len(data) < nbytes:
+            chunk = conn.recv(nbytes - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError:  # a timeout or a reset: what came so far is the answer
+        pass
+    return data
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from kiln.workers.farm_api import (
     farm_waits,
     host_port,
     probe,
+    probe_ray,
 )
 from kiln.workers.serve.farm_files import read_farm_file
 
@@ -349,7 +350,7 @@ class RayFarm:
             raise FarmUnavailable(f"Ray is not installed here ({e}); pip install ray") from e
 
         if self.address is not None:  # fail fast, whatever this process joined before
-            reason = probe(self.address)
+            reason = probe_ray(self.address)
             if reason is not None:
                 raise FarmUnavailable(f"cannot reach the Ray cluster at {self.address}: "
                                       f"{reason}")

@@ -1,8 +1,9 @@
 """The README's main job: compile the seed example and show each stage's result.
 
     python -m kiln.frontend.cli.demo          the compiler's stages on the seed example
-    python -m kiln.frontend.cli.demo farm     the whole path: a cold compile through the farm
-                                     (KILN_FARM, default embedded Ray), then a second
+    python -m kiln.frontend.cli.demo farm     the whole path: a cold compile (KILN_FARM, by
+                                     default Kiln's own default: in process, or on the
+                                     farm of `kiln farm up` if one is up), then a second
                                      process that hits the store and compiles nothing
 """
 
@@ -119,20 +120,36 @@ def _run_client(env: dict[str, str]) -> dict[str, Any]:
     return result
 
 
+def kiln_command() -> str:
+    """How to run `kiln` from any shell, active environment or not: the full path of the
+    script beside this Python, else this Python running the CLI's module."""
+    beside = Path(sys.executable).parent / "kiln"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return f"{sys.executable} -m kiln.frontend.cli.main"
+
+
+def demo_farm() -> str:
+    """The farm the demo uses: KILN_FARM if set, else Kiln's default."""
+    from kiln.frontend.config import SETTINGS
+
+    return os.environ.get("KILN_FARM") or str(SETTINGS["farm"].default)
+
+
 def farm_demo() -> None:
     root = Path(os.environ.get("KILN_DEMO_DIR") or tempfile.mkdtemp(prefix="kiln-demo-"))
+    farm = demo_farm()
     env = {**os.environ, "KILN_STORE": str(root / "store"),
-           "XDG_CACHE_HOME": str(root / "cache"), "KILN_FARM": os.environ.get(
-               "KILN_FARM", "embedded")}
-    print(f"store {env['KILN_STORE']}; farm {env['KILN_FARM']} (embedded: a Ray with this "
-          "machine's CPUs, started by the first miss; the default `local` would compile in "
-          "process unless `kiln farm up` runs a farm)")
-    print("== 1. cold start: every graph misses and compiles on the farm ==")
+           "XDG_CACHE_HOME": str(root / "cache"), "KILN_FARM": farm}
+    print(f"store {env['KILN_STORE']}; farm {farm}" + (
+        " (the default: a miss compiles in this process, or on the farm of `kiln farm up` "
+        "when one is up; KILN_FARM=embedded starts a Ray here)" if farm == "local" else ""))
+    print("== 1. cold start: every graph misses and compiles ==")
     cold = _run_client(env)
     c = cold["counters"]
-    print(f"  {c.get('graphs', 0)} graphs, {c.get('compiles_farm', 0)} compiled on the farm, "
-          f"{c.get('kernels_compiled', 0)} kernel binaries, {cold['seconds']:.1f} s "
-          "(Ray start-up included)")
+    print(f"  {c.get('graphs', 0)} graphs: {c.get('compiles_farm', 0)} compiled on a farm, "
+          f"{c.get('compiles_local', 0)} in process; {c.get('kernels_compiled', 0)} kernel "
+          f"binaries, {cold['seconds']:.1f} s")
     print("== 2. warm start: a second process with the same model and store ==")
     warm = _run_client(env)
     w = warm["counters"]
@@ -141,9 +158,10 @@ def farm_demo() -> None:
     if w.get("compiles", 0) or w.get("hits", 0) != w.get("graphs", -1) or warm["ray_started"]:
         raise SystemExit("the second process compiled something: the store missed")
     print("== the second process compiled nothing: every graph came from the store ==")
-    print("look inside:")
-    print(f"  KILN_STORE={env['KILN_STORE']} kiln inspect {warm['keys'][0]}")
-    print(f"  XDG_CACHE_HOME={env['XDG_CACHE_HOME']} kiln stats")
+    kiln = kiln_command()
+    print("look inside (any shell; the environment need not be active):")
+    print(f"  KILN_STORE={env['KILN_STORE']} {kiln} inspect {warm['keys'][0]}")
+    print(f"  XDG_CACHE_HOME={env['XDG_CACHE_HOME']} {kiln} stats")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
                                                          ... for a GPU this host lacks
     kiln package TARGET --shapes 8x128 -o model.kiln     one file that runs without Dynamo
     kiln versions [--json]                               what keys carry (--versions-from)
-    kiln stats [--json]                                  hits, misses, compiles, time saved
+    kiln stats [--json] [--reset]                        hits, misses, compiles, time saved
     kiln inspect KEY [--json] [--source KERNEL]          manifest, wrapper, kernels, lifetimes
     kiln explain-miss A B                                which key parts differ, in words
     kiln gc [--max-age 7d] [--max-size 10G] [--dry-run]  collect the store
@@ -46,6 +46,7 @@ from kiln.artifact_store import (
     read_stats,
     summarize,
 )
+from kiln.frontend.cli.entries import describe_entry
 from kiln.frontend.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError, UsageError
 from kiln.frontend.config import KilnConfig
 
@@ -110,7 +111,10 @@ def resolve_key(store: Store, ref: str) -> str:
         raise UsageError(f"{ref!r} is not a key (hex digits, or their first few)")
     if len(text) == KEY_LENGTH:
         return text
-    found = store.keys(text)
+    errors: list[str] = []
+    found = store.keys(text, errors)
+    if not found and errors:
+        raise CliError(f"cannot open the store: {'; '.join(errors)}")
     if not found:
         raise CliError(f"no artifact with a key starting {text} in {store.url}")
     if len(found) > 1:
@@ -193,6 +197,8 @@ def _stats_file() -> str | None:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     path = _stats_file()
+    if args.reset:
+        return _reset_stats(path)
     summary = stats_summary(read_stats(path) if path else {}, path)
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))
@@ -229,6 +235,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _reset_stats(path: str | None) -> int:
+    from kiln.artifact_store import reset_stats
+
+    if path is None:
+        print("stats are off (KILN_STATS_FILE=off): nothing to reset")
+        return EXIT_OK
+    try:
+        removed = reset_stats(path)
+    except OSError as e:
+        raise CliError(f"cannot reset the counters in {path}: {e.strerror or e}") from None
+    print(f"counters reset: {path} removed; counting starts again from zero" if removed
+          else f"nothing to reset: {path} holds no counters yet")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------
 # inspect
 
@@ -255,7 +276,7 @@ _LOOKUP_FAILURES = {
     "damaged": "artifact {key} in {url} is damaged: {detail}",
     "refused": "artifact {key} in {url} is refused: {detail}",
     "unsupported": "artifact {key} in {url} was written by a newer Kiln: {detail}",
-    "unavailable": "cannot read the store: {detail}",
+    "unavailable": "cannot open the store: {detail}",
     "invalid": "{detail}",
 }
 
@@ -296,11 +317,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({**described, "meta": manifest})
         return EXIT_OK
-    if manifest.get("kind") == "aot":  # an AOT cache entry (frontend.core.aot.cache)
-        plan = " (a region plan)" if manifest.get("regions") else ""
-        served = f"serves graph {manifest.get('graph')}{plan}" if manifest.get("serve") \
-            else f"traced, not served ({manifest.get('reason')})"
-        print(f"key          {artifact.key}\nAOT cache entry of a Dynamo graph: {served}")
+    entry = describe_entry(artifact.key, manifest)
+    if entry is not None:  # not a compiled graph: an AOT entry, a plan, a kernel, ...
+        print("\n".join(entry))
         return EXIT_OK
     print("\n".join(describe_artifact(described, manifest)))
     if not args.no_wrapper:
@@ -440,14 +459,17 @@ def cmd_farm(args: argparse.Namespace) -> int:
                 join_now=not args.no_warm)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise CliError(str(e)) from None
-        if not args.no_warm:
-            _warm_farm(str(info["address"]))
-            if info.get("gateway"):
-                _check_gateway(str(info["gateway"]))
+        if info.get("differs"):  # never silently a farm other than the one asked for
+            raise CliError(f"a farm is already up at {info['address']} with "
+                           f"{', '.join(info['differs'])}: `kiln farm down`, then `kiln "
+                           "farm up` again to change it")
+        if not args.no_warm and not info.get("gateway"):
+            _warm_farm(str(info["address"]))  # no gateway: clients join Ray, warm it here
         state = "already running" if info.get("already_running") else "started"
         print(f"farm {state} at {info['address']} (address in {farm_file()}; Ray's "
               f"logs in {info.get('temp_dir') or info.get('log')})")
-        print(f"gateway for local clients at {info['gateway']} (no Ray in the client)"
+        print(f"gateway for local clients at {info['gateway']} (no Ray in the client"
+              f"{'' if args.no_warm else '; the workers start in the background'})"
               if info.get("gateway") else "no gateway: local clients join Ray")
         print(farm_cluster.auth_instructions(info))
         return EXIT_OK
@@ -501,23 +523,6 @@ def _warm_farm(address: str) -> None:
         ray.shutdown()
 
 
-def _check_gateway(address: str) -> None:
-    """Ask for the farm's counters through its gateway, so that the gateway's own join to
-    the farm is done before `farm up` returns (not on a first client's path)."""
-    from kiln.frontend.transports.gateway import GatewayFarm
-    from kiln.workers.farm_api import FarmUnavailable
-    from kiln.workers.serve.farm_files import farm_token
-
-    remote = GatewayFarm(address, farm_token() or "")
-    try:
-        remote.stats()
-    except FarmUnavailable as e:
-        print(f"kiln farm: the gateway at {address} does not serve ({e}); local clients "
-              "will compile in process", file=sys.stderr)
-    finally:
-        remote.release()
-
-
 # ---------------------------------------------------------------------------------------
 # Parser.
 
@@ -544,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_package_parser(sub)
     stats = sub.add_parser("stats", help="hits, misses, compiles, kernels, time saved")
     stats.add_argument("--json", action="store_true", help="one JSON object")
+    stats.add_argument("--reset", action="store_true",
+                       help="set every counter back to zero (removes the stats file)")
     stats.set_defaults(func=cmd_stats)
     inspect = sub.add_parser("inspect", help="an artifact: manifest, wrapper, kernels")
     inspect.add_argument("key", help="a key, or its first characters")
@@ -588,6 +595,16 @@ def _show_warning(message: Any, category: type[Warning], filename: str, lineno: 
     print(f"warning: {text}", file=sys.stderr if file is None else file)
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of a closed pipe
+    prints nothing at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``kiln`` command; returns the exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -603,13 +620,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.script_args = script_args
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        status = func(args)
+        sys.stdout.flush()  # a closed pipe is seen here, not at the interpreter's exit
+        return status
     except CliError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kiln ... --json | head`: the reader has all it wanted
+        _quiet_stdout()
+        return EXIT_OK
     except Exception as e:  # a bug: still one line, the traceback only when asked
         if _config().debug:
             import traceback

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def add_package_parser(sub: Any) -> None:
 
 
 def cmd_package(args: argparse.Namespace) -> int:
+    output = _output_path(args.output)  # a bad -o fails at once, before torch is imported
     import torch
 
     from kiln.frontend.cli.errors import CliError, UsageError
@@ -58,13 +60,32 @@ def cmd_package(args: argparse.Namespace) -> int:
         data = build_package(model, inputs, target=target, config=config, weights=weights)
     except (PackageError, FakeDeviceError) as e:
         raise CliError(str(e)) from None
-    Path(args.output).write_bytes(data)
+    try:
+        output.write_bytes(data)
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
     summary = {"output": args.output, "bytes": len(data), "target": target,
                "weights": bool(args.weights), "seconds": round(time.perf_counter() - start, 3)}
     print(json.dumps(summary, sort_keys=True) if args.json else
           f"wrote {args.output}: {len(data)} bytes for {_where(target)}"
           f"{' with weights' if args.weights else ''} in {summary['seconds']:.1f} s")
     return EXIT_OK
+
+
+def _output_path(text: str) -> Path:
+    """The package file to write, checked before anything compiles: its folder exists
+    and this user may write there (UsageError, exit 2, otherwise)."""
+    from kiln.frontend.cli.errors import UsageError
+
+    path = Path(text).expanduser()
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"-o {text}: is a folder; give the package file's name")
+    if not folder.is_dir():
+        raise UsageError(f"-o {text}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"-o {text}: the folder {folder} is not writable")
+    return path
 
 
 def _placed(model: Any, args: argparse.Namespace, target: dict[str, Any]) -> tuple[Any, Any]:

@@ -274,7 +274,9 @@ class KilnClient:
             kernels = {"kernels_compiled": len(compiled.binaries)}
             self.tuner.submit(key.key, lambda: self._share_kernels(compiled, request),
                               lambda graph: None, label="share kernels")
-        info = {"wall_s": wall, "mode": source, "farm": self.farm.description,
+        # the farm's name only where it compiled: a local compile names this process
+        where = self.farm.description if source == "farm" else "this process"
+        info = {"wall_s": wall, "mode": source, "farm": where,
                 "graph_compile_s": compiled.timings.get("graph_compile", 0.0),
                 "kernel_compile_s": compiled.timings.get("kernel_compile", 0.0)}
         artifact = to_artifact(key, request, compiled, info)

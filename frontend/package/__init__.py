@@ -6,6 +6,7 @@ from kiln.frontend.package.archive import (
     build_package,
     load_package,
     module_tensors,
+    read_package,
 )
 
-__all__ = ["PackageError", "build_package", "load_package", "module_tensors"]
+__all__ = ["PackageError", "build_package", "load_package", "module_tensors", "read_package"]

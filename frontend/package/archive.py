@@ -76,7 +76,11 @@ def export_aten(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
         # that GPU), modelled.
         table[torch.ops.aten.scaled_dot_product_attention.default] = gpu_sdpa(
             SdpaHost.for_target(target), notes, fallback=_sdpa_math)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own run_decompositions deep-copies its module call graph, whose LeafSpec
+        # warns that LeafSpec is deprecated: torch's business, not the user's.
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated",
+                                category=FutureWarning)
         ep = torch.export.export(model, tuple(example_inputs)).run_decompositions(table)
     for note in dict.fromkeys(notes):
         warnings.warn(f"kiln package: {note}", stacklevel=2)
@@ -339,6 +343,7 @@ def load_package(path: str | os.PathLike[str], *, weights: Any = None,
         compiled = from_artifact(Artifact(manifest["key"], manifest, graph_blobs))
     except (ArtifactFormatError, KeyError, TypeError, ValueError) as e:
         raise PackageError(f"{path}: the compiled graph cannot be read ({e})") from None
+    _check_runs_here(path, compiled, manifest.get("target") or {})
     dev = torch.device(device) if device is not None else _default_device(compiled)
     constants = _unpack_tensors(meta["constants"], blobs, "constants", dev)
     inputs = [GraphInput(kind, name, TensorMeta.from_wire(wire))
@@ -347,6 +352,14 @@ def load_package(path: str | os.PathLike[str], *, weights: Any = None,
     bound = [None if i.kind == "user" else values[i.name] for i in inputs]
     call = load(compiled, constants, dev)
     return PackagedModel(call, inputs, bound, _out_spec(meta), dev, manifest["key"])
+
+
+def _check_runs_here(path: Any, compiled: Any, target: dict[str, Any]) -> None:
+    """PackageError for a GPU package where this torch has no GPU to run it."""
+    if compiled.device_type == "cuda" and not torch.cuda.is_available():
+        arch = f" sm_{target['arch']}" if target.get("arch") else ""
+        raise PackageError(f"{path} was built for a CUDA GPU{arch}, and this torch has no "
+                           "CUDA device (load it on a machine with that GPU)")
 
 
 def _default_device(compiled: Any) -> torch.device:

@@ -42,6 +42,14 @@ def error_from(error: Any) -> Exception:
     return FarmTimeout(message) if kind == "FarmTimeout" else FarmUnavailable(message)
 
 
+def own_namespace() -> str:
+    """This client's farm namespace (its versions' hash), which the gateway checks."""
+    from kiln.compiler.versions import versions
+    from kiln.workers.names import namespace_for
+
+    return namespace_for(versions())
+
+
 class GatewayFarm(RelayFarm):
     """The farm behind the gateway at ``address`` (``host:port``), for holders of
     ``token``; the same calls as ``RayFarm``."""
@@ -61,12 +69,15 @@ class GatewayFarm(RelayFarm):
             raise FarmUnavailable(f"the farm gateway's address {self.address!r} is not "
                                   "host:port")
         with trace.span("connect to the farm gateway", cat="client"):
+            # before connecting: computing it (it imports torch and triton, and hashes the
+            # compiler's sources) can outlast the gateway's handshake limit on a busy host
+            namespace = own_namespace()
             try:
                 sock = socket.create_connection(target, timeout=PROBE_TIMEOUT_S)
             except OSError as e:
                 raise FarmUnavailable(f"{self.description} does not answer ({e})") from None
             try:
-                self._key = self._handshake(sock)
+                self._key = self._handshake(sock, namespace)
             except (OSError, FrameError, FarmUnavailable) as e:
                 sock.close()
                 if isinstance(e, FarmUnavailable):
@@ -76,11 +87,8 @@ class GatewayFarm(RelayFarm):
         sock.settimeout(None)
         return sock
 
-    def _handshake(self, sock: socket.socket) -> bytes:
+    def _handshake(self, sock: socket.socket, namespace: str) -> bytes:
         """The session key, once each side proved it holds the farm token."""
-        from kiln.compiler.versions import versions
-        from kiln.workers.names import namespace_for
-
         hello = read_frame(sock, HANDSHAKE_LIMIT)
         if hello is None:
             raise FarmUnavailable(f"{self.description} closed the connection (or did not "
@@ -89,8 +97,7 @@ class GatewayFarm(RelayFarm):
             raise FrameError(f"the gateway speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
         server_nonce = nonce_of(hello, "the gateway's hello")
         nonce = secrets.token_bytes(NONCE_BYTES)
-        write_frame(sock, {"magic": MAGIC, "nonce": nonce, "namespace":
-                           namespace_for(versions()),
+        write_frame(sock, {"magic": MAGIC, "nonce": nonce, "namespace": namespace,
                            "proof": mac(self._token, b"client", server_nonce, nonce)})
         answer = read_frame(sock, HANDSHAKE_LIMIT)
         if answer is None:

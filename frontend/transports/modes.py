@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.compiler import trace
 from kiln.frontend.transports.base import EMBEDDED, INPROCESS, LOCAL, Farm, FarmNotUp
 from kiln.frontend.transports.inprocess import InProcessFarm
-from kiln.workers.farm_api import FarmUnavailable, probe
+from kiln.workers.farm_api import FarmUnavailable, probe, probe_ray
 from kiln.workers.ray_farm import RayFarm, use_farm_token
 from kiln.workers.serve.farm_files import farm_token, read_farm_file
 
@@ -176,8 +176,8 @@ def farm_status(mode: str) -> dict[str, Any]:
         use_farm_token(info)
         address = str(info["address"])
     status["address"] = address
-    status["reason"] = probe(address)
     gateway = info.get("gateway") if address != mode else None
+    status["reason"] = probe(address) if gateway else probe_ray(address)
     if status["reason"] is None:
         try:
             status["counters"] = _farm_counters(address, str(gateway or ""))

@@ -18,6 +18,16 @@ import pytest
 
 import kiln.frontend.cli.main as cli
 
+MARKED = """
+from pathlib import Path
+
+import torch
+
+
+def build_model():
+    Path({marker!r}).write_text("built")
+    return torch.nn.Linear(16, 8)
+"""
 MLP = """
 import torch
 
@@ -42,11 +52,11 @@ class World:
     keys: list[str] = field(default_factory=list)
     key_json: str = ""
 
-    def kiln(self, *argv: str, cwd: Path | None = None, **env: str
+    def kiln(self, *argv: str, cwd: Path | None = None, timeout_s: float = 300, **env: str
              ) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *argv],
                               cwd=cwd or self.root / "proj", env={**self.env, **env},
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     (proj / "mlp.py").write_text(MLP)
     (proj / "helper.py").write_text("SIZE = 16\n")
     (proj / "script.py").write_text(SCRIPT)
-    env = {**os.environ, "KILN_STORE": str(root / "store"), "KILN_FARM": "inprocess",
+    # KILN_FARM=local, the default: no farm is up (the farm file would be under root)
+    env = {**os.environ, "KILN_STORE": str(root / "store"), "KILN_FARM": "local",
            "KILN_LOCAL_CACHE": "off", "XDG_CACHE_HOME": str(root / "cache"),
            "KILN_CACHE_DIR": str(root / "kernels"), "PYTHONPATH": ""}
     env.pop("KILN_STATS_FILE", None)
@@ -92,6 +103,9 @@ def case(*argv: str, code: int, says: str = "", **env: str) -> Case:
 
 
 BOGUS_STORE = "bogus://x/y"
+# an s3:// store whose endpoint nothing answers
+UNREACHABLE_S3 = {"KILN_STORE": "s3://kiln-none/x", "KILN_STORE_TIMEOUT": "2",
+                  "KILN_STORE_OPTIONS": '{"endpoint_url": "http://127.0.0.1:1"}'}
 CASES = [
     case("--version", code=0, says="kiln 0.1.0"),
     case("--help", code=0, says="precompile"),
@@ -138,6 +152,10 @@ CASES = [
     case("inspect", "{key}", code=1, says="cannot open the store", KILN_STORE=BOGUS_STORE),
     case("inspect", "{key}", code=1, says="the folder does not exist",
          KILN_STORE="/nonexistent/kiln-store"),
+    case("inspect", "{key}", code=1, says="/dev/null is a file, not a folder",
+         KILN_STORE="/dev/null/x"),
+    case("inspect", "{key}", code=1, says="cannot open the store", **UNREACHABLE_S3),
+    case("inspect", "{prefix}", code=1, says="cannot open the store", **UNREACHABLE_S3),
     # explain-miss
     case("explain-miss", "{key}", "{other}", code=0, says="input 2: shape ("),
     case("explain-miss", "{key_json}", "{other}", code=0, says="differs"),
@@ -153,6 +171,9 @@ CASES = [
     case("farm", "sideways", code=2, says="invalid choice"),
     case("farm", "status", code=1, says="no farm is up"),
     case("farm", "status", code=1, says="does not answer", KILN_FARM="127.0.0.1:1"),
+    # package
+    case("package", "mlp:build_model", "--shapes", "4x16", "-o", "/nonexistent/x.kiln",
+         code=2, says="the folder /nonexistent does not exist"),
     case("farm", "up", "--port", "99999", code=2, says="port from 1 to 65535"),
     case("farm", "up", "--port", "{busy_port}", code=1, says="is in use on this machine"),
     case("farm", "down", code=0, says="no farm is up"),
@@ -224,3 +245,80 @@ def test_stats_json_counts_every_graph_and_no_load_error(world: World) -> None:
     assert stats["compiles"] >= 2 and stats["publishes"] >= 2
     off = json.loads(world.kiln("stats", "--json", KILN_STATS_FILE="off").stdout)
     assert off["enabled"] is False and off["stats_file"] is None and off["graphs"] == 0
+
+
+def test_a_file_as_the_store_is_one_message_naming_the_file(world: World) -> None:
+    done = world.kiln("inspect", world.keys[0], KILN_STORE="/dev/null/x")
+    assert done.returncode == 1
+    assert "is shared" not in done.stderr  # no unsigned-shared-store warning first
+    assert "does not exist" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "/dev/null is a file, not a folder" in line
+
+
+def test_a_farm_address_where_no_ray_listens_fails_fast(world: World) -> None:
+    """Something that is not Ray takes the connection (and says nothing): the farm is
+    refused within the probe's few seconds, never Ray's long wait, and nothing blames
+    RAY_AUTH_TOKEN."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        done = world.kiln("farm", "status", KILN_FARM=address, timeout_s=20)
+    assert done.returncode == 1
+    assert "is not a Ray cluster" in done.stdout and "RAY_AUTH_TOKEN" not in done.stdout
+
+
+def test_inspect_describes_every_entry_in_words(world: World) -> None:
+    """Graphs, AOT cache entries, kernels shared by content key: none prints a graph's
+    fields as null, None or '?'."""
+    keys = sorted(p.name for p in (world.root / "store" / "ac").rglob("*") if p.is_file())
+    assert len(keys) > len(world.keys)  # entries besides the two graphs
+    for key in keys:
+        done = world.kiln("inspect", key, "--no-wrapper")
+        assert done.returncode == 0, done.stderr
+        for bad in ("None", "null", "? (?)"):
+            assert bad not in done.stdout, (key, done.stdout)
+
+
+def test_inspect_names_a_local_compile_as_this_process(world: World) -> None:
+    """The world compiled with the default farm (`local`) and no farm up, so in process:
+    inspect says so, not "the farm of kiln farm up"."""
+    shown = world.kiln("inspect", world.keys[0], "--no-wrapper").stdout
+    assert "compiled     local (this process)" in shown
+    assert "kiln farm up" not in shown
+
+
+def test_package_checks_its_output_before_compiling(world: World) -> None:
+    marker = world.root / "built.marker"
+    (world.root / "proj" / "marked.py").write_text(MARKED.format(marker=str(marker)))
+    done = world.kiln("package", "marked:build_model", "--shapes", "4x16", "-o",
+                      "/nonexistent/x.kiln")
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    assert not marker.exists()  # the model was never built, nothing compiled
+
+
+def test_json_into_a_closed_pipe_ends_quietly(world: World) -> None:
+    """`kiln stats --json | head -c0`: the reader is gone before the first write."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.frontend.cli.main", "inspect",
+                             world.keys[0], "--json"], cwd=world.root / "proj", env=world.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert "BrokenPipe" not in stderr and "unexpected" not in stderr, stderr
+
+
+def test_stats_reset_starts_the_counters_again_from_zero(world: World) -> None:
+    """Last in this file: it empties the world's counters."""
+    before = json.loads(world.kiln("stats", "--json").stdout)
+    assert before["compiles"] >= 2
+    reset = world.kiln("stats", "--reset")
+    assert reset.returncode == 0 and "counters reset" in reset.stdout
+    after = json.loads(world.kiln("stats", "--json").stdout)
+    assert after["compiles"] == after["graphs"] == after["hits"]["total"] == 0
+    again = world.kiln("stats", "--reset")
+    assert again.returncode == 0 and "nothing to reset" in again.stdout
+    off = world.kiln("stats", "--reset", KILN_STATS_FILE="off")
+    assert off.returncode == 0 and "stats are off" in off.stdout

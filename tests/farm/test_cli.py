@@ -140,6 +140,11 @@ def test_farm_up_serves_local_clients_and_farm_down_stops_it(tmp_path: Path) -> 
         out = run_python(LOCAL_CLIENT, {**env, "KILN_FARM": "local", "KILN_STORE":
                                         str(tmp_path / "s-again")})
         assert out == {**out, "source": "farm", "joined": farm_file["gateway"], "ray": False}
+        # Asked for another size while one runs: said so, never silently ignored.
+        changed = kiln("farm", "up", "--num-cpus", "2", "--no-warm", env=env)
+        assert changed.returncode == 1, changed.stdout + changed.stderr
+        assert "--num-cpus 1 (asked: 2)" in changed.stderr
+        assert "`kiln farm down`" in changed.stderr
     finally:
         down = kiln("farm", "down", env=env)
     assert down.returncode == 0 and "stopped" in down.stdout

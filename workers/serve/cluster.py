@@ -72,7 +72,8 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
             info.update(start_gateway(str(info["address"]), int(info.get("pid", 0)),
                                       str(info.get("host") or LOOPBACK), join_now=join_now))
             write_farm_file(info)  # a gateway that had died, started again
-        return {**info, "already_running": True}
+        asked = {"num_cpus": num_cpus, "num_gpus": num_gpus, "port": port, "host": host}
+        return {**info, "already_running": True, "differs": differences(info, asked)}
     log_path = farm_file().with_name("farm-head.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if port is not None:
@@ -101,17 +102,25 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+    # The gateway starts while the head does (its imports overlap the head's start-up) and
+    # joins once the head answers, at the address the head is started with.
+    expected = f"{host or LOOPBACK}:{port}"
+    gateway = launch_gateway(expected, proc.pid, host or LOOPBACK, join_now=join_now)
     try:
         address = _wait_for_head(proc, log_path, timeout, f"{LOOPBACK}:{port}")
     except (RuntimeError, TimeoutError):
+        _kill_started(gateway)
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+    if address != expected:  # Ray named another address to join by: the gateway follows
+        _kill_started(gateway)
+        gateway = launch_gateway(address, proc.pid, host or LOOPBACK, join_now=join_now)
     info = {"address": address, "pid": proc.pid, "port": port, "log": str(log_path),
             "temp_dir": temp_dir, "num_cpus": num_cpus or os.cpu_count(),
-            "started": time.time(), "auth": "token", "token_file": str(farm_token_file()),
-            "host": host or ""}
+            "num_gpus": num_gpus, "started": time.time(), "auth": "token",
+            "token_file": str(farm_token_file()), "host": host or ""}
     write_farm_file(info)
-    info.update(start_gateway(address, proc.pid, host or LOOPBACK, join_now=join_now))
+    info.update(await_gateway(gateway))
     write_farm_file(info)
     return info
 
@@ -124,29 +133,70 @@ def _gpu_count() -> int:
     return len([p for p in Path("/dev").glob("nvidia[0-9]*")])
 
 
+def differences(info: dict[str, Any], asked: dict[str, Any]) -> list[str]:
+    """The settings a `farm up` asked for that the farm already up does not have (each
+    as ``--flag running (asked: value)``); a setting not given is no difference."""
+    found = []
+    for name, value in asked.items():
+        if value is None:
+            continue
+        running = info.get(name)
+        if name == "host":
+            running = running or ""
+        if running is None and name == "num_gpus":
+            running = "Ray's count"
+        if str(running) != str(value):
+            found.append(f"--{name.replace('_', '-')} {running} (asked: {value})")
+    return found
+
+
 def start_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True,
                   timeout: float = GATEWAY_START_S) -> dict[str, Any]:
     """Start the farm's gateway (``workers.serve.gateway``: clients reach the farm through it
     without Ray) next to the head; its address, pid and log for the farm file. A gateway
     that does not come up costs clients only the gateway (they join Ray instead)."""
+    return await_gateway(launch_gateway(address, head_pid, host, join_now=join_now),
+                         timeout)
+
+
+def launch_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True
+                   ) -> subprocess.Popen[bytes]:
+    """The gateway's process, started; ``await_gateway`` waits for it to listen."""
     log_path = farm_file().with_name("farm-gateway.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "kiln.workers.serve.gateway", "--ray", address,
                "--host", host, "--head-pid", str(head_pid)] + (["--join-now"] * join_now)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def await_gateway(proc: subprocess.Popen[bytes], timeout: float = GATEWAY_START_S
+                  ) -> dict[str, Any]:
+    """The gateway's address, pid and log once it listens; {} (and a warning) if it
+    does not within ``timeout``."""
+    log_path = farm_file().with_name("farm-gateway.log")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         found = ready_address(log_path)
         if found is not None:
             return {"gateway": found, "gateway_pid": proc.pid, "gateway_log": str(log_path)}
         time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    _kill_started(proc)
     print(f"kiln farm: the gateway did not start (see {log_path}); clients join Ray",
           file=sys.stderr)
     return {}
+
+
+def _kill_started(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a process group this module started (and reap its leader)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _wait_for_head(proc: subprocess.Popen[bytes], log_path: Path, timeout: float,

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.workers.farm_api import FarmTimeout, FarmUnavailable
-from kiln.workers.ray_farm import RayFarm
+from kiln.workers.farm_api import FarmTimeout, FarmUnavailable, probe
+from kiln.workers.ray_farm import RayFarm, use_farm_token
 from kiln.workers.serve.wire import (
     HANDSHAKE_LIMIT,
     MAGIC,
@@ -44,6 +44,7 @@ from kiln.workers.serve.wire import (
 log = logging.getLogger("kiln.farm")
 HANDSHAKE_TIMEOUT_S = 5.0
 HEAD_CHECK_S = 2.0
+HEAD_WAIT_S = 120.0  # how long a gateway started beside its head waits for it to answer
 READY = "kiln gateway listening on "
 NUMBER = (int, float)
 KEY = str
@@ -230,8 +231,14 @@ def _watch_head(pid: int, gateway: Gateway) -> None:
         time.sleep(HEAD_CHECK_S)
 
 
-def _join(farm: RayFarm) -> None:
-    try:  # the coordinator found (or made) before the first client asks
+def _join(farm: RayFarm, address: str, wait_s: float = HEAD_WAIT_S) -> None:
+    """Join the farm and make its coordinator (which starts its workers) before the first
+    client asks. `kiln farm up` starts this gateway beside the head, so the head may not
+    answer yet: its port is awaited first."""
+    deadline = time.monotonic() + wait_s
+    while probe(address, timeout=1.0) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
         farm.actor()
     except Exception as e:  # each call joins again and reports it
         log.warning("kiln gateway: joining the farm failed: %s", e)
@@ -251,10 +258,11 @@ def main(argv: list[str], ready: Callable[[str], None] = print) -> int:
     if token is None:
         print(f"kiln gateway: no farm token in {farm_token_file()}", file=sys.stderr)
         return 2
-    farm = RayFarm(args.ray)  # joined with the farm file's Ray token where it names args.ray
+    use_farm_token({"token_file": str(farm_token_file())})  # the token of `kiln farm up`
+    farm = RayFarm(args.ray)
     gateway = Gateway(farm, token, args.host, args.port)
     if args.join_now:
-        threading.Thread(target=_join, args=(farm,), daemon=True).start()
+        threading.Thread(target=_join, args=(farm, args.ray), daemon=True).start()
     if args.head_pid:
         threading.Thread(target=_watch_head, args=(args.head_pid, gateway),
                          daemon=True).start()

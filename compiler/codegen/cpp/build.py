@@ -14,6 +14,7 @@ each tensor's data pointer.
 from __future__ import annotations
 
 import ctypes
+import difflib
 import functools
 import hashlib
 import json
@@ -77,11 +78,28 @@ def default_isa() -> str:
     """The ISA level CPU targets get unless they name one: ``$KILN_CPU_ISA``, else the
     highest x86-64 level this machine runs (a named level, so the binary is the same on
     any machine that builds it), else x86-64-v3; on other machines, their name."""
-    if os.environ.get("KILN_CPU_ISA"):
-        return os.environ["KILN_CPU_ISA"]
+    chosen = os.environ.get("KILN_CPU_ISA", "").strip()
+    if chosen and isa_problem(chosen) is None:
+        return chosen
+    if chosen:  # the client's configuration warns about it once; the kernels still build
+        log.debug("KILN_CPU_ISA=%r: %s; using this machine's level", chosen,
+                  isa_problem(chosen))
     if platform.machine() not in ("x86_64", "AMD64"):
         return platform.machine().lower() or FALLBACK_ISA
     return host_isa_level() or FALLBACK_ISA
+
+
+def isa_problem(isa: str) -> str | None:
+    """Why `isa` is not a level CPU kernels can be built for; None when it is (a named
+    x86-64 level, or this machine's own name where it is not x86)."""
+    known = [*_LEVELS]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        known.append(platform.machine().lower())
+    if isa in known:
+        return None
+    close = difflib.get_close_matches(isa, known, n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"expected one of {', '.join(known)}{hint}"
 
 
 DEFAULT_ISA = default_isa()
@@ -109,6 +127,9 @@ def isa_flags(isa: str) -> list[str]:
     """``-march`` for an x86-64 level; another machine's name (``aarch64``) means the
     compiler's baseline for it."""
     if isa.startswith("x86-64"):
+        if isa not in _LEVELS:  # never a flag the compiler would reject after a long wait
+            raise KilnCompileError(f"CPU target ISA {isa!r}: {isa_problem(isa)}",
+                                   stage="kernel compile")
         return [f"-march={isa}", "-mtune=generic"]
     return []
 
