@@ -22,15 +22,17 @@ ODD_LENGTHS = (200, 333, 700)
 
 
 def tiny_llama(layers: int = 1, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-               vocab: int = 100, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+               vocab: int = 100, dtype: torch.dtype = torch.float32,
+               use_cache: bool = False) -> torch.nn.Module:
     """An HF ``LlamaModel`` with grouped-query attention (``heads`` / ``kv_heads``),
-    rotary embeddings and HF's own causal mask, through SDPA; no KV cache."""
+    rotary embeddings and HF's own causal mask, through SDPA (no KV cache unless asked:
+    a cache made on fake tensors cannot be)."""
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, vocab_size=vocab,
-                         max_position_embeddings=4096, use_cache=False)
+                         max_position_embeddings=4096, use_cache=use_cache)
     config._attn_implementation = "sdpa"
     return LlamaModel(config).to(dtype)
 
