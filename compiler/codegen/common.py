@@ -174,7 +174,10 @@ class IndexPrinter:
 
     def _paren(self, expr: Expr) -> str:
         text = self.print(expr)
-        if isinstance(expr, (sympy.Add, sympy.Mul)) and not isinstance(expr, sympy.Symbol):
+        # A power prints as a product (``s1*s1``): as a divisor or modulus it needs
+        # parentheses as much as any product does.
+        if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow)) and \
+                not isinstance(expr, sympy.Symbol):
             return f"({text})"
         return text
 

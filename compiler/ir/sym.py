@@ -117,11 +117,15 @@ def index_upper_bound(e: Expr, var_ranges: dict[sympy.Symbol, Expr]) -> int | No
         r = var_ranges.get(e)
         return int(r) if isinstance(r, sympy.Integer) else None
     if isinstance(e, sympy.Mul):
-        coeff, rest = e.as_coeff_Mul()
-        ub = index_upper_bound(rest, var_ranges)
-        if ub is None or not isinstance(coeff, sympy.Integer) or coeff < 0:
-            return None
-        return int(coeff) * (ub - 1) + 1
+        # Every factor on its own (``as_coeff_Mul`` of ``s0*x`` gives back ``s0*x`` itself):
+        # a product of non-negative factors is largest where each factor is.
+        highest = 1
+        for factor in e.args:
+            ub = index_upper_bound(factor, var_ranges)
+            if ub is None or ub < 1 or index_lower_bound(factor) is None:
+                return None
+            highest *= ub - 1
+        return highest + 1
     if isinstance(e, sympy.Add):
         bounds = [index_upper_bound(a, var_ranges) for a in e.args]
         if any(b is None for b in bounds):
@@ -145,19 +149,23 @@ def index_lower_bound(e: Expr) -> int | None:
     if isinstance(e, sympy.Symbol):
         return 0 if e.is_nonnegative else None
     if isinstance(e, sympy.Mul):
-        coeff, rest = e.as_coeff_Mul()
-        lb = index_lower_bound(rest)
-        if lb is None or not isinstance(coeff, sympy.Integer) or coeff < 0 or lb < 0:
-            return None
-        return int(coeff) * lb
+        # A product of non-negative factors is smallest where each factor is.
+        lowest = 1
+        for factor in e.args:
+            lb = index_lower_bound(factor)
+            if lb is None or lb < 0:
+                return None
+            lowest *= lb
+        return lowest
     if isinstance(e, sympy.Add):
         bounds = [index_lower_bound(a) for a in e.args]
         return None if any(b is None for b in bounds) else sum(b for b in bounds if b)
     if isinstance(e, FloorDiv):
         lb = index_lower_bound(e.args[0])
-        if lb is None or lb < 0 or not isinstance(e.args[1], sympy.Integer):
+        if lb is None or lb < 0 or not e.args[1].is_positive:
             return None
-        return lb // int(e.args[1])
+        # A non-negative value over a positive divisor (a size symbol's too) stays >= 0.
+        return lb // int(e.args[1]) if isinstance(e.args[1], sympy.Integer) else 0
     if isinstance(e, ModularIndexing):
         lb = index_lower_bound(e.args[0])
         return 0 if lb is not None and lb >= 0 else None

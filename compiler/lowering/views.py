@@ -171,10 +171,27 @@ def squeeze(x: IRNode, dim: int | Sequence[int] | None = None) -> IRNode:
     return _view(x, [size[i] for i in keep], reindex, "squeeze")
 
 
-def _clamp(value: Any, n: Expr) -> Expr:
+def _traced_end(dim: int, start: Expr, step: int) -> Expr | None:
+    """Where the slice being lowered ends by its traced output (``start`` plus the
+    output's length along ``dim``): a slice ``[:s1]`` of a fixed-size table (BERT's
+    position ids) traced to length ``s1`` was guarded ``s1 <= size`` by Dynamo, a bound
+    the symbol's range does not carry. None where the node or its output is not known."""
+    node = V.graph.current_node
+    val = node.meta.get("val") if node is not None and \
+        node.target is aten.slice.Tensor else None
+    shape = getattr(val, "shape", None)  # a FakeTensor, or a SymbolicTensor on a worker
+    if step != 1 or not isinstance(shape, (tuple, torch.Size)) or dim >= len(shape):
+        return None
+    return sympy.expand(start + sympify_tuple([shape[dim]])[0])
+
+
+def _clamp(value: Any, n: Expr, traced: Expr | None = None) -> Expr:
     """A slice bound in ``[0, n]`` (negative counts from the end), proved for every size
-    a graph with dynamic shapes admits; ValueError when it cannot be."""
+    a graph with dynamic shapes admits, or equal to where the traced slice ends
+    (``traced``); ValueError when it cannot be."""
     v = sympy.sympify(value)
+    if traced is not None and v.is_nonnegative and sympy.expand(traced - v) == 0:
+        return v
     if v.is_Integer and n.is_Integer:
         i, size = int(v), int(n)
         return sympy.Integer(max(0, min(i + size if i < 0 else i, size)))
@@ -196,7 +213,8 @@ def slice_(x: IRNode, dim: int = 0, start: int | None = None, end: int | None = 
     size = list(x.get_size())
     dim = _norm_dim(dim, len(size))
     n = sympy.sympify(size[dim])
-    start_, end_ = _clamp(0 if start is None else start, n), _clamp(n if end is None else end, n)
+    start_ = _clamp(0 if start is None else start, n)
+    end_ = _clamp(n if end is None else end, n, _traced_end(dim, start_, step))
     if start_ == 0 and sympy.expand(end_ - n) == 0 and step == 1:
         return x
     if n.is_Integer and start_.is_Integer and end_.is_Integer:

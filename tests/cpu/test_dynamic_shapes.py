@@ -65,6 +65,20 @@ def test_kernels_take_sizes_as_arguments() -> None:
     assert result.compiled.stats["dynamic"]["symbols"] == {"s0": [2, None]}
 
 
+_POSITIONS = torch.arange(2048).unsqueeze(0)  # a module's position-id table (BERT's)
+
+
+def test_slice_of_a_fixed_table_to_a_symbolic_length_is_a_view() -> None:
+    """``table[:, :s1]`` of a 2048-wide table: Dynamo guarded ``s1 <= 2048`` when it
+    traced the slice to length s1, a bound the symbol's range does not carry. The slice
+    is a view read by the kernel, not ATen's slice run eagerly inside the graph."""
+    fn = lambda x: x * 2 + _POSITIONS[:, : x.shape[1]]  # noqa: E731
+    (result,) = _output_code(fn, lambda n: torch.randn(3, n), [37, 5, 211], dim=1)
+    wrapper = result.compiled.wrapper_source
+    assert "aten.slice" not in wrapper, wrapper
+    assert len(result.compiled.kernels) == 1
+
+
 def test_equal_sizes_reuse_buffers_only_when_provably_equal() -> None:
     def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = (x * 2).sum(-1)           # size s0

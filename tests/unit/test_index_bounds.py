@@ -38,3 +38,17 @@ def test_no_bound_without_ranges_or_with_negative_coefficients() -> None:
     assert index_upper_bound(-2 * X + 5000, RANGES) is None
     assert index_lower_bound(-2 * X + 5000) is None
     assert index_lower_bound(FloorDiv(X - 10, 3)) is None
+
+
+def test_products_of_size_symbols_and_loop_variables_are_bounded() -> None:
+    """A dynamic graph's addresses multiply loop variables by size symbols (``s1*x``,
+    a rotary table's ``512*s1*FloorDiv(x, 512*s1)``): each factor is bounded on its own
+    (a coefficient of 1 gives ``as_coeff_Mul`` the whole product back)."""
+    s1 = sympy.Symbol("s1", integer=True, positive=True)
+    rotary = 512 * s1 * FloorDiv(X, 512 * s1) + ModularIndexing(X, 1, 64) - 32
+    assert index_lower_bound(s1 * X) == 0
+    assert index_lower_bound(rotary) == -32
+    assert index_upper_bound(s1 * X, RANGES) is None  # s1 has no range here
+    assert index_upper_bound(s1 * X, {**RANGES, s1: sympy.Integer(8)}) == 7 * 999 + 1
+    assert index_upper_bound(rotary, RANGES) is None
+    assert index_lower_bound(-2 * s1 * X) is None
