@@ -169,7 +169,7 @@ def run_setting(model: Model, setting: str, reps: int, inputs: dict[int, list[An
                 reference: dict[int, torch.Tensor]) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch._dynamo.reset()
     counters.clear()

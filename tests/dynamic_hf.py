@@ -60,13 +60,13 @@ def sm90_graphs(fn: Callable[..., Any], calls: Sequence[Sequence[Any]],
     from torch._guards import detect_fake_mode
 
     from kiln.compiler.driver import compile_all
-    from kiln.frontend.backend import aot_kiln, unsupported_reason
-    from kiln.frontend.compile import request_options
     from kiln.frontend.config import KilnConfig
-    from kiln.frontend.cuda_guard_shim import ensure_fake_cuda_guard
-    from kiln.frontend.fake_device import gpu_device_model
-    from kiln.frontend.keys import compute_key
-    from kiln.frontend.serialize import make_request
+    from kiln.frontend.core.backend import aot_kiln, unsupported_reason
+    from kiln.frontend.core.compile import request_options
+    from kiln.frontend.core.keys import compute_key
+    from kiln.frontend.core.serialize import make_request
+    from kiln.frontend.cross.cuda_guard_shim import ensure_fake_cuda_guard
+    from kiln.frontend.cross.fake_device import gpu_device_model
     from kiln.workers.pipeline import compile_sources
 
     ensure_fake_cuda_guard()
@@ -109,7 +109,7 @@ def fake_cuda_model(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     constants a model makes while it runs, such as a rotary table's scalars, are let in)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kiln.frontend.fake_device import fake_module
+    from kiln.frontend.cross.fake_device import fake_module
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     return fake_module(model, mode, "cuda"), mode

@@ -24,8 +24,8 @@ BF16 = {"rtol": 3e-2, "atol": 3e-2}
 
 @contextmanager
 def _graphs() -> Iterator[list[str]]:
-    from kiln.frontend import compile as kiln_compile
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     seen: list[str] = []
     kiln_compile.observers.append(lambda name, result: seen.append(name))

@@ -23,7 +23,7 @@ def _isolated(kiln_isolated: None) -> None:
 
 
 def _count_graphs() -> list[str]:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     seen: list[str] = []
     kiln_compile.observers.append(lambda name, result: seen.append(name))
@@ -31,7 +31,7 @@ def _count_graphs() -> list[str]:
 
 
 def _stop_counting() -> None:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     kiln_compile.observers.pop()
 
@@ -39,7 +39,7 @@ def _stop_counting() -> None:
 def test_dynamic_true_matches_eager_at_odd_lengths() -> None:
     """Before: the causal mask's batch row was printed ``xindex // s1*s1`` (every output
     wrong) and the rotary guard's bound recursed (the graph ran eagerly)."""
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch.manual_seed(0)
     model = tiny_llama().eval()
@@ -69,7 +69,7 @@ def _grads(model: torch.nn.Module, out: Any) -> list[torch.Tensor]:
 def test_training_step_with_dynamic_length_matches_eager() -> None:
     """Forward and backward with a symbolic sequence length (``mark_dynamic``): the
     backward's kernels take the length as an argument; gradients equal eager's."""
-    from kiln.frontend.backend import KilnFallbackWarning
+    from kiln.frontend.core.fallback import KilnFallbackWarning
 
     torch.manual_seed(0)
     model = tiny_llama().train()
