@@ -191,7 +191,7 @@ class Claims:
         self.ttl_s = ttl_s if ttl_s is not None else _env_float(TTL_ENV, DEFAULT_TTL_S)
         self.wait_s = wait_s if wait_s is not None else _env_float(WAIT_ENV, DEFAULT_WAIT_S)
         if enabled is None:
-            enabled = os.environ.get(CLAIMS_ENV, "on").lower() not in ("0", "off", "no")
+            enabled = os.environ.get(CLAIMS_ENV, "on").lower() not in ("0", "off", "no", "false")
         self.off_reason = None if enabled else f"{CLAIMS_ENV}=off"
         if self.off_reason is None and (tier is None or not writable or not tier.writable):
             self.off_reason = "the store is read-only or not open"

@@ -5,7 +5,8 @@ the seconds from its start to its first output.
 
     python tests/fleet_child.py infer|train [seed]
 
-The store, farm mode and claim settings come from the environment (KILN_*)."""
+The store, farm mode and claim settings come from the environment (KILN_*);
+``FLEET_TRACE_DIR`` gives each process its own KILN_TRACE file there."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 STARTED = time.time()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if os.environ.get("FLEET_TRACE_DIR"):  # one KILN_TRACE file per process
+    os.environ["KILN_TRACE"] = f"{os.environ['FLEET_TRACE_DIR']}/trace-{os.getpid()}.json"
 
 import torch  # noqa: E402
 

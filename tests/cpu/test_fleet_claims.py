@@ -56,7 +56,7 @@ def test_four_processes_compile_each_graph_once(tmp_path: Path) -> None:
     assert not list((tmp_path / "store" / "claims").rglob("*.0*"))  # all released
 
 
-def claim_holder(store: Path, timeout: float = 120.0) -> int:
+def claim_holder(store: Path, timeout: float = 300.0) -> int:
     """The pid named by the first claim to appear in the store."""
     ends = time.monotonic() + timeout
     while time.monotonic() < ends:
@@ -72,7 +72,8 @@ def claim_holder(store: Path, timeout: float = 120.0) -> int:
 
 def test_killed_claimant_is_taken_over(tmp_path: Path) -> None:
     ttl, delay = 1.0, 2.0
-    env = fleet_env(tmp_path, KILN_CLAIM_TTL=str(ttl), KILN_TEST_COMPILE_DELAY=str(delay))
+    env = fleet_env(tmp_path, KILN_CLAIM_TTL=str(ttl), KILN_TEST_COMPILE_DELAY=str(delay),
+                    FLEET_TRACE_DIR=str(tmp_path))
     procs = start(3, "infer", env)
     pid = claim_holder(tmp_path / "store")
     victim = next(p for p in procs if p.pid == pid)
@@ -91,3 +92,13 @@ def test_killed_claimant_is_taken_over(tmp_path: Path) -> None:
     assert compile_s >= delay
     last = max(r["first_output_at"] for r in survivors)
     assert last - killed <= 2 * ttl + compile_s + 10.0, (last - killed, compile_s)
+    # The trace shows who waited (on the killed holder) and who compiled.
+    for r in survivors:
+        events = json.loads((tmp_path / f"trace-{r['pid']}.json").read_text())["traceEvents"]
+        waits = [e["args"] for e in events if e.get("name") == "claim wait"]
+        assert waits and waits[0]["holder"].endswith(f":{pid}"), waits
+    compiled = [r for r in survivors if r["counters"].get("compiles")]
+    assert len(compiled) == 1
+    events = json.loads((tmp_path / f"trace-{compiled[0]['pid']}.json").read_text())
+    claims = [e["args"] for e in events["traceEvents"] if e.get("name") == "claim"]
+    assert [c["outcome"] for c in claims] == ["took over"]
