@@ -26,7 +26,8 @@ not moved for a whole TTL is dead, whatever the clocks of other hosts say.
 Claim objects come from the store: they are parsed as plain data, never run, and one that
 does not parse is treated as expired. A hostile writer can at most make others wait up to
 their deadline, then compile themselves. A store that is read-only or down makes claims
-a no-op: the caller compiles itself, with one warning.
+a no-op: the caller compiles itself; a fault opens the store's circuit breaker (faults.py),
+whose one warning per outage is the only one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from .cas import TMP_MARKER
 from .errors import describe_exception
-from .faults import Reporter
+from .faults import READ, WRITE, Reporter
 from .stats import StoreStats
 from .tiers import Tier
 
@@ -222,6 +223,8 @@ class Claims:
         owner = owner or default_owner()
         if self.off_reason is not None:
             return ClaimOutcome(reason=f"no claim: {self.off_reason}")
+        if not self._healthy():
+            return ClaimOutcome(reason="no claim: the store is unavailable")
         start = time.monotonic()
         deadline, poll, watch = start + self.wait_s, FIRST_POLL_S, _Watch()
         outcome: ClaimOutcome[T] = ClaimOutcome()
@@ -251,7 +254,7 @@ class Claims:
         """One attempt, no waiting (the farm: it compiles what it is asked either way,
         and its claim tells processes with no farm to wait for it). Takes over only a
         claim whose expiry has passed by the holder's clock."""
-        if self.off_reason is not None:
+        if self.off_reason is not None or not self._healthy():
             return None
         try:
             claim, _, took_over = self._attempt(key, owner or default_owner(), None)
@@ -331,13 +334,23 @@ class Claims:
                 self.stats.count("claim_deadlines")
         return outcome
 
+    def _healthy(self) -> bool:
+        """Whether the store's circuit breaker lets reads and writes through (a store in
+        an outage is skipped, its one warning already given)."""
+        health = self.tier.health if self.tier is not None else None
+        return health is None or (health.available(READ) and health.available(WRITE))
+
     def _unavailable(self, outcome: ClaimOutcome[T], exc: BaseException, start: float
                      ) -> ClaimOutcome[T]:
+        """A fault: the tier's circuit breaker opens, with the store's one warning per
+        outage (the publish that follows is skipped, not warned about again)."""
         self.stats.count("claim_errors")
-        label = self.tier.label if self.tier is not None else "?"
-        self.reporter.warn_once(
-            f"claims:{label}", "Kiln artifact store %s: cannot claim graphs there (%s); "
-            "processes compile their graphs themselves", label, describe_exception(exc))
+        if self.tier is not None:
+            kind = self.tier.health.failed(WRITE, exc)
+            self.stats.error(self.tier.name, kind)
+        else:
+            self.reporter.warn_once("claims", "Kiln artifact store: cannot claim graphs "
+                                    "(%s)", describe_exception(exc))
         outcome.reason = f"no claim: {describe_exception(exc)}"
         return self._finish_wait(outcome, start)
 
