@@ -178,10 +178,15 @@ def summarize(model: str, mode: str, n: int, results: list[dict[str, Any]], wall
     if mode.startswith("kiln"):
         stats = kiln_stats(env)
         graphs = len(graph_keys(Path(env["KILN_STORE"][len("file://"):])))
-        compiles = stats.get("compiles", 0)
-        if mode == "kiln_farm":
+        # Each process's own counters, summed, beside the stats file's sum of them.
+        client = {name: sum(r.get("counters", {}).get(name, 0) for r in results)
+                  for name in ("compiles", "compiles_local", "compiles_farm", "hits",
+                               "farm_not_up", "farm_fallbacks")}
+        compiles = stats.get("compiles", client["compiles"])
+        if mode == "kiln_farm":  # clients count the farm's answers; the farm its compiles
             compiles = extra.get("farm", {}).get("graph_compiles", compiles)
-        row.update(compiles=compiles, distinct_graphs=graphs,
+        row.update(compiles=compiles, distinct_graphs=graphs, client_counters=client,
+                   stats_error=stats.get("error"),
                    claim_waits=stats.get("claim_waits"),
                    claim_wait_seconds=stats.get("claim_wait_seconds"),
                    claim_takeovers=stats.get("claim_takeovers"), **extra)
@@ -217,7 +222,9 @@ def kiln_cli(env: dict[str, str], *args: str, timeout: float = 600
 
 def kiln_stats(env: dict[str, str]) -> dict[str, Any]:
     proc = kiln_cli(env, "stats", "--json")
-    return json.loads(proc.stdout) if proc.returncode == 0 else {}
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1000:]}
+    return dict(json.loads(proc.stdout))
 
 
 def farm(env: dict[str, str], action: str, args: argparse.Namespace) -> str:
@@ -234,11 +241,16 @@ def farm(env: dict[str, str], action: str, args: argparse.Namespace) -> str:
 
 
 def farm_counters(env: dict[str, str]) -> dict[str, Any]:
+    """The coordinator's counters, or why there are none (a farm that is down reports
+    zeros: those are not its counters)."""
     proc = kiln_cli(env, "farm", "status", "--json", timeout=120)
     try:
-        return dict(json.loads(proc.stdout).get("counters") or {})
+        status = json.loads(proc.stdout)
     except ValueError:
-        return {}
+        return {"error": proc.stderr[-1000:]}
+    if not status.get("up"):
+        return {"error": f"farm status: {status.get('reason')}"}
+    return dict(status.get("counters") or {})
 
 
 def start_redis(folder: Path) -> tuple[Any, int] | str:
