@@ -50,6 +50,11 @@ TOP_COUNTERS = (
     "integrity_failures", "signature_failures", "evictions",
 )
 
+# Claims (claims.py): keys claimed, claims taken over from a dead holder, waits on another
+# process's claim and the seconds they took, waits that ran out, faults that skipped claims.
+CLAIM_COUNTERS = ("claims", "claim_takeovers", "claim_waits", "claim_wait_seconds",
+                  "claim_deadlines", "claim_errors")
+
 
 def _bucket_label(bound: float) -> str:
     return f"<={bound:g}"
@@ -173,8 +178,9 @@ class StoreStats:
             errors = self._tier(tier)["errors"]
             errors[kind] = errors.get(kind, 0) + 1
 
-    def count(self, name: str, n: int = 1) -> None:
-        """Add to a top-level counter (kernel_hits, kernel_misses, ... start at 0)."""
+    def count(self, name: str, n: float = 1) -> None:
+        """Add to a top-level counter (kernel_hits, kernel_misses, claim_wait_seconds, ...
+        start at 0)."""
         with self._lock:
             self._delta[name] = self._delta.get(name, 0) + n
         self._maybe_flush()
@@ -214,7 +220,8 @@ class StoreStats:
 
 
 def _has_activity(counters: Mapping[str, Any]) -> bool:
-    return bool(counters.get("tiers")) or any(counters.get(n) for n in TOP_COUNTERS)
+    return bool(counters.get("tiers")) or any(counters.get(n) for n in TOP_COUNTERS) \
+        or any(counters.get(n) for n in CLAIM_COUNTERS)
 
 
 def persist_counters(path: str, section: str, delta: Mapping[str, Any]) -> None:

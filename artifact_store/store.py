@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from .artifact import Artifact, check_blob_name, check_key
 from .cas import AC_DIR, sha256_hex
+from .claims import Claims
 from .config import StoreConfig, missing_folder_reason, redact_url
 from .errors import ConfigError, IntegrityError, UnsupportedFormat, describe_exception
 from .faults import READ, WRITE, Reporter
@@ -118,6 +119,7 @@ class Store:
         self._stats = stats
         self._reporter = Reporter(logger)
         self._finalizer = weakref.finalize(self, stats.flush)
+        self._claims: Claims | None = None
 
     @property
     def url(self) -> str:
@@ -133,6 +135,16 @@ class Store:
         if self.keyring.signer is not None:
             return True
         return not self.keyring and not self.require_signed
+
+    @property
+    def claims(self) -> Claims:
+        """Claims on keys in the store (claims.py): one compile per key across processes.
+        Only a builder claims (others could not publish what they compile); a read-only
+        or disabled store gives claims that are a no-op."""
+        if self._claims is None:
+            self._claims = Claims(self.primary, self._stats, self._reporter,
+                                  writable=self.can_publish)
+        return self._claims
 
     def quarantine(self, key: str, reason: str) -> None:
         """Set aside `key`'s artifact, which verified but failed to load (a compiler

@@ -282,7 +282,16 @@ def summarize(spans: list[Span], top: int = 15) -> dict[str, Any]:
     return {"wall_ms": wall, "critical_path": _table(on_path),
             "top_stages": _table(own)[:top], "processes": len({s.pid for s in spans}),
             "gpu_usage": gpu_usage(spans), "background_ms": background_ms,
-            "first_calls": first_call_stages(spans), "warm_up": warm_up_overlap(spans)}
+            "first_calls": first_call_stages(spans), "warm_up": warm_up_overlap(spans),
+            "claims": claim_waits(spans)}
+
+
+def claim_waits(spans: list[Span]) -> dict[str, float]:
+    """Who compiled and who waited (``artifact_store.claims``): graphs compiled here,
+    and waits on another process's claim (a ``claim wait`` span names the holder)."""
+    waits = [s for s in spans if s.name == "claim wait"]
+    return {"compiled_here": sum(1 for s in spans if s.name == "local compile"),
+            "waits": len(waits), "waited_ms": sum(s.dur for s in waits) / 1000.0}
 
 
 COMPILE_WAITS = ("farm compile (client waits)", "local compile")
@@ -332,6 +341,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     if warm.get("calls"):
         lines += ["", f"first-call warm-up: {warm['calls']} calls, {warm['ms']:.1f} ms, "
                   f"{warm['beside_compile_ms']:.1f} ms of it beside a compile"]
+    claims = summary.get("claims") or {}
+    if claims.get("waits"):
+        lines += ["", f"claims: {claims['compiled_here']} graphs compiled here, "
+                  f"{claims['waits']} waits on another process's claim "
+                  f"({claims['waited_ms']:.1f} ms)"]
     if summary.get("first_calls"):
         lines += ["", "first calls of graphs (stage, own ms, spans):"]
         for row in summary["first_calls"]:

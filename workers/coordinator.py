@@ -242,16 +242,22 @@ class KilnFarm:
         timeline: list[trace.Event] | None = [] if traced else None
         arrived = trace.now_us()
         start = time.perf_counter()
+        # The farm's claim in its store tells processes compiling with no farm (or with
+        # another farm) to wait for this artifact; the farm itself compiles either way.
+        claim = await asyncio.to_thread(self.publisher.claim, key.key)
         try:
             compiled = await self._compile_graph(key, request_bytes, delay, timeline)
+            wall = time.perf_counter() - start
+            began = trace.now_us()
+            published = await self._publish(key, request, compiled, wall)
         except ray.exceptions.RayTaskError as e:
             cause = root_cause(e)
             if isinstance(cause, CompileFailure):
                 raise CompileFailure.wrap(cause, key.key) from None
             raise
-        wall = time.perf_counter() - start
-        began = trace.now_us()
-        published = await self._publish(key, request, compiled, wall)
+        finally:
+            if claim is not None:
+                await asyncio.to_thread(claim.release)
         self.counters["published" if published else "not_published"] += 1
         result: dict[str, Any] = {"key": key.key, "compiled": compiled,
                                   "published": published, "wall_s": wall}

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from kiln.artifact_store import Store, open_store
+from kiln.artifact_store.claims import Claim, default_owner
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.keys import KeyInfo
 from kiln.compiler.request import CompileRequest
@@ -40,6 +41,17 @@ class FarmPublisher:
                                 "cannot sign): clients publish what it compiles, if they "
                                 "may", self._store.url)
             return self._store
+
+    def claim(self, key: str) -> Claim | None:
+        """The farm's claim on ``key`` in its store (``artifact_store.claims``), if the
+        key was free or its claim expired; None otherwise (never raises)."""
+        try:
+            store = self.store
+            owner = {**default_owner(), "farm": True}
+            return store.claims.try_acquire(key, owner) if store.can_publish else None
+        except Exception as e:  # a claim only saves others a compile
+            log.debug("kiln farm: no claim on %s: %s", key, e)
+            return None
 
     def publish(self, key: KeyInfo, request: CompileRequest, compiled: dict[str, Any],
                 wall_s: float) -> str:

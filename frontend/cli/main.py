@@ -135,7 +135,9 @@ CLIENT_COUNTERS = ("graphs", "compiles", "compiles_farm", "compiles_local", "far
                    "aot_traces", "aot_uncached", "aot_publishes", "aot_rejected",
                    "hot_swaps", "bucket_tunes", "inference_direct", "gemm_problems",
                    "gemm_cached", "gemm_benchmarked", "gemm_untuned")
-STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures")
+STORE_COUNTERS = ("publishes", "publish_failures", "integrity_failures", "signature_failures",
+                  "claims", "claim_takeovers", "claim_waits", "claim_wait_seconds",
+                  "claim_deadlines", "claim_errors")
 
 
 def stats_summary(data: dict[str, Any], stats_file: str | None = None) -> dict[str, Any]:
@@ -227,6 +229,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{summary['aot_uncached']} not cacheable, {summary['aot_rejected']} rejected); "
           f"{summary['inference_direct']} traced inference graphs called with no AOT "
           "runtime wrapper")
+    print(f"claims          {summary['claims']} keys claimed before compiling, "
+          f"{summary['claim_takeovers']} taken over from a dead holder; "
+          f"{summary['claim_waits']} waits on another process's claim "
+          f"({summary['claim_wait_seconds']:.1f} s, {summary['claim_deadlines']} ran out)")
     print(f"compile time    {summary['compile_seconds']:.1f} s; "
           f"time saved by hits {summary['time_saved_s']:.1f} s")
     print(f"problems        {summary['farm_fallbacks']} farm fallbacks, "

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifact_store import Artifact, Store, default_stats_file, open_store
+from kiln.artifact_store.claims import describe_owner
 from kiln.artifact_store.stats import merge_counters, persist_counters
 from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
@@ -43,7 +44,7 @@ from kiln.frontend.core.keys import KeyInfo, compute_key
 from kiln.frontend.core.overlap import Warm, overlap
 from kiln.frontend.transports.base import Farm
 from kiln.frontend.transports.inprocess import InProcessFarm
-from kiln.frontend.transports.modes import farm_for
+from kiln.frontend.transports.modes import LocalFarm, farm_for
 from kiln.frontend.tuning import BackgroundTuner
 from kiln.workers import foreground, gpu_share
 from kiln.workers.artifact import compile_seconds, cubin_records, from_artifact, to_artifact
@@ -185,7 +186,7 @@ class KilnClient:
             self.counters.add(graphs=1, waited=1)
             return future.result()
         try:
-            result = self._compile_miss(key, request, name, warm, missed)
+            result = self._compile_claimed(key, request, name, warm, missed, count_hit)
             result.timings["hash_s"] = hashed - start
             future.set_result(result)
             return result
@@ -195,6 +196,51 @@ class KilnClient:
         finally:
             with self._lock:
                 self._inflight.pop(key.key, None)
+
+    def _compile_claimed(self, key: KeyInfo, request: CompileRequest, name: str,
+                         warm: Warm | None, missed: str, count_hit: bool = True
+                         ) -> CompileResult:
+        """A miss compiled here claims its key in the store first; a live claim of another
+        process means waiting for its artifact (a hit), up to ``KILN_CLAIM_WAIT``, then
+        compiling here. With a farm up, the farm de-duplicates and claims instead."""
+        if not self._compiles_here():
+            return self._compile_miss(key, request, name, warm, missed)
+        start = time.perf_counter()
+        waited: dict[str, Any] = {}
+
+        def found() -> CompileResult | None:
+            if not self.store.contains(key.key):
+                return None
+            return self._lookup(key)[0]
+
+        with trace.span("claim", cat="client", key=key.key[:16], graph=name) as span:
+            outcome = self.store.claims.acquire_or_wait(key.key, found,
+                                                        on_wait=waited.update)
+            span.update(outcome=outcome.reason, holder=describe_owner(outcome.holder))
+        if outcome.holder is not None:
+            trace.complete("claim wait", trace.now_us() - outcome.waited_s * 1e6,
+                           trace.now_us(), cat="client", key=key.key[:16],
+                           holder=describe_owner(outcome.holder), outcome=outcome.reason)
+        if outcome.found is not None:
+            result = outcome.found
+            result.timings.update(claim_wait_s=outcome.waited_s,
+                                  total_s=time.perf_counter() - start)
+            if count_hit:
+                self.loaded(result, ok=True)
+            return result
+        try:
+            result = self._compile_miss(key, request, name, warm, missed)
+        finally:
+            if outcome.claim is not None:
+                outcome.claim.release()
+        result.timings["claim_wait_s"] = outcome.waited_s
+        return result
+
+    def _compiles_here(self) -> bool:
+        """Whether a miss compiles in this process (no farm up, or the farm given up)."""
+        if self.farm is self.local or self.farm_down is not None:
+            return True
+        return isinstance(self.farm, LocalFarm) and self.farm.address() is None
 
     def connect_farm_early(self) -> None:
         """Start joining the farm that is up (``frontend.transports.modes.connect_early``), unless
@@ -426,6 +472,7 @@ class KilnClient:
         try:
             with trace.span("local compile", cat="client", key=key.key[:16]):
                 return overlap(lambda: self.local.compile(key.key, request,
+                                                          delay=test_delay(),
                                                           debug_options=debug),
                                warm, warm_here=False), "local"
         except CompileFailure:

@@ -1,0 +1,65 @@
+"""One process of a fleet test (tests/cpu/test_fleet_claims.py): compile a model of
+tests/fleet_models with Kiln, check its outputs (and gradients, for ``train``) against
+eager on fresh random inputs, and print one JSON line: this process's client counters and
+the seconds from its start to its first output.
+
+    python tests/fleet_child.py infer|train [seed]
+
+The store, farm mode and claim settings come from the environment (KILN_*);
+``FLEET_TRACE_DIR`` gives each process its own KILN_TRACE file there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+STARTED = time.time()
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+if os.environ.get("FLEET_TRACE_DIR"):  # one KILN_TRACE file per process
+    os.environ["KILN_TRACE"] = f"{os.environ['FLEET_TRACE_DIR']}/trace-{os.getpid()}.json"
+
+import torch  # noqa: E402
+
+from kiln.frontend.backend import KilnFallbackWarning  # noqa: E402
+from kiln.frontend.client import process_counters, reset_clients  # noqa: E402
+from tests import fleet_models  # noqa: E402
+
+
+def main() -> None:
+    warnings.simplefilter("error", KilnFallbackWarning)
+    mode = sys.argv[1]
+    torch.manual_seed(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    model = fleet_models.Block(dim=32, heads=2)
+    x = torch.randn(2, 8, 32)
+    compiled = torch.compile(model, backend="kiln")
+    if mode == "train":
+        model.train()
+        expected = model(x)
+        expected.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+        model.zero_grad()
+        out = compiled(x)
+        first = time.time() - STARTED
+        out.square().mean().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-5)
+    else:
+        model.eval()
+        with torch.no_grad():
+            expected = model(x)
+            out = compiled(x)
+        first = time.time() - STARTED
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    counters = process_counters()
+    reset_clients()  # flush the counters to the stats file
+    print(json.dumps({"pid": os.getpid(), "first_output_s": first,
+                      "first_output_at": STARTED + first, "counters": counters}))
+
+
+if __name__ == "__main__":
+    main()
