@@ -64,7 +64,7 @@ def child(model: str, device: str, smoke: bool, backend: str) -> None:
     import coldstart_models
 
     if backend == "kiln":
-        from kiln.frontend.backend import KilnFallbackWarning
+        from kiln.frontend.core.fallback import KilnFallbackWarning
 
         warnings.simplefilter("error", KilnFallbackWarning)
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def child(model: str, device: str, smoke: bool, backend: str) -> None:
                               "ok": comparison.ok, "problem": comparison.problem(),
                               "note": case.note}
     if backend == "kiln":
-        from kiln.frontend.client import process_counters, reset_clients
+        from kiln.frontend.core.client import process_counters, reset_clients
 
         result["counters"] = process_counters()
         reset_clients()
@@ -216,7 +216,7 @@ def graph_keys(store: Path) -> set[str]:
 
 def kiln_cli(env: dict[str, str], *args: str, timeout: float = 600
              ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "kiln.frontend.cli.main", *args], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-import kiln.frontend.client as client_module  # noqa: E402
-from kiln.frontend.backend import KilnFallbackWarning  # noqa: E402
-from kiln.frontend.client import process_counters, reset_clients  # noqa: E402
+import kiln.frontend.core.client as client_module  # noqa: E402
+from kiln.frontend.core.client import process_counters, reset_clients  # noqa: E402
+from kiln.frontend.core.fallback import KilnFallbackWarning  # noqa: E402
 
 keys: list[str] = []
 _compute_key = client_module.compute_key

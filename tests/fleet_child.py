@@ -25,8 +25,8 @@ if os.environ.get("FLEET_TRACE_DIR"):  # one KILN_TRACE file per process
 
 import torch  # noqa: E402
 
-from kiln.frontend.backend import KilnFallbackWarning  # noqa: E402
-from kiln.frontend.client import process_counters, reset_clients  # noqa: E402
+from kiln.frontend.core.client import process_counters, reset_clients  # noqa: E402
+from kiln.frontend.core.fallback import KilnFallbackWarning  # noqa: E402
 from tests import fleet_models  # noqa: E402
 
 

@@ -211,13 +211,13 @@ class KilnGraphs:
         self.fallback_ops: dict[str, int] = {}
 
     def __enter__(self) -> KilnGraphs:
-        from kiln.frontend import compile as kiln_compile
+        from kiln.frontend.core import compile as kiln_compile
 
         kiln_compile.observers.append(self.observe)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from kiln.frontend import compile as kiln_compile
+        from kiln.frontend.core import compile as kiln_compile
 
         kiln_compile.observers.remove(self.observe)
 
