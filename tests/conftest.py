@@ -18,6 +18,26 @@ os.environ.setdefault("KILN_FARM", "inprocess")
 import pytest  # noqa: E402
 
 
+def _torchvision_importable() -> None:
+    """The dev environment's torchvision is PyPI's CUDA build (scripts/setup.sh): next to a
+    CPU-only torch its native half does not load, and every later ``import torchvision``,
+    from timm or transformers too, raises. Its Python half is made importable once, here,
+    before any test imports those (bench/suite/tv_shim.py); a torchvision that loads, or
+    none at all, is left as it is."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from bench.suite.tv_shim import ensure_torchvision
+
+        ensure_torchvision()
+    except ImportError:  # no torchvision here: the tests that need it skip
+        pass
+
+
+_torchvision_importable()
+
+
 @pytest.fixture
 def kiln_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """No KILN_* settings from the shell; a fresh store; no stats file; compiles in this
