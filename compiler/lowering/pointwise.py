@@ -20,6 +20,7 @@ from .registry import (
     is_tensor,
     make_pointwise,
     promote_dtypes,
+    register_late_lowering,
     register_lowering,
     register_pointwise,
     value_loader,
@@ -79,6 +80,11 @@ for _op, _name, _kind in [(prims.sqrt, "sqrt", INT_TO_FLOAT), (prims.exp, "exp",
                           (prims.div, "truediv", DEFAULT), (prims.mul, "mul", DEFAULT),
                           (prims.add, "add", DEFAULT), (prims.sub, "sub", DEFAULT)]:
     register_pointwise(_op, _name, promotion=_kind)
+
+# a * b + c in the compute dtype (fp32 for reduced precision), which the kernel compiler
+# may contract into one fused multiply-add; core ATen's addcmul decomposition emits it
+# (an Adam or AdamW step), and only Inductor's prims module defines the op.
+register_late_lowering("prims::fma", make_pointwise(lambda a, b, c: ops.add(ops.mul(a, b), c)))
 
 
 def _with_alpha(name: str) -> Any:

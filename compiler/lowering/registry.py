@@ -20,7 +20,40 @@ from ..ir.sym import Expr
 from ..virtualized import V, ops
 
 Lowering = Callable[..., Any]
-lowerings: dict[Any, Lowering] = {}
+class LoweringTable(dict[Any, Lowering]):
+    """The lowerings, by op overload. A few ops exist only once another part of torch is
+    imported (``prims.fma``: Inductor's prims module, which core ATen's ``addcmul``
+    decomposition uses); their lowerings wait in ``late`` by qualified name
+    (``prims::fma``) and are filed under the overload at its first lookup."""
+
+    late: dict[str, Lowering] = {}
+
+    def __missing__(self, op: Any) -> Lowering:
+        fn = self._file_late(op)
+        if fn is None:
+            raise KeyError(op)
+        return fn
+
+    def __contains__(self, op: object) -> bool:
+        return dict.__contains__(self, op) or self._file_late(op) is not None
+
+    def _file_late(self, op: object) -> Lowering | None:
+        if not isinstance(op, torch._ops.OpOverload):
+            return None
+        fn = self.late.get(op.name())
+        if fn is not None:
+            self[op] = fn
+        return fn
+
+
+lowerings: LoweringTable = LoweringTable()
+
+
+def register_late_lowering(qualname: str, fn: Lowering) -> Lowering:
+    """Register ``fn`` for every overload of the op named ``qualname`` (``prims::fma``),
+    an op torch may define only later in the process."""
+    LoweringTable.late[qualname] = fn
+    return fn
 
 DEFAULT = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
 INT_TO_FLOAT = ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT

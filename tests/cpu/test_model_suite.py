@@ -14,14 +14,8 @@ import warnings
 import pytest
 import torch
 
-from bench.suite.tv_shim import ensure_torchvision  # noqa: E402
-
-ensure_torchvision()  # before timm and transformers import torchvision
-pytest.importorskip("transformers")
-pytest.importorskip("timm")
-
-from bench.suite.models import MODELS  # noqa: E402
-from bench.suite.row import (  # noqa: E402
+from bench.suite.models import MODELS
+from bench.suite.row import (
     Case,
     KilnGraphs,
     check,
@@ -29,6 +23,7 @@ from bench.suite.row import (  # noqa: E402
     cpu_results,
     references,
 )
+from bench.suite.tv_shim import ensure_torchvision
 
 # The cheapest tiny forms that still cover each family: encoders, decoders (learned
 # positions; rotary GQA; sliding window), a vision transformer from each library, convnets
@@ -37,6 +32,18 @@ INFERENCE = ["hf_distilbert", "hf_gpt2", "hf_llama", "hf_mistral", "hf_qwen2", "
              "timm_vit_base_patch16_224", "timm_convnext_tiny", "timm_swin_tiny_patch4_window7_224",
              "tv_resnet50"]
 TRAIN = ["hf_llama"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _libraries() -> None:
+    """torchvision importable (before timm and transformers import it), then the model
+    libraries; the suite's modules themselves import only torch."""
+    try:
+        ensure_torchvision()
+    except ImportError:
+        pytest.skip("torchvision is not installed")
+    pytest.importorskip("transformers")
+    pytest.importorskip("timm")
 
 
 @pytest.fixture(autouse=True)
