@@ -29,6 +29,7 @@ from .errors import IntegrityError
 from .faults import DaemonPool, TierHealth
 from .gc import collect
 from .manifest import BlobRef
+from .trust import writable_by_others
 
 try:
     import fcntl
@@ -84,6 +85,15 @@ class Tier:
         if not self.uses_threads:
             return fn(*args)
         return self.pool.run(self.deadline(nbytes), fn, *args)
+
+    def shared_reason(self, key: str) -> str | None:
+        """Why someone other than this user could have written `key`'s manifest here
+        (trust.writable_by_others, on every folder level); None if only this user could."""
+        if isinstance(self.io.fs, MemoryFileSystem):
+            return None  # this process's memory
+        if not self.io.is_local:
+            return f"{self.label} is a remote store, which others may write"
+        return writable_by_others(self.io.fs._strip_protocol(self.io.manifest_path(key)))
 
     # Reads
 
