@@ -331,6 +331,9 @@ class Store:
     ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
         try:
             raw = tier.read_manifest(key)
+        except IntegrityError as exc:  # too big to be a manifest: not read
+            self._damaged(tier, key, b"", exc, outcome)
+            return None
         except Exception as exc:
             self._fault(tier, READ, exc)
             outcome.note("unavailable", f"{tier.label}: {describe_exception(exc)}")
@@ -345,7 +348,8 @@ class Store:
         try:
             blobs = tier.read_blobs(record.blobs, observer)
         except IntegrityError as exc:
-            self._damaged(tier, key, raw, exc, outcome)
+            self._damaged(tier, key, raw, exc, outcome,
+                          {ref.digest: ref.size for ref in record.blobs.values()})
             return None
         except Exception as exc:
             self._fault(tier, READ, exc)
@@ -457,7 +461,7 @@ class Store:
                 f"{self.freshness.newest(record.key):.0f}): a restored old manifest")
 
     def _damaged(self, tier: Tier, key: str, raw: bytes, exc: IntegrityError,
-                 outcome: Lookup) -> None:
+                 outcome: Lookup, sizes: Mapping[str, int] | None = None) -> None:
         if tier.role == CACHE and exc.missing and not exc.corrupt:
             # Evicted under us by another process: refetch from the store, quietly.
             logger.debug("%s: %s is incomplete (%s); refetching", tier.label, key, exc)
@@ -474,7 +478,7 @@ class Store:
             "(%s); it is treated as a miss and %s, and the next publish replaces it",
             tier.label, key, exc, action,
         )
-        tier.discard(key, raw, exc.missing + exc.corrupt)
+        tier.discard(key, raw, exc.missing + exc.corrupt, sizes)
 
     def _fault(self, tier: Tier, op: str, exc: BaseException) -> None:
         kind = tier.health.failed(op, exc)

@@ -167,3 +167,40 @@ def test_row13_restored_older_signed_manifest_is_refused(
     assert builder.publish(new)  # the builder's republish is newer: accepted again
     got = open_store(url, signing_key=key, stats_file=False).get(KEY)
     assert got is not None and got.blobs == new.blobs
+
+
+def _max_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_row9_huge_sparse_blob_and_manifest_are_not_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    url, key = str(tmp_path / "store"), "hmac:builder"
+    honest = make_artifact(KEY)
+    assert open_store(url, signing_key=key, stats_file=False).publish(honest)
+    blobs = sorted(p for p in (tmp_path / "store" / "cas").rglob("*") if p.is_file())
+    with open(blobs[0], "r+b") as f:  # a writer of the store: 3 GiB, sparse
+        f.truncate(3 * 2**30)
+    rss, start = _max_rss_mib(), time.perf_counter()
+    with caplog.at_level(logging.WARNING):
+        got = open_store(url, signing_key=key, stats_file=False).get(KEY)
+    assert got is None
+    assert time.perf_counter() - start < 5.0 and _max_rss_mib() - rss < 256
+    assert any("damaged" in m for m in messages(caplog))
+
+    assert not any(blob.stat().st_size > 2**20 for blob in
+                   (tmp_path / "store" / "cas").rglob("*") if blob.is_file())
+    assert open_store(url, signing_key=key, stats_file=False).publish(honest)
+    manifest = tmp_path / "store" / "ac" / KEY[:2] / KEY
+    with open(manifest, "r+b") as f:
+        f.truncate(2 * 2**30)
+    rss, start = _max_rss_mib(), time.perf_counter()
+    assert open_store(url, signing_key=key, stats_file=False).get(KEY) is None
+    assert time.perf_counter() - start < 5.0 and _max_rss_mib() - rss < 256
+    assert open_store(url, signing_key=key, stats_file=False).publish(honest)
+    got = open_store(url, signing_key=key, stats_file=False).get(KEY)
+    assert got is not None and got.blobs == honest.blobs
