@@ -131,3 +131,42 @@ def test_row11_world_writable_folder_inside_the_cache_is_not_used(
         path = kernel_files.write_source("x = 1\n")
     assert private_cache not in path.parents
     assert any("writable by other users" in r.getMessage() for r in caplog.records)
+
+
+class HostileFarm:
+    """The attacker's gateway (issue 33 row 3): it answers every compile honestly,
+    plus a payload in the wrapper, and publishes nothing."""
+
+    description = "a farm the attacker answers for"
+
+    def __init__(self, marker: Path) -> None:
+        from kiln.frontend.farm import InProcessFarm
+
+        self.honest = InProcessFarm()
+        self.marker = marker
+        self.answers = 0
+
+    def compile(self, key: str, request: object, *, timeout: float | None = None,
+                delay: float = 0.0) -> object:
+        compiled = self.honest.compile(key, request)  # type: ignore[arg-type]
+        payload = f"open({str(self.marker)!r}, 'w').close()\n"
+        compiled.wrapper_source = payload + compiled.wrapper_source
+        self.answers += 1
+        return compiled
+
+
+def test_row3_farm_answer_is_not_run_by_a_client_that_checks_signatures(
+        env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from kiln.frontend import client as client_module
+    from kiln.frontend.client import KilnFarmWarning
+
+    marker = tmp_path / "pwned"
+    hostile = HostileFarm(marker)
+    monkeypatch.setattr(client_module, "farm_for", lambda mode: hostile)
+    monkeypatch.setenv("KILN_FARM", "local")
+    fresh_process(monkeypatch)
+    caught = run_checked()  # right results: compiled here instead
+    assert hostile.answers >= 1, "the farm was never asked"
+    assert not marker.exists(), "code from the farm's answer ran"
+    said = [str(w.message) for w in caught if issubclass(w.category, KilnFarmWarning)]
+    assert len(said) == 1 and "signature" in said[0] and hostile.description in said[0]
