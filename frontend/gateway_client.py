@@ -61,13 +61,19 @@ class GatewayFarm(RelayFarm):
         if target is None:
             raise FarmUnavailable(f"the farm gateway's address {self.address!r} is not "
                                   "host:port")
+        from kiln.compiler.versions import versions
+        from kiln.workers.names import namespace_for
+
+        # Before connecting: the gateway gives the whole handshake one deadline, and the
+        # versions may import the compiler's dependencies.
+        namespace = namespace_for(versions())
         with trace.span("connect to the farm gateway", cat="client"):
             try:
                 sock = socket.create_connection(target, timeout=PROBE_TIMEOUT_S)
             except OSError as e:
                 raise FarmUnavailable(f"{self.description} does not answer ({e})") from None
             try:
-                self._key = self._handshake(sock)
+                self._key = self._handshake(sock, namespace)
             except (OSError, FrameError, FarmUnavailable) as e:
                 sock.close()
                 if isinstance(e, FarmUnavailable):
@@ -77,11 +83,8 @@ class GatewayFarm(RelayFarm):
         sock.settimeout(None)
         return sock
 
-    def _handshake(self, sock: socket.socket) -> bytes:
+    def _handshake(self, sock: socket.socket, namespace: str) -> bytes:
         """The session key, once each side proved it holds the farm token."""
-        from kiln.compiler.versions import versions
-        from kiln.workers.names import namespace_for
-
         hello = read_frame(sock, HANDSHAKE_LIMIT)
         if hello is None:
             raise FarmUnavailable(f"{self.description} closed the connection (or did not "
@@ -90,8 +93,7 @@ class GatewayFarm(RelayFarm):
             raise FrameError(f"the gateway speaks {hello['magic'][:40]!r}, not {MAGIC!r}")
         server_nonce = nonce_of(hello, "the gateway's hello")
         nonce = secrets.token_bytes(NONCE_BYTES)
-        write_frame(sock, {"magic": MAGIC, "nonce": nonce, "namespace":
-                           namespace_for(versions()),
+        write_frame(sock, {"magic": MAGIC, "nonce": nonce, "namespace": namespace,
                            "proof": mac(self._token, b"client", server_nonce, nonce)})
         answer = read_frame(sock, HANDSHAKE_LIMIT)
         if answer is None:
