@@ -33,6 +33,15 @@ QUARANTINE_DIR = "quarantine"
 TMP_MARKER = ".tmp-"
 
 
+class TooLarge(Exception):
+    """An object bigger than its reader allows: not read (`ObjectIO.read`'s `limit`)."""
+
+    def __init__(self, path: str, size: int, limit: int) -> None:
+        super().__init__(f"{path} holds {size} bytes or more, more than the {limit} "
+                         "allowed: not read")
+        self.size = size
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -95,20 +104,31 @@ class ObjectIO:
         flat = relative.replace("/", "_")
         return f"{self.root}/{QUARANTINE_DIR}/{stamp}-{secrets.token_hex(3)}-{flat}"
 
-    def read(self, path: str) -> bytes | None:
-        """The object's bytes, or None if it does not exist."""
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes, or None if it does not exist. With `limit`, an object of
+        more bytes raises TooLarge before it is read (a file's size from its open
+        descriptor; a remote object is read up to one byte past the limit)."""
         if self._plain_reads:
             try:
                 with open(path, "rb") as f:
-                    return f.read()
+                    if limit is not None:
+                        size = os.fstat(f.fileno()).st_size
+                        if size > limit:
+                            raise TooLarge(path, size, limit)
+                    return f.read() if limit is None else f.read(limit + 1)
             except (FileNotFoundError, IsADirectoryError):
                 return None
         try:
-            data = self.fs.cat_file(path)
+            if limit is None:
+                data = self.fs.cat_file(path)
+            else:
+                data = self.fs.cat_file(path, start=0, end=limit + 1)
         except FileNotFoundError:
             return None
         except IsADirectoryError:
             return None
+        if limit is not None and len(data) > limit:
+            raise TooLarge(path, len(data), limit)
         return bytes(data)
 
     def size(self, path: str) -> int | None:

@@ -7,6 +7,7 @@
 | KILN_LOCAL_CACHE_SIZE | bound of the local tier (`10G`, `512M`, bytes)    | 10G                 |
 | KILN_SIGNING_KEY      | key(s) that sign and verify manifests (signing)   | unset               |
 | KILN_REQUIRE_SIGNED   | `1` refuses unsigned or wrongly signed manifests  | `1` if a key is set |
+| KILN_TRUST_UNSIGNED   | `1` accepts unsigned artifacts from shared stores | `0` (loud when `1`) |
 | KILN_STORE_READ_ONLY  | `1`: never write the store                        | `0`                 |
 | KILN_STORE_TIMEOUT    | seconds before a remote operation counts as lost  | 10                  |
 | KILN_STORE_OPTIONS    | JSON object of fsspec storage options             | {}                  |
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from typing import Any
 from fsspec.utils import stringify_path
 
 from .errors import ConfigError
+from .trust import trust_unsigned, writable_by_others
 
 ENV_STORE = "KILN_STORE"
 ENV_LOCAL_CACHE = "KILN_LOCAL_CACHE"
@@ -110,27 +111,28 @@ def normalize_url(url: str) -> str:
 
 
 def is_private_store(url: str) -> bool:
-    """Whether only this user can write the store: memory:// (this process), a path
-    under the user's own cache directory, or a local folder owned by this user that no
-    one else may write (nor its `ac/` and `cas/`; a folder not made yet counts if its
-    nearest existing parent is this user's alone, or sticky like /tmp). An unsigned store
-    anywhere else (a bucket, a shared disk) lets whoever can write it run code in every
-    reader."""
+    """Whether only this user can write the store (see `shared_reason`)."""
+    return shared_reason(url) is None
+
+
+def shared_reason(url: str) -> str | None:
+    """Why others could write the store at `url`; None when only this user can:
+    memory:// (this process), or a local folder that it and every folder above it are
+    this user's alone (trust.writable_by_others; its `ac/` and `cas/` too). A remote
+    store (a bucket, a shared disk) always has a reason: whoever can write it would run
+    code in every reader of unsigned artifacts."""
     if url_protocol(url) == "memory" and "::" not in url:
-        return True
+        return None
     if not is_local_url(url):
-        return False
+        return f"{redact_url(url)} is a remote store, which others may write"
     path = os.path.realpath(normalize_url(url).split("://", 1)[1])
-    root = os.path.realpath(user_cache_dir())
-    if path == root or path.startswith(root + os.sep):
-        return True
-    if os.path.exists(path):
-        return all(_only_mine(p) for p in (path, os.path.join(path, "ac"),
-                                           os.path.join(path, "cas")) if os.path.exists(p))
-    parent = nearest_existing(path)
-    if not os.path.isdir(parent):  # under a file: no store can be made there, none to share
-        return True
-    return _only_mine(parent) or bool(os.stat(parent).st_mode & stat.S_ISVTX)
+    if not os.path.exists(path) and not os.path.isdir(nearest_existing(path)):
+        return None  # under a file: no store can be made there (missing_folder_reason)
+    for level in (os.path.join(path, "ac"), os.path.join(path, "cas"), path):
+        reason = writable_by_others(level)
+        if reason is not None:
+            return reason
+    return None
 
 
 def nearest_existing(path: str) -> str:
@@ -152,12 +154,6 @@ def missing_folder_reason(path: str) -> str:
     return f"no store at {path} (the folder does not exist)"
 
 
-def _only_mine(path: str) -> bool:
-    info = os.stat(path)
-    owner_ok = not hasattr(os, "getuid") or info.st_uid == os.getuid()
-    return owner_ok and not info.st_mode & 0o022
-
-
 def redact_url(url: str) -> str:
     """The URL without any user:password@ part, for messages."""
     return re.sub(r"://[^/@]*@", "://***@", url)
@@ -176,6 +172,7 @@ class StoreConfig:
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
     stats_file: str | None = None
+    trust_unsigned: bool = False
 
     @classmethod
     def resolve(
@@ -214,6 +211,7 @@ class StoreConfig:
             storage_options=_resolve_options(storage_options, env),
             timeout_s=_resolve_timeout(timeout, env),
             stats_file=_resolve_stats_file(stats_file, env, cache_root),
+            trust_unsigned=trust_unsigned(dict(env)),
         )
 
 

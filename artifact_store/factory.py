@@ -18,13 +18,14 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .config import StoreConfig, is_private_store, redact_url, url_protocol
+from .config import StoreConfig, redact_url, shared_reason, url_protocol, user_cache_dir
 from .errors import ConfigError, describe_exception
 from .faults import TierHealth, shared_pool
 from .signing import Keyring
 from .stats import StoreStats
 from .store import Store, keyring_for
 from .tiers import CACHE, PRIMARY, LruBound, Tier
+from .trust import Freshness, writable_by_others
 
 logger = logging.getLogger("kiln.artifact_store.store")
 
@@ -71,35 +72,49 @@ def open_store(
     stats = StoreStats(config.stats_file)
     cache = _open_tier(config, CACHE, strict) if config.local_cache else None
     primary = _open_tier(config, PRIMARY, strict, has_cache=cache is not None)
-    if primary is not None and not keyring and not is_private_store(config.url):
-        warn_unsigned(config.url)
+    shared = shared_reason(config.url) if primary is not None else None
+    warned = bool(shared) and not config.trust_unsigned and not config.require_signed \
+        and warn_unsigned(config.url, shared or "", bool(keyring))
     _describe_fallbacks(primary, cache)
     if cache is not None:
         cache.bound = LruBound(
             cache, config.local_cache_max_bytes,
             on_evict=lambda n: stats.count("evictions", n),
         )
-    return Store(config, primary=primary, cache=cache, keyring=keyring, stats=stats)
+    store = Store(config, primary=primary, cache=cache, keyring=keyring, stats=stats,
+                  freshness=_freshness())
+    store.warned_shared = warned
+    return store
+
+
+def _freshness() -> Freshness:
+    """The newest publish times this user accepted (trust.Freshness), kept under the
+    user's cache folder when only this user can write it."""
+    folder = user_cache_dir() / "seen"
+    return Freshness(folder if writable_by_others(folder) is None else None)
 
 
 _warned_unsigned: set[str] = set()
 
 
-def warn_unsigned(url: str) -> None:
-    """One loud warning per process (and store) that an unsigned shared store is open."""
+def warn_unsigned(url: str, reason: str, has_keys: bool = False) -> bool:
+    """One loud warning per process (and store) that a store others can write is open
+    and its unsigned artifacts are refused; True once said."""
     if url in _warned_unsigned:
-        return
+        return True
     _warned_unsigned.add(url)
+    what = ("KILN_REQUIRE_SIGNED=0 is set" if has_keys else "no KILN_SIGNING_KEY is set")
     logging.getLogger("kiln.trust").warning(
-        "Kiln: the artifact store %s is shared (others can write it) but no "
-        "KILN_SIGNING_KEY is set: anyone who can write to it can make this process run "
-        "their code (artifacts are Python and shared objects that Kiln loads), and nothing "
-        "this process publishes can be told from a forgery. Give builders (farm, precompile "
-        "jobs) KILN_SIGNING_KEY=ed25519:<private>, clients KILN_SIGNING_KEY=ed25519-pub:"
-        "<public> and KILN_REQUIRE_SIGNED=1 (see infra/README.md); an unsigned store is for "
-        "a folder only you can write",
-        redact_url(url),
+        "Kiln: the artifact store %s is shared (%s) and %s: anyone who can write to it "
+        "could make this process run their code (artifacts are Python and shared objects "
+        "that Kiln loads), so its unsigned artifacts are refused and graphs compile "
+        "locally. Give builders (farm, precompile jobs) KILN_SIGNING_KEY=ed25519:<private>, "
+        "clients KILN_SIGNING_KEY=ed25519-pub:<public> and KILN_REQUIRE_SIGNED=1 (see "
+        "infra/README.md); an unsigned store is for a folder only you can write "
+        "(KILN_TRUST_UNSIGNED=1 runs them anyway)",
+        redact_url(url), reason, what,
     )
+    return True
 
 
 def _open_tier(

@@ -29,6 +29,7 @@ from .signing import Keyring, Signature
 FORMAT_VERSION = 1
 _TAG = "kiln_manifest"
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+MAX_BLOB_BYTES = 4 * 2**30  # no blob is read past this, whatever a manifest claims
 
 
 @dataclass(frozen=True)
@@ -174,5 +175,8 @@ def _decode_blobs(obj: Any) -> dict[str, BlobRef]:
             raise ValueError(f"blob {name!r} has an invalid digest")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"blob {name!r} has an invalid size")
+        if size > MAX_BLOB_BYTES:
+            raise ValueError(f"blob {name!r} claims {size} bytes, more than the "
+                             f"{MAX_BLOB_BYTES} a blob may hold")
         blobs[name] = BlobRef(digest, size)
     return blobs

@@ -35,6 +35,7 @@ from .manifest import BlobRef, ManifestRecord, decode_manifest, encode_manifest
 from .signing import Keyring, Verdict, parse_keyring
 from .stats import StoreStats
 from .tiers import CACHE, Tier
+from .trust import Freshness
 
 logger = logging.getLogger(__name__)
 QUEUE_DIR = "queue"
@@ -107,6 +108,7 @@ class Store:
         keyring: Keyring,
         stats: StoreStats,
         disabled_reason: str | None = None,
+        freshness: Freshness | None = None,
     ) -> None:
         self.config = config
         self.primary = primary
@@ -115,6 +117,9 @@ class Store:
         self.require_signed = config.require_signed
         self.read_only = config.read_only
         self.disabled_reason = disabled_reason
+        self.trust_unsigned = config.trust_unsigned
+        self.freshness = freshness if freshness is not None else Freshness(None)
+        self.warned_shared = False  # open_store said so already
         self._tiers = [t for t in (cache, primary) if t is not None]
         self._stats = stats
         self._reporter = Reporter(logger)
@@ -340,6 +345,9 @@ class Store:
     ) -> tuple[ManifestRecord, dict[str, bytes] | None] | None:
         try:
             raw = tier.read_manifest(key)
+        except IntegrityError as exc:  # too big to be a manifest: not read
+            self._damaged(tier, key, b"", exc, outcome)
+            return None
         except Exception as exc:
             self._fault(tier, READ, exc)
             outcome.note("unavailable", f"{tier.label}: {describe_exception(exc)}")
@@ -354,7 +362,8 @@ class Store:
         try:
             blobs = tier.read_blobs(record.blobs, observer)
         except IntegrityError as exc:
-            self._damaged(tier, key, raw, exc, outcome)
+            self._damaged(tier, key, raw, exc, outcome,
+                          {ref.digest: ref.size for ref in record.blobs.values()})
             return None
         except Exception as exc:
             self._fault(tier, READ, exc)
@@ -399,40 +408,74 @@ class Store:
             self._damaged(tier, key, raw, IntegrityError(
                 f"the manifest stored under {key} is for key {record.key}"), outcome)
             return None
-        problem = self._signature_problem(record)
+        problem, shared = self._signature_problem(tier, record)
+        if problem is None:
+            problem = self._stale(record)
         if problem is not None:
-            self._stats.count("signature_failures")
-            outcome.note("refused", f"{tier.label}: {problem}")
-            self._reporter.warn_once(
-                f"signature:{tier.name}:{key}", "Kiln artifact store %s: refusing artifact "
-                "%s: %s. It is treated as a miss and compiled locally; check that "
-                "KILN_SIGNING_KEY matches the farm's key", tier.label, key, problem,
-            )
+            self._refused(tier, key, problem, shared, outcome)
             return None
         return record
 
-    def _signature_problem(self, record: ManifestRecord) -> str | None:
-        """Why the keyring refuses this manifest; None if it is accepted.
+    def _refused(self, tier: Tier, key: str, problem: str, shared: bool,
+                 outcome: Lookup) -> None:
+        self._stats.count("signature_failures")
+        outcome.note("refused", f"{tier.label}: {problem}")
+        if shared:  # one message per store: every artifact in it is refused alike
+            level = logging.DEBUG if self.warned_shared else logging.WARNING
+            self._reporter.once(
+                level, f"shared:{tier.name}", "Kiln artifact store %s: refusing its "
+                "unsigned artifacts (%s, e.g. %s): they are compiled locally. Give this "
+                "client the builders' key (KILN_SIGNING_KEY=ed25519-pub:...), or set "
+                "KILN_TRUST_UNSIGNED=1 to run them anyway", tier.label, problem, key)
+            return
+        hint = "" if "older than" in problem else \
+            "; check that KILN_SIGNING_KEY matches the farm's key"
+        self._reporter.warn_once(
+            f"signature:{tier.name}:{key}", "Kiln artifact store %s: refusing artifact "
+            "%s: %s. It is treated as a miss and compiled locally%s", tier.label, key,
+            problem, hint,
+        )
 
-        Valid signatures pass. Unsigned manifests pass only when signatures are not
-        required. A signature by a key this client does not hold passes only when the
-        client holds no key and requires none (it can check nothing). A signature that
-        fails its key never passes."""
+    def _signature_problem(self, tier: Tier, record: ManifestRecord
+                           ) -> tuple[str | None, bool]:
+        """Why the keyring refuses this manifest (None if it is accepted), and whether
+        the reason is that others could have written it.
+
+        Valid signatures pass; invalid ones never do. An unsigned manifest, or one
+        signed by a key this client does not hold when it holds none, passes only when
+        signatures are not required and either only this user could have written it
+        (every folder level checked: trust.writable_by_others) or KILN_TRUST_UNSIGNED=1.
+        A signature by an unknown key never passes a client that holds keys."""
         verdict = self.keyring.verify(record.body, record.signature)
         if verdict is Verdict.VALID:
-            return None
-        if verdict is Verdict.UNSIGNED:
-            return "it is unsigned and signatures are required" if self.require_signed else None
+            return None, False
+        if verdict is Verdict.INVALID:
+            return "its signature is invalid (forged, or altered after signing)", False
         if verdict is Verdict.UNKNOWN_KEY:
-            if not self.keyring and not self.require_signed:
-                return None
             assert record.signature is not None
-            return (f"it is signed by {record.signature.kid}, which is not among this "
+            what = (f"it is signed by {record.signature.kid}, which is not among this "
                     f"client's keys ({self.keyring.describe()})")
-        return "its signature is invalid (forged, or altered after signing)"
+            if self.keyring:
+                return what, False
+        else:
+            what = "it is unsigned"
+        if self.require_signed:
+            return f"{what} and signatures are required", False
+        shared = tier.shared_reason(record.key)
+        if shared is None or self.trust_unsigned:
+            return None, False
+        return f"{what} and others can write it: {shared}", True
+
+    def _stale(self, record: ManifestRecord) -> str | None:
+        """Why an accepted manifest is a rollback (trust.Freshness); None if it is not."""
+        if self.freshness.accept(record.key, record.created):
+            return None
+        return ("it is older than the artifact this user already accepted for that key "
+                f"(published {record.created:.0f}, newest seen "
+                f"{self.freshness.newest(record.key):.0f}): a restored old manifest")
 
     def _damaged(self, tier: Tier, key: str, raw: bytes, exc: IntegrityError,
-                 outcome: Lookup) -> None:
+                 outcome: Lookup, sizes: Mapping[str, int] | None = None) -> None:
         if tier.role == CACHE and exc.missing and not exc.corrupt:
             # Evicted under us by another process: refetch from the store, quietly.
             logger.debug("%s: %s is incomplete (%s); refetching", tier.label, key, exc)
@@ -449,7 +492,7 @@ class Store:
             "(%s); it is treated as a miss and %s, and the next publish replaces it",
             tier.label, key, exc, action,
         )
-        tier.discard(key, raw, exc.missing + exc.corrupt)
+        tier.discard(key, raw, exc.missing + exc.corrupt, sizes)
 
     def _fault(self, tier: Tier, op: str, exc: BaseException) -> None:
         kind = tier.health.failed(op, exc)
@@ -521,6 +564,7 @@ class Store:
             )
             return None
         record = encode_manifest(key, artifact.manifest, refs, self.keyring)
+        self.freshness.accept(key, record.created)  # what this user published is newest
         return _Prepared(key, by_digest, record)
 
     def _write(self, tier: Tier, key: str, blobs: Mapping[str, bytes], manifest: bytes) -> bool:

@@ -24,11 +24,12 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .cas import AC_DIR, CAS_DIR, ObjectIO, sha256_hex
+from .cas import AC_DIR, CAS_DIR, ObjectIO, TooLarge, sha256_hex
 from .errors import IntegrityError
 from .faults import DaemonPool, TierHealth
 from .gc import collect
 from .manifest import BlobRef
+from .trust import writable_by_others
 
 try:
     import fcntl
@@ -44,6 +45,7 @@ SMALL_BLOB = 64 * 1024  # below this a remote PUT is as cheap as asking whether 
 _BATCH = 64
 PARALLEL_HASH_BYTES = 4 * 2**20  # local reads hash on several threads above this
 _CORRUPT = b"\x00<corrupt>"  # marker object, compared by identity
+MAX_MANIFEST_BYTES = 16 * 2**20  # a manifest names blobs; anything bigger is hostile
 
 
 class Tier:
@@ -85,10 +87,25 @@ class Tier:
             return fn(*args)
         return self.pool.run(self.deadline(nbytes), fn, *args)
 
+    def shared_reason(self, key: str) -> str | None:
+        """Why someone other than this user could have written `key`'s manifest here
+        (trust.writable_by_others, on every folder level); None if only this user could."""
+        if isinstance(self.io.fs, MemoryFileSystem):
+            return None  # this process's memory
+        if not self.io.is_local:
+            return f"{self.label} is a remote store, which others may write"
+        return writable_by_others(self.io.fs._strip_protocol(self.io.manifest_path(key)))
+
     # Reads
 
     def read_manifest(self, key: str) -> bytes | None:
-        return self._call(0, self.io.read, self.io.manifest_path(key))  # type: ignore[no-any-return]
+        """The manifest's bytes; IntegrityError, unread, if it is bigger than any
+        manifest may be (MAX_MANIFEST_BYTES)."""
+        try:
+            return self._call(0, self.io.read, self.io.manifest_path(key),  # type: ignore[no-any-return]
+                              MAX_MANIFEST_BYTES)
+        except TooLarge as exc:
+            raise IntegrityError(str(exc), corrupt=()) from None
 
     def read_blobs(self, refs: Mapping[str, BlobRef],
                    observer: Callable[[str, bytes], None] | None = None) -> dict[str, bytes]:
@@ -130,8 +147,13 @@ class Tier:
         return {name: by_digest[ref.digest] for name, ref in refs.items()}  # type: ignore[misc]
 
     def _fetch_verified(self, digest: str, size: int) -> bytes | None:
-        """The blob if it matches its digest; None if absent; _CORRUPT otherwise."""
-        data = self.io.read(self.io.blob_path(digest))
+        """The blob if it matches its digest; None if absent; _CORRUPT otherwise. A blob
+        bigger than the manifest says is not read (a writer of the store could plant a
+        huge sparse file)."""
+        try:
+            data = self.io.read(self.io.blob_path(digest), size)
+        except TooLarge:
+            return _CORRUPT
         if data is None:
             return None
         if len(data) != size or sha256_hex(data) != digest:
@@ -218,18 +240,24 @@ class Tier:
 
     # Removal of what failed verification
 
-    def discard(self, key: str, seen: bytes, digests: tuple[str, ...] = ()) -> None:
+    def discard(self, key: str, seen: bytes, digests: tuple[str, ...] = (),
+                sizes: Mapping[str, int] | None = None) -> None:
         """Remove a manifest that failed verification (if it is still the one we read)
-        and blobs that still fail their digest. Never raises."""
+        and blobs that still fail their digest (or their size in `sizes`, unread).
+        Never raises."""
         if not self.writable:
             return
         try:
             path = self.io.manifest_path(key)
-            if self._call(0, self.io.read, path) == seen:
+            if self._call(0, self.io.read, path, MAX_MANIFEST_BYTES) == seen:
                 self._drop(path)
             for digest in digests:
                 blob = self.io.blob_path(digest)
-                data = self._call(0, self.io.read, blob)
+                expected = (sizes or {}).get(digest)
+                if expected is not None and self._call(0, self.io.size, blob) != expected:
+                    self._drop(blob)
+                    continue
+                data = self._call(0, self.io.read, blob, expected)
                 if data is not None and sha256_hex(data) != digest:
                     self._drop(blob)
         except Exception as exc:

@@ -56,7 +56,7 @@ import json, sys, time
 import torch
 start = time.perf_counter()
 import kiln
-model = kiln.load_package(sys.argv[1])
+model = kiln.load_package(sys.argv[1], allow_unsigned=True)
 device, shape, vocab = sys.argv[2], tuple(json.loads(sys.argv[3])), int(sys.argv[4])
 ids = torch.randint(0, vocab, shape, device=device)
 out = model(ids)
@@ -224,7 +224,7 @@ def steady(report: Report, path: Path, shape: tuple[int, int], device: str,
     from kiln.frontend.core.fallback import KilnFallbackWarning
 
     model = gpt2().to(device)
-    package = kiln.load_package(path)
+    package = kiln.load_package(path, allow_unsigned=True)
     ids = torch.randint(0, vocab_size(), shape, device=device)
     tol = 2e-2 if model_settings()["dtype"] == "float16" else 1e-3
     matched = True

@@ -8,8 +8,9 @@ sizes send the same bytes. Values (hints) never enter a request.
 
 An expression is an int, ``["s", k]`` (the k-th symbol) or ``[op, [args...]]`` with
 ``op`` one of :data:`_OPS`. Decoding is the trust boundary for these bytes: nothing is
-evaluated (never ``sympify`` of a string), symbols must be declared, depth and size are
-bounded.
+evaluated (never ``sympify`` of a string), symbols must be declared, and depth, node
+count, integer size and exponents are bounded before sympy sees them (sympy folds
+constants as it builds: ``3 ** 10**9`` would hold the decoder for minutes).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .sizevars import SymbolRange, size_symbol
 
 _MAX_DEPTH = 32
 _MAX_INT = 2**62
+MAX_NODES = 512  # per expression
+MAX_EXPONENT = 64
 
 
 class SymbolicSizeError(Exception):
@@ -116,8 +119,15 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def decode_expr(wire: Any, nsymbols: int, depth: int = 0) -> Expr:
-    """Kiln's sympy expression for a wire tree, over symbols ``s0 .. s<nsymbols-1>``."""
+def decode_expr(wire: Any, nsymbols: int, depth: int = 0,
+                budget: list[int] | None = None) -> Expr:
+    """Kiln's sympy expression for a wire tree, over symbols ``s0 .. s<nsymbols-1>``;
+    ValueError for one over the bounds (module docstring). ``budget`` counts the nodes
+    left to decode (one expression's, unless a caller shares it)."""
+    budget = [MAX_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"size expression has more than {MAX_NODES} nodes")
     if depth > _MAX_DEPTH:
         raise ValueError("size expression nested too deeply")
     if isinstance(wire, int) and not isinstance(wire, bool):
@@ -136,7 +146,27 @@ def decode_expr(wire: Any, nsymbols: int, depth: int = 0) -> Expr:
     arity, build = _OPS[op]
     if arity is not None and len(body) != arity:
         raise ValueError(f"size expression {op} takes {arity} arguments")
-    return build(*[decode_expr(a, nsymbols, depth + 1) for a in body])
+    if len(body) > budget[0]:
+        raise ValueError(f"size expression has more than {MAX_NODES} nodes")
+    args = [decode_expr(a, nsymbols, depth + 1, budget) for a in body]
+    if op == "^":
+        _check_power(args[0], body[1])
+    result = build(*args)
+    if result.is_Integer and abs(int(result)) >= _MAX_INT:
+        raise ValueError(f"size expression {op} folds to an integer out of range")
+    return result
+
+
+def _check_power(base: Expr, exponent: Any) -> None:
+    """A power sympy can build at once: a literal exponent in 1..MAX_EXPONENT, and a
+    constant base whose power stays in range (checked before sympy folds it)."""
+    if not (isinstance(exponent, int) and not isinstance(exponent, bool)
+            and 0 < exponent <= MAX_EXPONENT):
+        raise ValueError(f"size expression exponent {exponent!r:.40} is not a literal in "
+                         f"1..{MAX_EXPONENT}")
+    for factor in sympy.Mul.make_args(base):
+        if factor.is_Integer and (abs(int(factor)).bit_length() - 1) * exponent >= 62:
+            raise ValueError("size expression power is out of range")
 
 
 def encode_range(r: SymbolRange) -> list[Any]:

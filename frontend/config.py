@@ -203,6 +203,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "seconds before a client compiles itself"),
     Setting("signing_key", parse_text, None, "key that signs and verifies manifests"),
     Setting("require_signed", parse_flag, None, "refuse unsigned manifests"),
+    Setting("trust_unsigned", parse_flag, False, "accept unsigned artifacts and packages "
+            "from stores others can write (warns at every start)", env_only=True),
     Setting("cpu_backend", choice(*CPU_BACKENDS), "cpp", "kernels for CPU graphs",
             in_key=True),
     Setting("autotune", parse_flag, True, "autotune GPU kernels", in_key=True),
@@ -279,7 +281,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 INTERNAL_VARIABLES = frozenset({"KILN_TEST_COMPILE_DELAY", "KILN_TEST_FAKE_AUTOTUNE",
                                 "KILN_TEST_FAKE_AUTOTUNE_MS", "KILN_DEMO_DIR",
                                 "KILN_FUZZ_GRAPHS", "KILN_FUZZ_SEED", "KILN_FUZZ_SHARDS",
-                                "KILN_FUZZ_LOG", "KILN_OPINFO_JSON"})
+                                "KILN_FUZZ_LOG", "KILN_OPINFO_JSON", "KILN_FUZZ_EXAMPLES",
+                                "KILN_FUZZ_REQUEST_EXAMPLES"})
 
 
 def known_variables() -> list[str]:

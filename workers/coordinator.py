@@ -66,6 +66,8 @@ log = logging.getLogger("kiln.farm")
 AUTOTUNER_RECHECK_S = 60.0
 # The longest background tuning of a graph waits for a client to ask for it (``tuned``).
 TUNING_HOLD_S = 10.0
+# An honest request decodes well within this; a slower one is refused, and the loop serves on.
+DECODE_DEADLINE_S = 10.0
 
 
 def farm_namespace() -> str:
@@ -176,7 +178,7 @@ class KilnFarm:
         says tuning goes on in the background (the farm publishes the tuned artifact;
         ``tuned(key)`` returns it)."""
         self.counters["requests"] += 1
-        request, key = self._decode(request_bytes, expected_key)
+        request, key = await self._decode_off_loop(request_bytes, expected_key)
         if key.key in self.recent:
             self.counters["recent_hits"] += 1
             self.recent.move_to_end(key.key)
@@ -210,6 +212,21 @@ class KilnFarm:
         except Exception as e:  # tuning is an optimization: the heuristic artifact stays
             log.warning("kiln farm: autotuning graph %s failed: %s", key[:16], e)
             return None
+
+    async def _decode_off_loop(self, request_bytes: bytes, expected_key: str | None
+                               ) -> tuple[CompileRequest, KeyInfo]:
+        """``_decode`` on a thread, within DECODE_DEADLINE_S: hostile bytes (bounded by
+        the decoder, and this bound besides) never hold the loop that serves every other
+        client."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self._decode, request_bytes, expected_key),
+                DECODE_DEADLINE_S)
+        except TimeoutError:
+            self.counters["refused"] += 1
+            raise CompileFailure.wrap(TimeoutError(
+                f"the request did not decode within {DECODE_DEADLINE_S:g}s: refused"),
+                expected_key or "") from None
 
     def _decode(self, request_bytes: bytes, expected_key: str | None
                 ) -> tuple[CompileRequest, KeyInfo]:

@@ -1,11 +1,16 @@
 """Generated kernel sources live in real files (Triton reads source through ``inspect``)
 under the private cache folder, named by their content's hash and compared with the
-source before each import (``local_cache``); importing one gives its module."""
+source before each import (``local_cache``); importing one gives its module.
+
+The module runs the source text this process holds (verified bytes), compiled here:
+never the file as it is on disk by then, and never a ``__pycache__`` ``.pyc`` that
+someone planted to match the file's size and time. ``linecache`` holds the same text,
+so ``inspect`` (and Triton through it) reads what runs."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import linecache
 import os
 import sys
 from pathlib import Path
@@ -34,12 +39,19 @@ def import_source(source: str, interpret: bool = False) -> ModuleType:
     mod_name = f"kiln_kernels.{path.stem}{'_interp' if interpret else ''}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
+    module = ModuleType(mod_name)
+    module.__file__ = str(path)
+    # mtime None: linecache.checkcache keeps the entry, whatever the file holds later
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    code = compile(source, str(path), "exec", dont_inherit=True)
     if interpret:
         ensure_interpreter()
-    spec.loader.exec_module(module)
+    sys.modules[mod_name] = module  # as an import does while the module body runs
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
     if interpret:
         _bind_interpreted_helpers(module)
     sys.modules[mod_name] = module

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,7 +28,7 @@ from .. import trace
 from ..codegen.kernel_spec import KernelSpec, check_kernel_name
 from ..kernel_compile import KernelBinary
 from .cuda_driver import CubinLoader, LoadDeferred, LoadedCubin, cubin_loader
-from .kernel_files import cache_root
+from .local_cache import private_dir, verified_file
 
 log = logging.getLogger("kiln.runtime")
 
@@ -103,16 +102,7 @@ def check_launchable(metadata: dict[str, Any]) -> None:
 def cubin_path(binary: bytes) -> Path:
     """The cubin in a file named by its digest (written once, atomically)."""
     digest = hashlib.sha256(binary).hexdigest()
-    folder = cache_root() / "cubins" / digest[:2]
-    path = folder / f"{digest}.cubin"
-    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(binary)
-    os.replace(tmp, path)
-    return path
+    return verified_file(private_dir("cubins", digest[:2]) / f"{digest}.cubin", binary)
 
 
 def dynamic_grid(spec: KernelSpec, config: dict[str, Any]) -> tuple[int | None, int]:

@@ -68,6 +68,10 @@ class KilnFarmWarning(UserWarning):
     """The farm could not compile; this process compiles its graphs itself."""
 
 
+class UntrustedAnswer(Exception):
+    """A farm's answer that a client checking signatures cannot verify."""
+
+
 class KilnRepairWarning(UserWarning):
     """A stored artifact did not load: it is quarantined and the graph compiled again."""
 
@@ -363,8 +367,8 @@ class KilnClient:
         farm: Any = self.farm
         if source == "farm" and hasattr(farm, "tuned"):  # the farm tunes once asked
             timeout = self.config.farm_timeout
-            self.tuner.submit(key.key, lambda: farm.tuned(key.key, timeout), publish,
-                              hold=True)
+            self.tuner.submit(key.key, lambda: self._trusted_tuned(
+                key.key, farm.tuned(key.key, timeout)), publish, hold=True)
         elif source == "local":  # held until the graph's first output
             def tune_here() -> CompiledGraph:
                 try:
@@ -450,10 +454,11 @@ class KilnClient:
         if self.farm is not self.local and self.farm_down is None:
             farm = self.farm
             try:
-                return overlap(lambda: farm.compile(key.key, request,
-                                                    timeout=self.config.farm_timeout,
-                                                    delay=test_delay()),
-                               warm, warm_here=True), "farm"
+                answer = overlap(lambda: farm.compile(key.key, request,
+                                                      timeout=self.config.farm_timeout,
+                                                      delay=test_delay()),
+                                 warm, warm_here=True)
+                return self._trusted_answer(key.key, answer), "farm"
             except FarmNotUp:  # the default with no farm up: compile here, at once
                 self.counters.add(farm_not_up=1)
             except FarmUnavailable as e:  # a slow farm is up: stay connected to it
@@ -488,6 +493,41 @@ class KilnClient:
             return False
         address = getattr(self.farm, "address", None)
         return address() is not None if callable(address) else True
+
+    def _checks_signatures(self) -> bool:
+        return bool(self.store.keyring) or self.store.require_signed
+
+    def _trusted_answer(self, key: str, answer: CompiledGraph) -> CompiledGraph:
+        """The farm's answer as this client may run it. A client that checks signatures
+        (it holds a key, or requires them) runs no code the farm's connection carried:
+        it reads back what the farm published and verifies it as any store read
+        (signature, digests); the answer's numbers (stats, timings) are kept.
+        UntrustedAnswer when the store holds no such artifact."""
+        if not self._checks_signatures():
+            return answer
+        artifact = self.store.get(key, kind="farm_answer")
+        if artifact is None:
+            raise UntrustedAnswer(
+                f"its answer for graph {key[:16]} is not in the store {self.store.url} "
+                "under a signature this client's key accepts (KILN_SIGNING_KEY), so its "
+                "code is refused")
+        trusted = from_artifact(artifact)
+        trusted.stats = {**answer.stats, **trusted.stats}
+        trusted.timings = {**answer.timings, **trusted.timings}
+        trusted.published_to = answer.published_to
+        return trusted
+
+    def _trusted_tuned(self, key: str, tuned: CompiledGraph | None) -> CompiledGraph | None:
+        """``_trusted_answer`` for the farm's autotuned graph; None (the heuristic graph
+        stays) when it cannot be verified."""
+        if tuned is None:
+            return None
+        try:
+            return self._trusted_answer(key, tuned)
+        except UntrustedAnswer as e:
+            log.warning("kiln: not switching graph %s to the farm's autotuned version: %s",
+                        key[:16], e)
+            return None
 
     def _give_up_farm(self, reason: str, leave: bool = True) -> None:
         with self._lock:

@@ -79,7 +79,7 @@ def ensure_fake_cuda_guard() -> None:
 
 def _build() -> Path:
     from kiln.compiler.codegen.cpp.build import compiler_path
-    from kiln.compiler.runtime.kernel_files import cache_root
+    from kiln.compiler.runtime.local_cache import private_dir, seal, sealed_bytes
 
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -89,11 +89,10 @@ def _build() -> Path:
              f"-Wl,-rpath,{torch_dir / 'lib'}"]
     tag = hashlib.sha256("\0".join([_SOURCE, cxx, str(torch_dir), torch.__version__,
                                     *flags]).encode()).hexdigest()[:16]
-    folder = cache_root() / "cuda_guard_shim"
+    folder = private_dir("cuda_guard_shim")
     out = folder / f"kiln_fake_cuda_guard_{tag}.so"
-    if out.exists():
+    if sealed_bytes(out) is not None:  # built by this user, not planted or restored
         return out
-    folder.mkdir(parents=True, exist_ok=True)
     src = folder / f"kiln_fake_cuda_guard_{tag}.cpp"
     src.write_text(_SOURCE)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
@@ -102,5 +101,6 @@ def _build() -> Path:
     if result.returncode != 0:
         raise ShimError(f"building the stand-in CUDA device guard with {cxx} failed:\n"
                         f"{result.stderr[-2000:]}")
+    seal(out, tmp.read_bytes())
     tmp.replace(out)
     return out

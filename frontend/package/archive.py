@@ -21,9 +21,11 @@ binaries as blobs) and the calling convention: which graph input is which parame
 buffer, constant or user input, the user inputs' shapes, and the output tree. Weights,
 when packaged, are blobs of at most ``WEIGHT_CHUNK`` bytes (hashed in parallel on load).
 
-Loading checks every blob's digest, always; the signature when a key is configured
-(``KILN_SIGNING_KEY``; unsigned or wrongly signed packages are refused then). Loading
-runs the package's code, so a package from elsewhere must be signed.
+Loading checks every blob's digest, always, and the signature against the configured key
+(``KILN_SIGNING_KEY``). Loading runs the package's code, so: a signature that fails, or
+one by a key this client does not hold (with no key configured, any signature: it
+cannot be checked), is refused; an unsigned package loads only with
+``allow_unsigned=True`` (or ``KILN_TRUST_UNSIGNED=1``), for packages you built.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from kiln.artifact_store import Artifact, parse_keyring
 from kiln.artifact_store.errors import IntegrityError, UnsupportedFormat
 from kiln.artifact_store.manifest import BlobRef, decode_manifest, encode_manifest
 from kiln.artifact_store.signing import Verdict
+from kiln.artifact_store.trust import trust_unsigned
 from kiln.compiler.tensor_meta import TensorMeta
 
 MAGIC = b"KILNPKG\x01"
@@ -222,9 +225,11 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 # Reading and verifying (the trust boundary: bytes from a file become code here).
 
 
-def read_package(path: str | os.PathLike[str], signing_key: str | None = None
+def read_package(path: str | os.PathLike[str], signing_key: str | None = None, *,
+                 allow_unsigned: bool = False
                  ) -> tuple[dict[str, Any], dict[str, memoryview]]:
-    """The verified manifest meta and blobs of a package file; PackageError otherwise."""
+    """The verified manifest meta and blobs of a package file; PackageError otherwise
+    (signatures: the module docstring)."""
     data = memoryview(bytearray(Path(path).read_bytes()))
     if bytes(data[:len(MAGIC)]) != MAGIC:
         raise PackageError(f"{path} is not a Kiln package (bad magic)")
@@ -234,7 +239,7 @@ def read_package(path: str | os.PathLike[str], signing_key: str | None = None
         record = decode_manifest(bytes(data[start:start + length]))
     except (IntegrityError, UnsupportedFormat) as e:
         raise PackageError(f"{path}: damaged package manifest ({e})") from None
-    _check_signature(path, record, signing_key)
+    _check_signature(path, record, signing_key, allow_unsigned)
     blobs, offset = {}, start + length
     for name in sorted(record.blobs):
         size = record.blobs[name].size
@@ -251,14 +256,20 @@ def read_package(path: str | os.PathLike[str], signing_key: str | None = None
     return meta, blobs
 
 
-def _check_signature(path: Any, record: Any, signing_key: str | None) -> None:
+def _check_signature(path: Any, record: Any, signing_key: str | None,
+                     allow_unsigned: bool) -> None:
     spec = signing_key if signing_key is not None else os.environ.get("KILN_SIGNING_KEY")
     keyring = parse_keyring(spec)
+    if record.signature is None:
+        if allow_unsigned or trust_unsigned():  # asked for (the latter warns at start)
+            return
+        raise PackageError(f"{path}: refused, the package is unsigned and loading it runs "
+                           "its code; pass allow_unsigned=True for a package you built, or "
+                           "sign packages (KILN_SIGNING_KEY on the builder)")
     if not keyring:
-        if record.signature is None:
-            warnings.warn(f"kiln: package {path} is unsigned; load only packages you built "
-                          "(set KILN_SIGNING_KEY to require signatures)", stacklevel=4)
-        return
+        raise PackageError(f"{path}: refused, signed by {record.signature.kid} but no "
+                           "KILN_SIGNING_KEY is set to check it; set the builder's public "
+                           "key (ed25519-pub:...)")
     verdict = keyring.verify(record.body, record.signature)
     if verdict is not Verdict.VALID:
         raise PackageError(f"{path}: refused, signature {verdict.value} for the configured "
@@ -325,17 +336,18 @@ class PackagedModel:
 
 
 def load_package(path: str | os.PathLike[str], *, weights: Any = None,
-                 device: str | torch.device | None = None, signing_key: str | None = None
-                 ) -> PackagedModel:
+                 device: str | torch.device | None = None, signing_key: str | None = None,
+                 allow_unsigned: bool = False) -> PackagedModel:
     """A callable that runs the package at ``path``: no Dynamo, AOTAutograd or compile.
 
     ``weights``: a state dict or module giving the parameters and buffers, for a package
     built without ``--weights`` (else the packaged ones are used). Digests are always
-    checked, the signature when ``KILN_SIGNING_KEY`` (or ``signing_key``) is set."""
+    checked; the signature against ``KILN_SIGNING_KEY`` (or ``signing_key``); an
+    unsigned package loads only with ``allow_unsigned=True`` (module docstring)."""
     from kiln.compiler.compiled_graph import load
     from kiln.workers.artifact import ArtifactFormatError, from_artifact
 
-    meta, blobs = read_package(path, signing_key)
+    meta, blobs = read_package(path, signing_key, allow_unsigned=allow_unsigned)
     manifest = meta["artifact"]
     graph_blobs = {name[len("graph/"):]: bytes(data) for name, data in blobs.items()
                    if name.startswith("graph/")}

@@ -68,6 +68,12 @@ class GatewayFarm(RelayFarm):
         if target is None:
             raise FarmUnavailable(f"the farm gateway's address {self.address!r} is not "
                                   "host:port")
+        from kiln.compiler.versions import versions
+        from kiln.workers.names import namespace_for
+
+        # Before connecting: the gateway gives the whole handshake one deadline, and the
+        # versions may import the compiler's dependencies.
+        namespace = namespace_for(versions())
         with trace.span("connect to the farm gateway", cat="client"):
             # before connecting: computing it (it imports torch and triton, and hashes the
             # compiler's sources) can outlast the gateway's handshake limit on a busy host

@@ -414,9 +414,9 @@ def test_a_kernel_compiles_once_per_source_flags_and_isa(
     builds: list[str] = []
     real = build._build
 
-    def counting(spec: Any, cxx: str, flags: list[str], path: Path) -> None:
+    def counting(spec: Any, cxx: str, flags: list[str], path: Path) -> bytes:
         builds.append(" ".join(flags))
-        real(spec, cxx, flags, path)
+        return real(spec, cxx, flags, path)
 
     monkeypatch.setattr(build, "_build", counting)
     source = (f'#include "kiln_prelude.h"\n// {uuid.uuid4()}\nextern "C" void kiln_copy('

@@ -34,8 +34,9 @@ before = set(sys.modules)
 start = time.perf_counter()
 import kiln
 from tests import fleet_models
-model = kiln.load_package(sys.argv[1], **({"weights": getattr(fleet_models, sys.argv[2])()}
-                                          if sys.argv[3] == "given" else {}))
+model = kiln.load_package(sys.argv[1], allow_unsigned=True,
+                          **({"weights": getattr(fleet_models, sys.argv[2])()}
+                             if sys.argv[3] == "given" else {}))
 torch.manual_seed(int(sys.argv[4]))
 x = torch.randn(*json.loads(sys.argv[5]), dtype=getattr(torch, sys.argv[6]))
 out = model(x)
@@ -87,7 +88,7 @@ def test_round_trip_with_cpp_kernels(model: str, tmp_path: Path, env: dict[str, 
                       "--weights", "-o", str(path), "--json"], env)
     assert built.returncode == 0, built.stderr[-3000:]
     assert json.loads(built.stdout)["bytes"] == path.stat().st_size
-    meta, blobs = read_package(path)
+    meta, blobs = read_package(path, allow_unsigned=True)
     kernels = meta["artifact"]["kernels"]
     assert kernels and all(k["backend"] == "cpp" for k in kernels)
     assert all(bytes(blobs["graph/" + k["binary"]["blob"]])[:4] == b"\x7fELF" for k in kernels)
@@ -104,12 +105,12 @@ def test_weights_given_at_load(tmp_path: Path, env: dict[str, str]) -> None:
     assert built.returncode == 0, built.stderr[-3000:]
     # torch.export's own LeafSpec deprecation is not passed on to the user
     assert "FutureWarning" not in built.stderr and "LeafSpec" not in built.stderr
-    meta, _ = read_package(path)
+    meta, _ = read_package(path, allow_unsigned=True)
     assert meta["weights"] is None
     load_and_compare(path, "mlp", [5, 16], env, weights="given")
     with pytest.raises(PackageError, match="built without weights"):
-        kiln.load_package(path)
-    model = kiln.load_package(path, weights=fleet_models.mlp())
+        kiln.load_package(path, allow_unsigned=True)
+    model = kiln.load_package(path, weights=fleet_models.mlp(), allow_unsigned=True)
     with pytest.raises(ValueError, match=r"expected \(5, 16\) float32"):
         model(torch.randn(6, 16))
 
@@ -120,6 +121,21 @@ def build_signed(tmp_path: Path, env: dict[str, str]) -> Path:
                       "-o", str(path)], {**env, "KILN_SIGNING_KEY": KEY})
     assert built.returncode == 0, built.stderr[-3000:]
     return path
+
+
+def resign(path: Path, key: str) -> bytes:
+    """The package at ``path`` with its manifest signed by ``key`` instead."""
+    from kiln.artifact_store import parse_keyring
+    from kiln.artifact_store.manifest import decode_manifest, encode_manifest
+    from kiln.frontend.package import MAGIC
+
+    data = path.read_bytes()
+    start = len(MAGIC) + 8
+    length = int.from_bytes(data[len(MAGIC):start], "little")
+    record = decode_manifest(data[start:start + length])
+    raw = encode_manifest(record.key, record.meta, record.blobs, parse_keyring(key),
+                          created=record.created).raw
+    return MAGIC + len(raw).to_bytes(8, "little") + raw + data[start + length:]
 
 
 def test_tampered_and_foreign_packages_are_refused(tmp_path: Path, env: dict[str, str]
@@ -135,9 +151,10 @@ def test_tampered_and_foreign_packages_are_refused(tmp_path: Path, env: dict[str
     data[wrapper:wrapper + 8] = b"def cal2"  # the wrapper's code, changed after signing
     tampered = tmp_path / "tampered.kiln"
     tampered.write_bytes(bytes(data))
-    for key in (KEY, None):  # the digest refuses it, with or without a key
-        with pytest.raises(PackageError, match="does not match its digest"):
-            kiln.load_package(tampered, signing_key=key)
+    with pytest.raises(PackageError, match="does not match its digest"):
+        kiln.load_package(tampered, signing_key=KEY)
+    with pytest.raises(PackageError, match="no KILN_SIGNING_KEY is set"):
+        kiln.load_package(tampered)  # no key: a signature it cannot check is refused
     with pytest.raises(PackageError, match="signature unknown key"):
         kiln.load_package(path, signing_key="hmac:another-secret")
     data = bytearray(path.read_bytes())
@@ -150,10 +167,17 @@ def test_tampered_and_foreign_packages_are_refused(tmp_path: Path, env: dict[str
     unsigned = tmp_path / "unsigned.kiln"
     assert kiln_cmd(["package", "tests.fleet_models:mlp", "--shapes", "5x16", "--weights",
                      "-o", str(unsigned)], env).returncode == 0
-    with pytest.raises(PackageError, match="signature unsigned"):
+    with pytest.raises(PackageError, match="is unsigned and loading it runs its code"):
         kiln.load_package(unsigned, signing_key=KEY)
-    with pytest.warns(UserWarning, match="is unsigned"):
+    with pytest.raises(PackageError, match="unsigned and loading it runs its code"):
         kiln.load_package(unsigned)
+    kiln.load_package(unsigned, allow_unsigned=True)  # asked for: loads
+    resigned = tmp_path / "resigned.kiln"  # the attacker's own key: no key configured
+    resigned.write_bytes(resign(path, "hmac:attacker"))
+    with pytest.raises(PackageError, match="signed by hmac:.* no KILN_SIGNING_KEY"):
+        kiln.load_package(resigned)
+    with pytest.raises(PackageError, match="signature unknown key"):
+        kiln.load_package(resigned, signing_key=KEY)
     truncated = tmp_path / "truncated.kiln"
     truncated.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(PackageError, match="truncated or tampered"):
@@ -167,7 +191,7 @@ def test_package_for_sm90_built_without_a_gpu(tmp_path: Path, env: dict[str, str
                       "--dtype", "float16", "--gpu", "sm_90", "--weights", "-o", str(path)],
                      env)
     assert built.returncode == 0, built.stderr[-3000:]
-    meta, blobs = read_package(path)
+    meta, blobs = read_package(path, allow_unsigned=True)
     manifest = meta["artifact"]
     assert manifest["target"]["arch"] == 90 and manifest["graph"]["device_type"] == "cuda"
     triton = [k for k in manifest["kernels"] if k["backend"] == "triton"]

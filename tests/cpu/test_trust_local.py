@@ -48,6 +48,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     build._loaded.clear()
     monkeypatch.setattr(farm_module, "_farms", {})
     monkeypatch.setattr(local_cache, "_roots", {})
+    monkeypatch.setattr(local_cache, "_checked", set())
     reset_clients()
     torch._dynamo.reset()
 

@@ -167,8 +167,12 @@ def farm_stats(farm: Any) -> dict[str, int]:
 
 
 def s3_env(endpoint: str, prefix: str) -> dict[str, str]:
-    """KILN_STORE and its options for a prefix of the test bucket."""
+    """KILN_STORE and its options for a prefix of the test bucket. A bucket is a store
+    others can write, whose unsigned artifacts a client refuses (issue 33); tests of
+    other matters than trust accept them (KILN_TRUST_UNSIGNED), and tests of trust set
+    KILN_SIGNING_KEY, which requires signatures whatever this says."""
     options: dict[str, Any] = {"key": "testing", "secret": "testing",
                                "client_kwargs": {"endpoint_url": endpoint,
                                                  "region_name": "us-east-1"}}
-    return {"KILN_STORE": f"s3://{BUCKET}/{prefix}", "KILN_STORE_OPTIONS": json.dumps(options)}
+    return {"KILN_STORE": f"s3://{BUCKET}/{prefix}", "KILN_STORE_OPTIONS": json.dumps(options),
+            "KILN_TRUST_UNSIGNED": "1"}

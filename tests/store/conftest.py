@@ -45,3 +45,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     cache = tmp_path / "xdg-cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     return cache
+
+
+@pytest.fixture
+def store_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A signing key in the environment: a store others can write (a bucket) is read
+    only through signatures, so tests of other matters than trust sign what they publish."""
+    key = "hmac:store-tests"
+    monkeypatch.setenv("KILN_SIGNING_KEY", key)
+    return key

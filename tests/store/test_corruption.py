@@ -196,6 +196,7 @@ def test_lax_reader_accepts_unsigned_and_unknown_signatures(tmp_path: Path) -> N
     assert migrating.get("b" * 64) is not None
 
 
+@pytest.mark.usefixtures("store_key")
 def test_damaged_local_tier_is_repaired_from_the_remote(
     tmp_path: Path, s3_store: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -216,6 +217,7 @@ def test_damaged_local_tier_is_repaired_from_the_remote(
     assert tiers["local"]["misses"] == 1 and tiers["remote"]["hits"] == 1
 
 
+@pytest.mark.usefixtures("store_key")
 def test_blob_evicted_from_local_tier_is_refetched_quietly(
     tmp_path: Path, s3_store: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -13,6 +13,8 @@ from store_helpers import make_artifact, store_warnings
 
 from kiln.artifact_store import Artifact, open_store
 
+pytestmark = pytest.mark.usefixtures("store_key")
+
 
 def test_publish_get_round_trip(backend: tuple[str, dict[str, Any]]) -> None:
     url, options = backend

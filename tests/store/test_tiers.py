@@ -14,6 +14,8 @@ from store_helpers import make_artifact, store_warnings
 
 from kiln.artifact_store import Artifact, open_store
 
+pytestmark = pytest.mark.usefixtures("store_key")
+
 
 def key(i: int) -> str:
     return f"{i:064x}"

@@ -103,7 +103,8 @@ def test_gc_spares_a_blob_that_a_publish_during_the_pass_reuses(
     present, not rewritten), then gc deletes the old artifact and its blobs: the fresh
     artifact was left naming a deleted blob, and was quarantined as damaged."""
     url, options = s3_store
-    store = open_store(url, storage_options=options, local_cache=False, stats_file=False)
+    store = open_store(url, storage_options=options, local_cache=False, stats_file=False,
+                       signing_key="hmac:gc-tests")
     shared = bytes(range(256)) * 1024  # 256 KiB: a remote publish skips it when present
     old = make_artifact("a" * 64, kernels=1)
     old = Artifact(old.key, old.manifest, dict(old.blobs, **{"kernels/big.cubin": shared}))
@@ -137,7 +138,8 @@ def test_publisher_writes_back_a_reused_blob_collected_under_it(
     """The other order: gc deletes the blob after the publish found it present but
     before the manifest is written. The publisher checks, and writes it back."""
     url, options = s3_store
-    store = open_store(url, storage_options=options, local_cache=False, stats_file=False)
+    store = open_store(url, storage_options=options, local_cache=False, stats_file=False,
+                       signing_key="hmac:gc-tests")
     shared = bytes(range(256)) * 1024
     first = make_artifact("c" * 64, kernels=1)
     first = Artifact(first.key, first.manifest, dict(first.blobs, **{"k/big.cubin": shared}))

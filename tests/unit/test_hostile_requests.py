@@ -206,3 +206,51 @@ def test_mistyped_key_prefix_is_an_error_not_an_hmac_secret(spec: str, tmp_path:
     assert not store.can_publish and store.get("a" * 64) is None  # fails closed
     with pytest.raises(ConfigError):
         open_store(tmp_path / "store", signing_key=spec, strict=True)
+
+
+def _finishes(fn: Any, within_s: float = 5.0) -> BaseException | None:
+    """What ``fn()`` raised, asserting it finished within ``within_s`` (a decoder that
+    hangs on hostile bytes fails here instead of holding the suite)."""
+    import threading
+
+    raised: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # the caller checks which
+            raised[0] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within_s)
+    assert not thread.is_alive(), f"decoding hung for more than {within_s}s"
+    return raised[0]
+
+
+@pytest.mark.parametrize("size", [
+    ["^", [3, 10**9]],                               # issue 33 row 8: sympy folds it
+    ["^", [["^", [["^", [7, 64]], 64]], 64]],         # a tower of legal-looking powers
+    ["^", [["s", 0], 10**6]],                         # (undeclared, and a huge exponent)
+    ["*", [2**61] * 600],                              # more nodes than an expression has
+    ["+", [["*", [2**40, 2**40]]]],                    # folds out of range
+])
+def test_hostile_size_expression_is_refused_quickly(size: Any) -> None:
+    """Issue 33 row 8: a token holder's tensor size ``3 ** 10**9`` held the
+    coordinator in sympy; every other client waited for the farm's timeout."""
+    request = make_request(trace_aten(lambda a: a * 2, [torch.randn(4)]), [torch.randn(4)],
+                           options={}, target={"kind": "cpu"})
+    wire = msgpack.unpackb(request.to_bytes(), raw=False)
+    wire[3][0] = [[size], [1], "float32", "cpu", 0]
+    data = msgpack.packb(wire, use_bin_type=True)
+    error = _finishes(lambda: CompileRequest.from_bytes(data))
+    assert isinstance(error, (SerializationError, ValueError)), error
+
+
+def test_honest_size_expressions_still_decode() -> None:
+    from kiln.compiler.symwire import decode_expr
+
+    s0 = ["s", 0]
+    assert str(decode_expr(["^", [s0, 2]], 1)) == "s0**2"
+    assert int(decode_expr(["^", [2, 40]], 0)) == 2**40
+    assert str(decode_expr(["*", [["+", [s0, 1]], 4]], 1)) == "4*s0 + 4"

@@ -3,11 +3,13 @@ client (``KILN_FARM=local`` finds it through the farm file); `kiln farm status`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from kiln.workers.serve.farm_files import (
 )
 from kiln.workers.serve.gateway import ready_address
 
+log = logging.getLogger("kiln.farm")
 GATEWAY_START_S = 30.0
 
 
@@ -68,6 +71,11 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     it is."""
     info = read_farm_file()
     if info is not None and probe(str(info["address"])) is None:
+        problem = temp_dir_problem(str(info.get("temp_dir") or ""))
+        if problem is not None:
+            log.warning("kiln farm: the running farm's Ray folder is not private: %s; "
+                        "other users may reach its sockets. Run `kiln farm down` and "
+                        "`kiln farm up` again", problem)
         if not info.get("gateway") or probe(str(info["gateway"])) is not None:
             info.update(start_gateway(str(info["address"]), int(info.get("pid", 0)),
                                       str(info.get("host") or LOOPBACK), join_now=join_now))
@@ -79,11 +87,9 @@ def start_local_cluster(*, num_cpus: int | None = None, num_gpus: int | None = N
     if port is not None:
         check_port(port)
     port = port or _free_port()
-    # Ray's session logs and sockets in a folder of Kiln's own, not the shared /tmp/ray
-    # (short: Ray's socket paths must fit 107 bytes); removed by `kiln farm down`.
-    temp_dir = tempfile.mkdtemp(prefix="kiln-ray-")
+    temp_dir, ray_temp = private_ray_temp()
     command = [_ray_executable(), "start", "--head", "--block", f"--port={port}",
-               f"--temp-dir={temp_dir}",
+               f"--temp-dir={ray_temp}",
                f"--num-cpus={num_cpus or os.cpu_count()}", "--include-dashboard=false",
                "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
                f"--node-ip-address={host or LOOPBACK}"]
@@ -148,6 +154,41 @@ def differences(info: dict[str, Any], asked: dict[str, Any]) -> list[str]:
         if str(running) != str(value):
             found.append(f"--{name.replace('_', '-')} {running} (asked: {value})")
     return found
+
+
+def private_ray_temp() -> tuple[str, str]:
+    """(a new folder of this user's alone, Ray's temp folder inside it). Ray makes its
+    temp and session folders 0777 so that users may share them; the 0700 folder around
+    them keeps other users from its sockets (a raylet socket replaced by another user's
+    is a farm that user runs). Short, since Ray's socket paths must fit 107 bytes;
+    removed by `kiln farm down`. RuntimeError if the folder is not private after all."""
+    parent = tempfile.mkdtemp(prefix="kiln-ray-")  # mode 0700
+    problem = temp_dir_problem(parent)
+    if problem is not None:
+        shutil.rmtree(parent, ignore_errors=True)
+        raise RuntimeError(f"kiln farm up: Ray's folder would not be private: {problem}")
+    return parent, os.path.join(parent, "r")
+
+
+def temp_dir_problem(temp_dir: str) -> str | None:
+    """Why other users could reach into the farm's folder ``temp_dir``: it is not this
+    user's 0700 folder, or a folder above it is writable by others (not sticky) or
+    another user's. None when they cannot; "" names no folder and is not checked."""
+    if not temp_dir:
+        return None
+    from kiln.artifact_store.trust import writable_by_others
+
+    try:
+        info = os.lstat(temp_dir)
+    except OSError as e:
+        return f"{temp_dir} cannot be checked ({e.strerror})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{temp_dir} is not a folder"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"{temp_dir} is owned by uid {info.st_uid}, not this user"
+    if info.st_mode & 0o077:
+        return f"{temp_dir} has mode {stat.filemode(info.st_mode)}, not drwx------"
+    return writable_by_others(os.path.dirname(temp_dir))
 
 
 def start_gateway(address: str, head_pid: int, host: str, *, join_now: bool = True,

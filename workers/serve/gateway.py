@@ -7,7 +7,10 @@ relays ``compile_raw``, ``tuned_raw`` and ``stats`` to the coordinator. The wire
 ``wire``'s: msgpack frames, a handshake over the farm token, and every frame after it
 tagged. Every byte a connection sends is hostile: a frame over ``REQUEST_LIMIT``, a bad
 tag, a body that is not msgpack, an unknown call or a field of the wrong type is answered
-with an error naming it, and that connection (never the gateway) is closed. The gateway
+with an error naming it, and that connection (never the gateway) is closed. A connection
+has HANDSHAKE_TIMEOUT_S for its whole handshake (not per read: a byte at a time does not
+keep it), at most MAX_CONNECTIONS are served at once (more are closed at once), and one
+connection has at most MAX_CALLS_IN_FLIGHT calls running. The gateway
 exits when the farm's Ray head does. Its address goes in the farm file (``gateway``).
 """
 
@@ -43,6 +46,8 @@ from kiln.workers.serve.wire import (
 
 log = logging.getLogger("kiln.farm")
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+MAX_CALLS_IN_FLIGHT = 64
 HEAD_CHECK_S = 2.0
 HEAD_WAIT_S = 120.0  # how long a gateway started beside its head waits for it to answer
 READY = "kiln gateway listening on "
@@ -108,6 +113,8 @@ class Gateway:
         self.server = socket.create_server((host, port))
         self.address = f"{host}:{self.server.getsockname()[1]}"
         self.closed = threading.Event()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.turned_away = 0
 
     def start(self) -> Gateway:
         threading.Thread(target=self.serve, daemon=True, name="kiln-gateway").start()
@@ -120,6 +127,13 @@ class Gateway:
                 conn, _ = self.server.accept()
             except OSError:
                 break
+            if not self.slots.acquire(blocking=False):
+                self.turned_away += 1
+                if self.turned_away == 1:
+                    log.warning("kiln gateway: %d connections are open, the most it serves; "
+                                "closing new ones until some end", MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._connection, args=(conn,), daemon=True,
                              name="kiln-gateway-conn").start()
 
@@ -134,15 +148,18 @@ class Gateway:
     def _connection(self, conn: socket.socket) -> None:
         lock = threading.Lock()
         key: bytes | None = None
+        calls = threading.BoundedSemaphore(MAX_CALLS_IN_FLIGHT)
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            key = self._handshake(conn)
+            key = self._handshake(_Deadline(conn, HANDSHAKE_TIMEOUT_S))  # type: ignore[arg-type]
             conn.settimeout(None)
             while key is not None and (
                     message := read_frame(conn, REQUEST_LIMIT, key)) is not None:
                 call_id, method, args = checked_call(message)
+                if not calls.acquire(blocking=False):
+                    raise FrameError(f"call {call_id}: {MAX_CALLS_IN_FLIGHT} calls of this "
+                                     "connection are running already")
                 threading.Thread(target=self._run, args=(conn, lock, key, call_id, method,
-                                                         args), daemon=True).start()
+                                                         args, calls), daemon=True).start()
         except FrameError as e:
             log.warning("kiln gateway: refused a connection's frame: %s", e)
             self._refuse(conn, lock, key, f"the farm gateway refused a frame: {e}")
@@ -150,6 +167,7 @@ class Gateway:
             log.debug("kiln gateway: a connection failed: %s", e)
         finally:
             conn.close()
+            self.slots.release()
 
     @staticmethod
     def _refuse(conn: socket.socket, lock: threading.Lock, key: bytes | None,
@@ -191,7 +209,16 @@ class Gateway:
         return None
 
     def _run(self, conn: socket.socket, lock: threading.Lock, key: bytes, call_id: int,
-             method: str, args: dict[str, Any]) -> None:
+             method: str, args: dict[str, Any],
+             calls: threading.BoundedSemaphore | None = None) -> None:
+        try:
+            self._answer(conn, lock, key, call_id, method, args)
+        finally:
+            if calls is not None:
+                calls.release()
+
+    def _answer(self, conn: socket.socket, lock: threading.Lock, key: bytes, call_id: int,
+                method: str, args: dict[str, Any]) -> None:
         events: list[Any] = []
         try:
             value = self._dispatch(method, args, events)
@@ -218,6 +245,29 @@ class Gateway:
                 events.extend(self.farm.tuning_trace(args["timeout"]))
             return result
         return self.farm.stats()
+
+
+class _Deadline:
+    """A connection whose reads and writes share one deadline (the whole handshake):
+    each waits at most the time left, and none starts once it has passed."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock = sock
+        self.until = time.monotonic() + seconds
+
+    def _arm(self) -> None:
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the handshake ran past its deadline")
+        self.sock.settimeout(left)
+
+    def recv(self, size: int) -> bytes:
+        self._arm()
+        return self.sock.recv(size)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self.sock.sendall(data)
 
 
 def _watch_head(pid: int, gateway: Gateway) -> None:

@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KilnCompileError
-from ...runtime.local_cache import private_dir, trusted_file, verified_file
+from ...runtime.local_cache import (
+    open_verified,
+    private_dir,
+    seal,
+    sealed_bytes,
+    verified_file,
+)
 from ..kernel_spec import KernelSpec
 from .prelude import PRELUDE_NAME, prelude_source
 
@@ -185,12 +191,14 @@ def compile_cpp(spec: KernelSpec, target: dict[str, Any]) -> tuple[bytes, dict[s
     path = private_dir("cpp", key[:2]) / f"{key}.so"
     meta = {"cache_key": key, "compiler": version, "cxx": cxx, "flags": flags, "isa": isa,
             "symbol": spec.name}
-    if not trusted_file(path):  # these bytes get published: only from a private cache
-        _build(spec, cxx, flags, path)
-    return path.read_bytes(), meta
+    data = sealed_bytes(path)  # these bytes get published: only what this user built
+    if data is None:
+        data = _build(spec, cxx, flags, path)
+    return data, meta
 
 
-def _build(spec: KernelSpec, cxx: str, flags: list[str], path: Path) -> None:
+def _build(spec: KernelSpec, cxx: str, flags: list[str], path: Path) -> bytes:
+    """Compile ``spec`` into the shared object at ``path`` (sealed); its bytes."""
     include = _prelude_dir()
     with tempfile.TemporaryDirectory(prefix="kiln_cpp_", dir=path.parent) as tmp:
         src = Path(tmp) / "kernel.cpp"
@@ -208,7 +216,10 @@ def _build(spec: KernelSpec, cxx: str, flags: list[str], path: Path) -> None:
             raise KilnCompileError(f"C++ compile failed ({' '.join(cmd[:1])} exit "
                                    f"{result.returncode}):\n{tail}", stage="kernel compile",
                                    kernel=spec.name)
+        data = out.read_bytes()
         os.replace(out, path)
+    seal(path, data)
+    return data
 
 
 def _prelude_dir() -> Path:
@@ -229,16 +240,29 @@ def runnable_isa(isa: str) -> str:
 
 
 _loaded: dict[str, ctypes.CDLL] = {}
+# Descriptors of loaded libraries stay open: the dynamic loader knows a library by the
+# name it was opened with (/proc/self/fd/N), and a reused N would name the old one.
+_open_fds: list[int] = []
 
 
 def load_library(binary: bytes) -> ctypes.CDLL:
-    """dlopen a shared object from its bytes, through a file named by their hash and
-    compared with them right before loading (``runtime.local_cache``)."""
+    """dlopen a shared object from its bytes, through a file named by their hash:
+    compared with them through a descriptor, and loaded through that descriptor
+    (``runtime.local_cache.open_verified``), so what runs is what was compared."""
     digest = hashlib.sha256(binary).hexdigest()
     if digest in _loaded:
         return _loaded[digest]
     path = verified_file(private_dir("cpp", "loaded", digest[:2]) / f"{digest}.so", binary)
-    lib = ctypes.CDLL(str(path))
+    if not os.path.isdir("/proc/self/fd"):
+        lib = ctypes.CDLL(str(path))
+    else:
+        fd = open_verified(path, binary)
+        try:
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except BaseException:
+            os.close(fd)
+            raise
+        _open_fds.append(fd)
     _loaded[digest] = lib
     return lib
 
