@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -215,6 +215,23 @@ def plan_with_backward(facts: ForwardFacts, graph: torch.fx.GraphModule
 # The runtime.
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def opaque_to_dynamo(fn: _Fn) -> _Fn:
+    """``fn`` run with Dynamo off, for itself and everything it calls, as torch makes its
+    own compiled graphs opaque (``torch._dynamo.disable`` around a generated backward,
+    torch/_dynamo/backends/common.py). A served graph's forward is called through the
+    ``disable`` Dynamo puts around a backend's answer, but its backward is called by
+    autograd from whatever frame runs ``loss.backward()``, often one Dynamo is running
+    itself (a compiled training step, past its graph break): unwrapped, Dynamo would
+    trace Kiln's runtime and the loaded wrapper there, and cut that frame into graphs a
+    fresh compile never makes, each a miss."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True)  # type: ignore[no-any-return]
+
+
 def _call(fn: Callable[[list[Any]], Any], args: list[Any], disable_amp: bool) -> list[Any]:
     if disable_amp:
         with torch._C._DisableAutocast():
@@ -250,8 +267,13 @@ class _NoDoubleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError("torch.compile with aot_autograd does not currently support "
-                           "double backward (a Kiln graph served by the AOT cache)")
+        return _refuse_double_backward()
+
+
+@opaque_to_dynamo
+def _refuse_double_backward() -> Any:
+    raise RuntimeError("torch.compile with aot_autograd does not currently support "
+                       "double backward (a Kiln graph served by the AOT cache)")
 
 
 def served_training(forward: Callable[[list[Any]], Any],
@@ -264,6 +286,23 @@ def served_training(forward: Callable[[list[Any]], Any],
     symints = slice(plan.num_outputs + plan.num_saved,
                     plan.num_outputs + plan.num_saved + plan.num_symints)
     expected = plan.num_outputs + plan.num_saved + plan.num_symints
+
+    @opaque_to_dynamo
+    def run_backward(ctx: Any, *grads: Any) -> Any:
+        args = [*ctx.kiln_symints, *ctx.saved_tensors,
+                *[_coerce(grads[t.output], t) for t in plan.tangents]]
+        clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+        if callable(clear):
+            clear()
+
+        def impl() -> tuple[Any, ...]:
+            out = _call(backward, args, disable_amp)
+            return tuple(g if need else None for g, need in zip(out, plan.grad_inputs))
+
+        if torch.is_grad_enabled():
+            anchor = torch.empty(0, requires_grad=True)
+            return _NoDoubleBackward.apply(impl, anchor, *args)
+        return impl()
 
     class KilnServedGraph(torch.autograd.Function):
         @staticmethod
@@ -279,23 +318,9 @@ def served_training(forward: Callable[[list[Any]], Any],
             ctx._materialize_non_diff_grads = False
             return returns
 
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            args = [*ctx.kiln_symints, *ctx.saved_tensors,
-                    *[_coerce(grads[t.output], t) for t in plan.tangents]]
-            clear = getattr(ctx, "maybe_clear_saved_tensors", None)
-            if callable(clear):
-                clear()
+        backward = staticmethod(run_backward)  # autograd calls it: not Dynamo's wrapper
 
-            def impl() -> tuple[Any, ...]:
-                out = _call(backward, args, disable_amp)
-                return tuple(g if need else None for g, need in zip(out, plan.grad_inputs))
-
-            if torch.is_grad_enabled():
-                anchor = torch.empty(0, requires_grad=True)
-                return _NoDoubleBackward.apply(impl, anchor, *args)
-            return impl()
-
+    @opaque_to_dynamo
     def run(*args: Any) -> list[Any]:
         inputs: Sequence[Any] = args
         if plan.detach_inputs:
