@@ -2,8 +2,9 @@
 and its blobs say, written by :func:`to_artifact` and read back, every field checked, by
 :func:`entry_from_artifact` (the one place an entry's bytes become a plan).
 
-    manifest {"kind": "aot", "schema": 3, "serve": true, "graph": <Kiln key>,
+    manifest {"kind": "aot", "schema": 4, "serve": true, "graph": <Kiln key>,
               "regions": <bool>, "inputs": <count>, "constants": [names],
+              "aliases": [[output, input, is_input]],
               "training": null | {"backward": <Kiln key>, "backward_regions": <bool>,
                                   "backward_constants": [names],
                                   "outputs", "saved", "symints": <counts>,
@@ -31,7 +32,9 @@ from kiln.compiler.request import SerializationError, decode_constant, encode_co
 from kiln.frontend.core.aot.training import MEMORY_FORMATS, TangentLayout, TrainingPlan
 
 ENTRY_KIND = "aot"
-ENTRY_SCHEMA = 3  # 3: "regions" and "backward_regions" (graphs compiled as regions)
+# 3: "regions" and "backward_regions" (graphs compiled as regions); 4: "aliases" (outputs
+# that are views of inputs)
+ENTRY_SCHEMA = 4
 CONSTANTS_BLOB = "constants.msgpack"
 BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
 _HEX = frozenset("0123456789abcdef")
@@ -57,6 +60,7 @@ class AotEntry:
     backward_constants: dict[str, torch.Tensor] = field(default_factory=dict)
     regions: bool = False  # ``graph`` is a region plan's key (frontend.core.regions)
     backward_regions: bool = False  # and ``backward``
+    aliases: tuple[tuple[int, int, bool], ...] = ()  # frontend.core.aot.cache.input_aliases
 
 
 def to_artifact(key: str, entry: AotEntry) -> Artifact:
@@ -65,7 +69,8 @@ def to_artifact(key: str, entry: AotEntry) -> Artifact:
                               "reason": entry.reason}, {})
     manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
                 "graph": entry.graph, "regions": entry.regions, "inputs": entry.num_inputs,
-                "constants": sorted(entry.constants), "training": None}
+                "constants": sorted(entry.constants), "training": None,
+                "aliases": [list(a) for a in entry.aliases]}
     blobs = {}
     if entry.constants:
         blobs[CONSTANTS_BLOB] = _constants_blob(entry.constants)
@@ -121,11 +126,14 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
     regions = m.get("regions")
     if type(regions) is not bool:
         raise EntryError("the entry does not say whether its graph is a region plan")
+    aliases = _aliases(m.get("aliases"), count)
     entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB),
-                     regions=regions)
+                     regions=regions, aliases=aliases)
     training = m["training"]
     if training is None:
         return entry
+    if aliases:
+        raise EntryError("a training entry with aliasing outputs")
     plan, backward, backward_names = _training_plan(training, count)
     return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
                     backward_constants=_constants(artifact, backward_names,
@@ -164,6 +172,22 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
     plan = TrainingPlan(outputs, saved, symints, tuple(grad_inputs), tuple(detach),
                         tuple(nondiff), layouts)
     return plan, w["backward"], w["backward_constants"]
+
+
+def _aliases(w: Any, num_inputs: int) -> tuple[tuple[int, int, bool], ...]:
+    """Outputs that alias inputs: each [output, input index in range, is_input], no
+    output named twice."""
+    if not isinstance(w, list) or len(w) > 1 << 16:
+        raise EntryError("no list of aliasing outputs")
+    aliases = []
+    for a in w:
+        if not isinstance(a, list) or len(a) != 3 or not _is_count(a[0]) \
+                or type(a[1]) is not int or not 0 <= a[1] < num_inputs or type(a[2]) is not bool:
+            raise EntryError("an aliasing output naming no output or no input")
+        aliases.append((a[0], a[1], a[2]))
+    if len({a[0] for a in aliases}) != len(aliases):
+        raise EntryError("an output aliasing two inputs")
+    return tuple(aliases)
 
 
 def _tangent(t: Any, outputs: int) -> TangentLayout:
