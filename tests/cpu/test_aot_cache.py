@@ -166,16 +166,36 @@ def test_training_graphs_are_served_on_a_warm_start(store: Path) -> None:
     assert [m["training"] is not None for _, m in aot_entries(store)] == [True]
 
 
-def test_an_output_that_aliases_an_input_is_traced(store: Path) -> None:
-    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.view(-1), x.exp()
+def test_an_output_that_aliases_an_input_is_served_as_a_view(store: Path) -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x.view(-1), x.exp(), x.t()
 
     for _ in range(2):
         new_process()
         x = torch.randn(3, 4)
         with torch.no_grad():
-            flat, exp = torch.compile(fn, backend="kiln")(x)
-        assert flat.data_ptr() == x.data_ptr()
+            flat, exp, t = torch.compile(fn, backend="kiln")(x)
+        assert flat._base is x and t._base is x  # views of the input, as AOTAutograd makes
+        assert (flat.stride(), t.stride()) == ((1,), (1, 4))
+        torch.testing.assert_close(exp, x.exp())
+        x.add_(1.0)  # a write through the input shows in both views
+        torch.testing.assert_close(flat, x.view(-1))
+        torch.testing.assert_close(t, x.t())
+    seen = counters()
+    assert seen.get("aot_hits") == 1 and "aot_uncached_output_alias_or_grad" not in seen
+
+
+def test_a_view_as_another_dtype_is_traced(store: Path) -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.view(torch.int32), x.exp()
+
+    for _ in range(2):
+        new_process()
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            bits, exp = torch.compile(fn, backend="kiln")(x)
+        assert bits.data_ptr() == x.data_ptr()
+        torch.testing.assert_close(bits, x.view(torch.int32))
         torch.testing.assert_close(exp, x.exp())
     assert counters().get("aot_uncached_output_alias_or_grad") == 1
 

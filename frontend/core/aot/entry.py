@@ -10,6 +10,7 @@ and its blobs say, written by :func:`to_artifact` and read back, every field che
                                   "outputs", "saved", "symints": <counts>,
                                   "grad_inputs": [bool], "detach": [input index],
                                   "nondiff": [output index],
+                                  "mutated": [input index],
                                   "tangents": [{"output", "sizes", "strides"} or
                                                {"output", "memory_format"}]}}
                                                     # or "serve": false, "reason"
@@ -33,7 +34,7 @@ from kiln.frontend.core.aot.training import MEMORY_FORMATS, TangentLayout, Train
 
 ENTRY_KIND = "aot"
 # 3: "regions" and "backward_regions" (graphs compiled as regions); 4: "aliases" (outputs
-# that are views of inputs)
+# that are views of inputs) and a training entry's "mutated" (inputs its forward writes)
 ENTRY_SCHEMA = 4
 CONSTANTS_BLOB = "constants.msgpack"
 BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
@@ -101,7 +102,7 @@ def _training_wire(entry: AotEntry) -> dict[str, Any]:
             "outputs": plan.num_outputs, "saved": plan.num_saved,
             "symints": plan.num_symints, "grad_inputs": list(plan.grad_inputs),
             "detach": list(plan.detach_inputs), "nondiff": list(plan.nondiff_outputs),
-            "tangents": tangents}
+            "mutated": list(plan.mutated_inputs), "tangents": tangents}
 
 
 def entry_from_artifact(artifact: Artifact) -> AotEntry:
@@ -143,7 +144,8 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
 
 _TRAINING_FIELDS = frozenset({"backward", "backward_regions", "backward_constants",
                               "outputs", "saved",
-                              "symints", "grad_inputs", "detach", "nondiff", "tangents"})
+                              "symints", "grad_inputs", "detach", "nondiff", "tangents",
+                              "mutated"})
 
 
 def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str]]:
@@ -162,6 +164,9 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
         raise EntryError("bad grad_inputs")
     if not _are_indices(detach, num_inputs) or not _are_indices(nondiff, outputs):
         raise EntryError("bad detached inputs or non-differentiable outputs")
+    mutated = w["mutated"]
+    if not _are_indices(mutated, num_inputs) or any(grad_inputs[i] for i in mutated):
+        raise EntryError("bad mutated inputs (out of range, or requiring grad)")
     tangents = w["tangents"]
     if not isinstance(tangents, list) or len(tangents) > outputs:
         raise EntryError("bad tangents")
@@ -170,7 +175,7 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
             or {t.output for t in layouts} & set(nondiff):
         raise EntryError("tangents repeat an output or name a non-differentiable one")
     plan = TrainingPlan(outputs, saved, symints, tuple(grad_inputs), tuple(detach),
-                        tuple(nondiff), layouts)
+                        tuple(nondiff), layouts, tuple(mutated))
     return plan, w["backward"], w["backward_constants"]
 
 

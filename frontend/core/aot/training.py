@@ -67,6 +67,9 @@ class TrainingPlan:
     detach_inputs: tuple[int, ...]
     nondiff_outputs: tuple[int, ...]
     tangents: tuple[TangentLayout, ...]
+    # Inputs the compiled forward writes itself (BatchNorm's running statistics in train
+    # mode), whose version counters the runtime bumps after it (in_graph_mutations).
+    mutated_inputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,32 @@ def mutates_inputs(meta: Any) -> bool:
                or getattr(i, "mutates_storage_metadata", False)
                or getattr(i, "mutation_inductor_storage_resize", False)
                for i in getattr(meta, "input_info", [None]))
+
+
+def in_graph_mutations(meta: Any) -> tuple[int, ...] | None:
+    """The inputs a training graph mutates, where every mutation is one AOTAutograd keeps
+    in the compiled graph (data only, of an input that does not require grad: BatchNorm's
+    running statistics), so that its runtime only bumps their version counters (those
+    autograd sees) after the forward; None where any mutation is another kind (the
+    runtime copies it back, or replays metadata). Read with defaults that refuse."""
+    from torch._functorch._aot_autograd.schemas import MutationType
+
+    mutated = []
+    for i, info in enumerate(getattr(meta, "input_info", [None])):
+        if not getattr(info, "mutates_data", True) and not getattr(info, "mutates_metadata", True) \
+                and not getattr(info, "mutates_storage_metadata", True) \
+                and not getattr(info, "mutation_inductor_storage_resize", True):
+            continue
+        if getattr(info, "mutation_type", None) is not MutationType.MUTATED_IN_GRAPH \
+                or getattr(info, "mutates_metadata", True) \
+                or getattr(info, "mutates_storage_metadata", True) \
+                or getattr(info, "requires_grad", True):
+            return None
+        if not getattr(info, "mutations_hidden_from_autograd", False):
+            mutated.append(i)
+    if not getattr(meta, "keep_input_mutations", False) and mutated:
+        return None
+    return tuple(mutated)
 
 
 def runtime_problem(meta: Any, subclass_fields: Sequence[str]) -> str | None:
@@ -116,7 +145,7 @@ def training_problem(meta: Any) -> str | None:
         return "no_metadata"
     from torch._functorch._aot_autograd.schemas import OutputType
 
-    if mutates_inputs(meta):
+    if in_graph_mutations(meta) is None:
         return "input_mutation"
     if any(getattr(o, "output_type", None) is not OutputType.non_alias
            or not _is_tensor_type(getattr(o, "raw_type", None))
@@ -171,7 +200,7 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
         num_outputs, num_saved, num_symints,
         tuple(bool(i.requires_grad) for i in meta.input_info), (),
         tuple(i for i, o in enumerate(meta.output_info) if not o.requires_grad),
-        tuple(tangents))
+        tuple(tangents), in_graph_mutations(meta) or ())
     return ForwardFacts(plan, tuple(bool(i.requires_grad) and not i.is_leaf
                                     for i in meta.input_info))
 
@@ -333,7 +362,10 @@ def served_training(forward: Callable[[list[Any]], Any],
             if not replay:
                 torch._C._set_view_replay_enabled(True)
             with torch.enable_grad():
-                return list(KilnServedGraph.apply(*inputs))
+                outs = list(KilnServedGraph.apply(*inputs))
+            for i in plan.mutated_inputs:  # written by the compiled forward, not by ATen
+                torch.autograd.graph.increment_version(inputs[i])
+            return outs
         finally:
             if torch._C._is_view_replay_enabled() != replay:
                 torch._C._set_view_replay_enabled(replay)
