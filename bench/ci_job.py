@@ -23,6 +23,7 @@ import copy
 import json
 import logging
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,13 +128,13 @@ def train_step(model: nn.Module, name: str) -> Callable[..., torch.Tensor]:
     """A training step with its own code object per model, as each test of a job writes
     its own: one shared step function recompiles for each model, and Dynamo then makes
     its inputs' sizes dynamic (automatic dynamic shapes), which is another job."""
-    source = ("def step(x, target):\n"
-              "    loss = F.cross_entropy(model(x), target)\n"
-              "    loss.backward()\n"
-              "    return loss.detach()\n")
-    scope: dict[str, Any] = {"F": F, "model": model}
-    exec(compile(source, f"<ci_job {name}>", "exec"), scope)  # noqa: S102
-    return scope["step"]  # type: ignore[no-any-return]
+    def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        return loss.detach()
+
+    code = step.__code__.replace(co_name=f"step_{name}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
 def _tolerance(device: torch.device) -> dict[str, float]:
