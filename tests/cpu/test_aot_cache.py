@@ -19,6 +19,7 @@ import torch
 
 from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
+from kiln.frontend.core.aot.entry import ENTRY_SCHEMA
 from kiln.frontend.core.client import process_counters, reset_clients
 from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
@@ -93,7 +94,8 @@ def test_a_tensor_constant_of_the_aten_graph_travels_in_the_entry(store: Path) -
     assert counters().get("aot_hits") == 1
 
 
-@pytest.mark.parametrize("forgery", ["bad_key", "other_graph", "garbage_constants"])
+@pytest.mark.parametrize("forgery", ["bad_key", "other_graph", "garbage_constants",
+                                     "alias_out_of_range"])
 def test_a_forged_entry_is_rejected_and_the_graph_traced(store: Path, forgery: str) -> None:
     """An unsigned store: an entry that names no graph, another graph's key, or constants
     it does not hold is refused by the checks; the graph is traced and runs right."""
@@ -104,14 +106,18 @@ def test_a_forged_entry_is_rejected_and_the_graph_traced(store: Path, forgery: s
     mine = next(p for p, m in entries if m["inputs"] == 5)
     other = next(m for _, m in entries if m["inputs"] == 1)
     key = mine.name
-    forged = {"kind": "aot", "schema": 3, "serve": True, "graph": other["graph"],
-              "regions": False, "inputs": 5, "constants": [], "training": None}
+    forged = {"kind": "aot", "schema": ENTRY_SCHEMA, "serve": True, "graph": other["graph"],
+              "regions": False, "inputs": 5, "constants": [], "training": None,
+              "aliases": []}
     blobs: dict[str, bytes] = {}
     if forgery == "bad_key":
         forged["graph"] = "../" + "0" * 61
     elif forgery == "garbage_constants":
         forged["graph"] = decode_manifest(mine.read_bytes()).meta["graph"]
         forged["constants"], blobs = ["c0"], {"constants.msgpack": b"\x93\x01\x02"}
+    elif forgery == "alias_out_of_range":
+        forged["graph"] = decode_manifest(mine.read_bytes()).meta["graph"]
+        forged["aliases"] = [[0, 5, False]]
     with open_store(url=str(store), local_cache=False) as raw:
         assert raw.publish(Artifact(key, forged, blobs))
 
