@@ -23,6 +23,8 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import warnings
@@ -39,7 +41,7 @@ from kiln.compiler import trace
 from kiln.compiler.compiled_graph import CompiledGraph
 from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.static_launcher import cubin_prefetch
-from kiln.frontend.config import KilnConfig
+from kiln.frontend.config import KilnConfig, parse_flag
 from kiln.frontend.core.keys import KeyInfo, compute_key
 from kiln.frontend.core.overlap import Warm, overlap
 from kiln.frontend.transports.base import Farm
@@ -565,7 +567,46 @@ def client_for(config: KilnConfig) -> KilnClient:
     with _clients_lock:
         if ident not in _clients:
             _clients[ident] = KilnClient(config)
+            _summary_at_exit()
         return _clients[ident]
+
+
+_summary_registered = False
+
+
+def _summary_at_exit() -> None:
+    """``KILN_SUMMARY=1``: :func:`summary_line` on stderr when the process exits (a CI
+    job's log then says whether the cache served it)."""
+    global _summary_registered
+    if _summary_registered:
+        return
+    _summary_registered = True
+    try:
+        on = parse_flag(os.environ.get("KILN_SUMMARY", ""))
+    except ValueError:
+        on = False  # the configuration warned about it already
+    if on:
+        atexit.register(lambda: print(summary_line(), file=sys.stderr, flush=True))
+
+
+def summary_line() -> str:
+    """This process's cache figures in one line: Dynamo graphs served by the AOT cache or
+    traced, ATen graphs loaded from the store or compiled, store lookups and bytes read,
+    graphs run eagerly."""
+    counts = process_counters()
+    with _clients_lock:
+        stores = [client.store.stats() for client in _clients.values()]
+    hits = sum(int(s.get("hits", 0)) for s in stores)
+    misses = sum(int(s.get("misses", 0)) for s in stores)
+    read = sum(int(t.get("bytes_read", 0)) for s in stores
+               for t in (s.get("tiers") or {}).values())
+    served, traced = int(counts.get("aot_hits", 0)), int(counts.get("aot_traces", 0))
+    loaded, compiled = int(counts.get("hits", 0)), int(counts.get("compiles", 0))
+    rate = f"{100 * hits / (hits + misses):.0f}%" if hits + misses else "no lookups"
+    return (f"kiln summary: {served + traced} Dynamo graphs ({served} served by the AOT "
+            f"cache, {traced} traced); ATen graphs {loaded} loaded from the store, "
+            f"{compiled} compiled; store {hits} hits, {misses} misses ({rate}), {read} bytes "
+            f"read; {int(counts.get('compile_errors', 0))} compile errors")
 
 
 def wait_for_background(timeout: float | None = None) -> bool:

@@ -19,6 +19,7 @@ import torch
 
 from kiln.artifact_store import Artifact, open_store
 from kiln.artifact_store.manifest import decode_manifest
+from kiln.frontend.core.aot.entry import ENTRY_SCHEMA
 from kiln.frontend.core.client import process_counters, reset_clients
 from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
@@ -93,7 +94,8 @@ def test_a_tensor_constant_of_the_aten_graph_travels_in_the_entry(store: Path) -
     assert counters().get("aot_hits") == 1
 
 
-@pytest.mark.parametrize("forgery", ["bad_key", "other_graph", "garbage_constants"])
+@pytest.mark.parametrize("forgery", ["bad_key", "other_graph", "garbage_constants",
+                                     "alias_out_of_range"])
 def test_a_forged_entry_is_rejected_and_the_graph_traced(store: Path, forgery: str) -> None:
     """An unsigned store: an entry that names no graph, another graph's key, or constants
     it does not hold is refused by the checks; the graph is traced and runs right."""
@@ -104,14 +106,18 @@ def test_a_forged_entry_is_rejected_and_the_graph_traced(store: Path, forgery: s
     mine = next(p for p, m in entries if m["inputs"] == 5)
     other = next(m for _, m in entries if m["inputs"] == 1)
     key = mine.name
-    forged = {"kind": "aot", "schema": 3, "serve": True, "graph": other["graph"],
-              "regions": False, "inputs": 5, "constants": [], "training": None}
+    forged = {"kind": "aot", "schema": ENTRY_SCHEMA, "serve": True, "graph": other["graph"],
+              "regions": False, "inputs": 5, "constants": [], "training": None,
+              "aliases": []}
     blobs: dict[str, bytes] = {}
     if forgery == "bad_key":
         forged["graph"] = "../" + "0" * 61
     elif forgery == "garbage_constants":
         forged["graph"] = decode_manifest(mine.read_bytes()).meta["graph"]
         forged["constants"], blobs = ["c0"], {"constants.msgpack": b"\x93\x01\x02"}
+    elif forgery == "alias_out_of_range":
+        forged["graph"] = decode_manifest(mine.read_bytes()).meta["graph"]
+        forged["aliases"] = [[0, 5, False]]
     with open_store(url=str(store), local_cache=False) as raw:
         assert raw.publish(Artifact(key, forged, blobs))
 
@@ -166,16 +172,36 @@ def test_training_graphs_are_served_on_a_warm_start(store: Path) -> None:
     assert [m["training"] is not None for _, m in aot_entries(store)] == [True]
 
 
-def test_an_output_that_aliases_an_input_is_traced(store: Path) -> None:
-    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.view(-1), x.exp()
+def test_an_output_that_aliases_an_input_is_served_as_a_view(store: Path) -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x.view(-1), x.exp(), x.t()
 
     for _ in range(2):
         new_process()
         x = torch.randn(3, 4)
         with torch.no_grad():
-            flat, exp = torch.compile(fn, backend="kiln")(x)
-        assert flat.data_ptr() == x.data_ptr()
+            flat, exp, t = torch.compile(fn, backend="kiln")(x)
+        assert flat._base is x and t._base is x  # views of the input, as AOTAutograd makes
+        assert (flat.stride(), t.stride()) == ((1,), (1, 4))
+        torch.testing.assert_close(exp, x.exp())
+        x.add_(1.0)  # a write through the input shows in both views
+        torch.testing.assert_close(flat, x.view(-1))
+        torch.testing.assert_close(t, x.t())
+    seen = counters()
+    assert seen.get("aot_hits") == 1 and "aot_uncached_output_alias_or_grad" not in seen
+
+
+def test_a_view_as_another_dtype_is_traced(store: Path) -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.view(torch.int32), x.exp()
+
+    for _ in range(2):
+        new_process()
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            bits, exp = torch.compile(fn, backend="kiln")(x)
+        assert bits.data_ptr() == x.data_ptr()
+        torch.testing.assert_close(bits, x.view(torch.int32))
         torch.testing.assert_close(exp, x.exp())
     assert counters().get("aot_uncached_output_alias_or_grad") == 1
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kiln.artifact_store.manifest import decode_manifest
+from kiln.frontend.core.aot.entry import ENTRY_SCHEMA
 from kiln.frontend.core.client import process_counters, reset_clients
 from kiln.frontend.core.fallback import KilnFallbackWarning
 from tests.aot_children import COLLECT_COUNTERS, COUNT_AOT_TRACES, manifests, run_child
@@ -195,7 +196,7 @@ def test_a_deferred_region_that_fails_makes_an_entry_that_traces(
         loss.backward()
     assert sum(issubclass(w.category, KilnFallbackWarning) for w in caught) == 1
     [(_, entry)] = manifests(store, "aot")
-    assert entry == {"kind": "aot", "schema": 3, "serve": False, "reason": "regions"}
+    assert entry == {"kind": "aot", "schema": ENTRY_SCHEMA, "serve": False, "reason": "regions"}
     new_process()
     train(model)
     c = process_counters()

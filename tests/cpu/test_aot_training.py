@@ -1,7 +1,7 @@
 """The AOT cache serves training graphs (frontend.core.aot.training): a warm start runs no
 AOTAutograd trace for a training graph whose runtime is simple, and its loss and every
-parameter gradient equal eager's on fresh inputs over two steps; a graph whose runtime is
-not simple (BatchNorm's running statistics: an input mutation) is still traced, counted;
+parameter gradient equal eager's on fresh inputs over two steps; BatchNorm in train mode
+(running statistics the compiled forward writes) is served too;
 a forged training entry is rejected and the graph traced; a double backward raises."""
 
 from __future__ import annotations
@@ -131,17 +131,39 @@ def test_an_input_requiring_grad_gets_its_gradient(store: Path) -> None:
     assert process_counters().get("aot_hits") == 1
 
 
-def test_batchnorm_running_stats_are_traced_and_counted(store: Path,
-                                                        aot_traces: list[int]) -> None:
+def test_batchnorm_in_train_mode_is_served(store: Path, aot_traces: list[int]) -> None:
+    """BatchNorm's running statistics are written by the compiled forward (a mutation
+    AOTAutograd keeps in the graph): served, the statistics, loss and gradients equal
+    eager's, and the statistics' version counters move as AOTAutograd's runtime moves
+    them."""
+    import copy
+
     torch.manual_seed(0)
     model = BatchNormNet().train()
+    reference = copy.deepcopy(model)
     for _ in range(2):
         new_process()
-        train_steps(model, lambda: torch.randn(6, 8), steps=1)
-    assert len(aot_traces) == 2
-    seen = process_counters()
-    assert seen.get("aot_hits", 0) == 0 and seen.get("aot_uncached_input_mutation") == 1
-    assert [m["reason"] for _, m in aot_entries(store)] == ["input_mutation"]
+        compiled = torch.compile(model, backend="kiln")
+        x = torch.randn(6, 8)
+        version = model.bn.running_mean._version
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            loss = compiled(x).square().mean()
+            loss.backward()
+        want = reference(x).square().mean()
+        want.backward()
+        assert model.bn.running_mean._version > version
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        for got, ref in [*zip(model.parameters(), reference.parameters())]:
+            torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-5)
+        for got, ref in zip(model.buffers(), reference.buffers()):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert len(aot_traces) == 1
+    assert process_counters().get("aot_hits") == 1
+    [(_, entry)] = aot_entries(store)
+    assert entry["serve"] is True and entry["training"]["mutated"]
 
 
 def _forge(store: Path, how: str) -> None:

@@ -99,15 +99,36 @@ def meta_problem(meta: Any) -> str | None:
     so that a torch without one caches nothing rather than something wrong."""
     if meta is None:
         return "no_metadata"
-    from torch._functorch._aot_autograd.schemas import OutputType
 
     if mutates_inputs(meta):
         return "input_mutation"
-    if any(getattr(o, "output_type", None) is not OutputType.non_alias
-           or getattr(o, "requires_grad", True)
-           for o in getattr(meta, "output_info", [None])):
+    if input_aliases(meta) is None:
         return "output_alias_or_grad"
     return runtime_problem(meta, ("subclass_inp_meta", "subclass_fw_graph_out_meta"))
+
+
+# (output, input, is_input): an output AOTAutograd's runtime makes a view of an input
+# (``is_input``: the input itself), not what the compiled graph returned.
+Aliases = tuple[tuple[int, int, bool], ...]
+
+
+def input_aliases(meta: Any) -> Aliases | None:
+    """The outputs of an inference graph that alias one of its inputs (``x.detach()``,
+    a view, the input itself: the resume graph of a training step that returns
+    ``loss.detach()``), none of them requiring grad; None where an output requires grad
+    or aliases anything else (an intermediate), which only AOTAutograd's runtime serves."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    aliases = []
+    for i, o in enumerate(getattr(meta, "output_info", [None])):
+        kind, base = getattr(o, "output_type", None), getattr(o, "base_idx", None)
+        if getattr(o, "requires_grad", True):
+            return None
+        if kind in (OutputType.alias_of_input, OutputType.is_input) and type(base) is int:
+            aliases.append((i, base, kind is OutputType.is_input))
+        elif kind is not OutputType.non_alias:
+            return None
+    return tuple(aliases)
 
 
 DynamicOutputs = tuple[tuple[int, frozenset[int]], ...]
@@ -136,6 +157,7 @@ class _Made:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     fn: Callable[..., Any] | None = None
     dynamic: DynamicOutputs = ()
+    aliases: Aliases = ()  # outputs made views of inputs (input_aliases)
     facts: ForwardFacts | None = None  # a training forward's layout
     plan: TrainingPlan | None = None  # a training backward's: the whole plan
     regional: str | None = None  # compiled as regions: the whole graph's (the plan's) key
@@ -204,8 +226,11 @@ class Pending:
         dynamic = dynamic_outputs(meta)
         if problem is None and dynamic:  # a served entry would not mark them
             problem = "dynamic_outputs"
+        aliases = input_aliases(meta) or () if runtime is None else ()
+        if problem is None and not _same_dtypes(aliases, outputs, inputs):
+            problem = runtime = "output_alias_or_grad"  # a view as another dtype
         made = _Made(name, problem, runtime, len(inputs), fn=fn, dynamic=dynamic,
-                     regional=regional)
+                     aliases=aliases, regional=regional)
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
@@ -264,7 +289,7 @@ class Pending:
         if made.runtime is not None or fn is None or not getattr(fn, "_boxed_call", False):
             return None  # (served_graph passes the inputs as one list)
         self.cache.client.counters.add(inference_direct=1)
-        return served_graph(fn, self.disable_amp, made.dynamic)
+        return served_graph(fn, self.disable_amp, made.dynamic, made.aliases)
 
     @contextmanager
     def listening(self) -> Iterator[None]:
@@ -368,7 +393,7 @@ class Pending:
         if made.problem is not None:
             return AotEntry(False, reason=made.problem)
         return AotEntry(True, self._graph_key(made), made.num_inputs, made.constants,
-                        regions=made.regional is not None)
+                        regions=made.regional is not None, aliases=made.aliases)
 
     def _training_entry(self) -> AotEntry:
         if len(self.made) != 2:
@@ -387,6 +412,19 @@ class Pending:
     def _graph_key(self, made: _Made) -> str:
         """The Kiln key an entry names for a graph: its plan's where it is regional."""
         return made.regional if made.regional is not None else self.results[made.name].key.key
+
+
+def _same_dtypes(aliases: Aliases, outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
+    """Whether each aliasing output has its input's dtype (a view as another dtype is not
+    one :func:`served_graph` makes)."""
+    for output, base, _ in aliases:
+        val = outputs[output].meta.get("val") if isinstance(outputs[output], torch.fx.Node) \
+            else None
+        x = inputs[base] if base < len(inputs) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(x, torch.Tensor) \
+                or val.dtype != x.dtype:
+            return False
+    return True
 
 
 def _plan_problem(name: str, fn: Callable[..., Any] | None) -> str | None:
@@ -562,7 +600,8 @@ class AotCache:
         call = self._load_one(key, stored, entry.constants, example_inputs)
         if call is None:
             return None
-        return served_graph(call, bool(torch._C._is_any_autocast_enabled()))
+        return served_graph(call, bool(torch._C._is_any_autocast_enabled()),
+                            aliases=entry.aliases)
 
     def _load_training(self, key: str, entry: AotEntry, forward: _Stored,
                        backward: _Stored, example_inputs: Sequence[Any]
@@ -640,11 +679,12 @@ def _input_wire(x: Any) -> Any:
 
 
 def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool,
-                 dynamic: DynamicOutputs = ()) -> Callable[..., Any]:
+                 dynamic: DynamicOutputs = (), aliases: Aliases = ()) -> Callable[..., Any]:
     """What AOTAutograd's runtime does around a trivial inference graph: grad off (its
     extern calls must not record autograd), autocast off when it was on at trace time
-    (the graph is already cast), the inputs passed as one list, and the symbolic
-    dimensions of ``dynamic`` outputs marked on them. A CUDA-graph runner, or a
+    (the graph is already cast), the inputs passed as one list, the outputs that alias
+    an input made views of it again (``aliases``, as AOTAutograd's runtime does) and the
+    symbolic dimensions of ``dynamic`` outputs marked on them. A CUDA-graph runner, or a
     ``SwappableGraph`` around one (``served``), replays a recording before any of that: a
     replay runs no op.
 
@@ -667,9 +707,30 @@ def served_graph(call: Callable[[list[Any]], Any], disable_amp: bool,
 
     served = getattr(call, "served", None)  # a CUDA-graph runner replays without the above
     entry = served(forward) if callable(served) else forward
+    if aliases:
+        entry = _aliasing_inputs(entry, aliases)
     if dynamic:
         entry = _marking_dynamic(entry, dynamic)
     return entry
+
+
+def _aliasing_inputs(entry: Callable[..., Any], aliases: Aliases) -> Callable[..., Any]:
+    """Each aliasing output as AOTAutograd's runtime returns it: the input itself, or a
+    view of the input with the compiled output's sizes, strides and offset (what
+    ``gen_alias_from_base`` falls back to), detached (no aliasing output requires grad)."""
+    def forward(*args: Any) -> Any:
+        out = list(entry(*args))
+        for i, base, is_input in aliases:
+            if i >= len(out):
+                raise RuntimeError(f"kiln: a served graph gave {len(out)} outputs, its AOT "
+                                   f"cache entry names output {i} as an alias of an input")
+            x, got = args[base], out[i]
+            if not is_input:
+                x = x.as_strided(got.size(), got.stride(), got.storage_offset())
+            out[i] = x.detach() if x.requires_grad else x
+        return out
+
+    return forward
 
 
 # The attribute through which AOTAutograd's runtime tells Dynamo an output's dynamic dims.

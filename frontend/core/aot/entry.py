@@ -2,13 +2,15 @@
 and its blobs say, written by :func:`to_artifact` and read back, every field checked, by
 :func:`entry_from_artifact` (the one place an entry's bytes become a plan).
 
-    manifest {"kind": "aot", "schema": 3, "serve": true, "graph": <Kiln key>,
+    manifest {"kind": "aot", "schema": 4, "serve": true, "graph": <Kiln key>,
               "regions": <bool>, "inputs": <count>, "constants": [names],
+              "aliases": [[output, input, is_input]],
               "training": null | {"backward": <Kiln key>, "backward_regions": <bool>,
                                   "backward_constants": [names],
                                   "outputs", "saved", "symints": <counts>,
                                   "grad_inputs": [bool], "detach": [input index],
                                   "nondiff": [output index],
+                                  "mutated": [input index],
                                   "tangents": [{"output", "sizes", "strides"} or
                                                {"output", "memory_format"}]}}
                                                     # or "serve": false, "reason"
@@ -31,7 +33,9 @@ from kiln.compiler.request import SerializationError, decode_constant, encode_co
 from kiln.frontend.core.aot.training import MEMORY_FORMATS, TangentLayout, TrainingPlan
 
 ENTRY_KIND = "aot"
-ENTRY_SCHEMA = 3  # 3: "regions" and "backward_regions" (graphs compiled as regions)
+# 3: "regions" and "backward_regions" (graphs compiled as regions); 4: "aliases" (outputs
+# that are views of inputs) and a training entry's "mutated" (inputs its forward writes)
+ENTRY_SCHEMA = 4
 CONSTANTS_BLOB = "constants.msgpack"
 BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
 _HEX = frozenset("0123456789abcdef")
@@ -57,6 +61,7 @@ class AotEntry:
     backward_constants: dict[str, torch.Tensor] = field(default_factory=dict)
     regions: bool = False  # ``graph`` is a region plan's key (frontend.core.regions)
     backward_regions: bool = False  # and ``backward``
+    aliases: tuple[tuple[int, int, bool], ...] = ()  # frontend.core.aot.cache.input_aliases
 
 
 def to_artifact(key: str, entry: AotEntry) -> Artifact:
@@ -65,7 +70,8 @@ def to_artifact(key: str, entry: AotEntry) -> Artifact:
                               "reason": entry.reason}, {})
     manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
                 "graph": entry.graph, "regions": entry.regions, "inputs": entry.num_inputs,
-                "constants": sorted(entry.constants), "training": None}
+                "constants": sorted(entry.constants), "training": None,
+                "aliases": [list(a) for a in entry.aliases]}
     blobs = {}
     if entry.constants:
         blobs[CONSTANTS_BLOB] = _constants_blob(entry.constants)
@@ -96,7 +102,7 @@ def _training_wire(entry: AotEntry) -> dict[str, Any]:
             "outputs": plan.num_outputs, "saved": plan.num_saved,
             "symints": plan.num_symints, "grad_inputs": list(plan.grad_inputs),
             "detach": list(plan.detach_inputs), "nondiff": list(plan.nondiff_outputs),
-            "tangents": tangents}
+            "mutated": list(plan.mutated_inputs), "tangents": tangents}
 
 
 def entry_from_artifact(artifact: Artifact) -> AotEntry:
@@ -121,11 +127,14 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
     regions = m.get("regions")
     if type(regions) is not bool:
         raise EntryError("the entry does not say whether its graph is a region plan")
+    aliases = _aliases(m.get("aliases"), count)
     entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB),
-                     regions=regions)
+                     regions=regions, aliases=aliases)
     training = m["training"]
     if training is None:
         return entry
+    if aliases:
+        raise EntryError("a training entry with aliasing outputs")
     plan, backward, backward_names = _training_plan(training, count)
     return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
                     backward_constants=_constants(artifact, backward_names,
@@ -135,7 +144,8 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
 
 _TRAINING_FIELDS = frozenset({"backward", "backward_regions", "backward_constants",
                               "outputs", "saved",
-                              "symints", "grad_inputs", "detach", "nondiff", "tangents"})
+                              "symints", "grad_inputs", "detach", "nondiff", "tangents",
+                              "mutated"})
 
 
 def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str]]:
@@ -154,6 +164,9 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
         raise EntryError("bad grad_inputs")
     if not _are_indices(detach, num_inputs) or not _are_indices(nondiff, outputs):
         raise EntryError("bad detached inputs or non-differentiable outputs")
+    mutated = w["mutated"]
+    if not _are_indices(mutated, num_inputs) or any(grad_inputs[i] for i in mutated):
+        raise EntryError("bad mutated inputs (out of range, or requiring grad)")
     tangents = w["tangents"]
     if not isinstance(tangents, list) or len(tangents) > outputs:
         raise EntryError("bad tangents")
@@ -162,8 +175,24 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
             or {t.output for t in layouts} & set(nondiff):
         raise EntryError("tangents repeat an output or name a non-differentiable one")
     plan = TrainingPlan(outputs, saved, symints, tuple(grad_inputs), tuple(detach),
-                        tuple(nondiff), layouts)
+                        tuple(nondiff), layouts, tuple(mutated))
     return plan, w["backward"], w["backward_constants"]
+
+
+def _aliases(w: Any, num_inputs: int) -> tuple[tuple[int, int, bool], ...]:
+    """Outputs that alias inputs: each [output, input index in range, is_input], no
+    output named twice."""
+    if not isinstance(w, list) or len(w) > 1 << 16:
+        raise EntryError("no list of aliasing outputs")
+    aliases = []
+    for a in w:
+        if not isinstance(a, list) or len(a) != 3 or not _is_count(a[0]) \
+                or type(a[1]) is not int or not 0 <= a[1] < num_inputs or type(a[2]) is not bool:
+            raise EntryError("an aliasing output naming no output or no input")
+        aliases.append((a[0], a[1], a[2]))
+    if len({a[0] for a in aliases}) != len(aliases):
+        raise EntryError("an output aliasing two inputs")
+    return tuple(aliases)
 
 
 def _tangent(t: Any, outputs: int) -> TangentLayout:

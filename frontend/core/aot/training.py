@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -67,6 +67,9 @@ class TrainingPlan:
     detach_inputs: tuple[int, ...]
     nondiff_outputs: tuple[int, ...]
     tangents: tuple[TangentLayout, ...]
+    # Inputs the compiled forward writes itself (BatchNorm's running statistics in train
+    # mode), whose version counters the runtime bumps after it (in_graph_mutations).
+    mutated_inputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,32 @@ def mutates_inputs(meta: Any) -> bool:
                or getattr(i, "mutates_storage_metadata", False)
                or getattr(i, "mutation_inductor_storage_resize", False)
                for i in getattr(meta, "input_info", [None]))
+
+
+def in_graph_mutations(meta: Any) -> tuple[int, ...] | None:
+    """The inputs a training graph mutates, where every mutation is one AOTAutograd keeps
+    in the compiled graph (data only, of an input that does not require grad: BatchNorm's
+    running statistics), so that its runtime only bumps their version counters (those
+    autograd sees) after the forward; None where any mutation is another kind (the
+    runtime copies it back, or replays metadata). Read with defaults that refuse."""
+    from torch._functorch._aot_autograd.schemas import MutationType
+
+    mutated = []
+    for i, info in enumerate(getattr(meta, "input_info", [None])):
+        if not getattr(info, "mutates_data", True) and not getattr(info, "mutates_metadata", True) \
+                and not getattr(info, "mutates_storage_metadata", True) \
+                and not getattr(info, "mutation_inductor_storage_resize", True):
+            continue
+        if getattr(info, "mutation_type", None) is not MutationType.MUTATED_IN_GRAPH \
+                or getattr(info, "mutates_metadata", True) \
+                or getattr(info, "mutates_storage_metadata", True) \
+                or getattr(info, "requires_grad", True):
+            return None
+        if not getattr(info, "mutations_hidden_from_autograd", False):
+            mutated.append(i)
+    if not getattr(meta, "keep_input_mutations", False) and mutated:
+        return None
+    return tuple(mutated)
 
 
 def runtime_problem(meta: Any, subclass_fields: Sequence[str]) -> str | None:
@@ -116,7 +145,7 @@ def training_problem(meta: Any) -> str | None:
         return "no_metadata"
     from torch._functorch._aot_autograd.schemas import OutputType
 
-    if mutates_inputs(meta):
+    if in_graph_mutations(meta) is None:
         return "input_mutation"
     if any(getattr(o, "output_type", None) is not OutputType.non_alias
            or not _is_tensor_type(getattr(o, "raw_type", None))
@@ -171,7 +200,7 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
         num_outputs, num_saved, num_symints,
         tuple(bool(i.requires_grad) for i in meta.input_info), (),
         tuple(i for i, o in enumerate(meta.output_info) if not o.requires_grad),
-        tuple(tangents))
+        tuple(tangents), in_graph_mutations(meta) or ())
     return ForwardFacts(plan, tuple(bool(i.requires_grad) and not i.is_leaf
                                     for i in meta.input_info))
 
@@ -215,6 +244,23 @@ def plan_with_backward(facts: ForwardFacts, graph: torch.fx.GraphModule
 # The runtime.
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def opaque_to_dynamo(fn: _Fn) -> _Fn:
+    """``fn`` run with Dynamo off, for itself and everything it calls, as torch makes its
+    own compiled graphs opaque (``torch._dynamo.disable`` around a generated backward,
+    torch/_dynamo/backends/common.py). A served graph's forward is called through the
+    ``disable`` Dynamo puts around a backend's answer, but its backward is called by
+    autograd from whatever frame runs ``loss.backward()``, often one Dynamo is running
+    itself (a compiled training step, past its graph break): unwrapped, Dynamo would
+    trace Kiln's runtime and the loaded wrapper there, and cut that frame into graphs a
+    fresh compile never makes, each a miss."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True)  # type: ignore[no-any-return]
+
+
 def _call(fn: Callable[[list[Any]], Any], args: list[Any], disable_amp: bool) -> list[Any]:
     if disable_amp:
         with torch._C._DisableAutocast():
@@ -250,8 +296,13 @@ class _NoDoubleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError("torch.compile with aot_autograd does not currently support "
-                           "double backward (a Kiln graph served by the AOT cache)")
+        return _refuse_double_backward()
+
+
+@opaque_to_dynamo
+def _refuse_double_backward() -> Any:
+    raise RuntimeError("torch.compile with aot_autograd does not currently support "
+                       "double backward (a Kiln graph served by the AOT cache)")
 
 
 def served_training(forward: Callable[[list[Any]], Any],
@@ -264,6 +315,23 @@ def served_training(forward: Callable[[list[Any]], Any],
     symints = slice(plan.num_outputs + plan.num_saved,
                     plan.num_outputs + plan.num_saved + plan.num_symints)
     expected = plan.num_outputs + plan.num_saved + plan.num_symints
+
+    @opaque_to_dynamo
+    def run_backward(ctx: Any, *grads: Any) -> Any:
+        args = [*ctx.kiln_symints, *ctx.saved_tensors,
+                *[_coerce(grads[t.output], t) for t in plan.tangents]]
+        clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+        if callable(clear):
+            clear()
+
+        def impl() -> tuple[Any, ...]:
+            out = _call(backward, args, disable_amp)
+            return tuple(g if need else None for g, need in zip(out, plan.grad_inputs))
+
+        if torch.is_grad_enabled():
+            anchor = torch.empty(0, requires_grad=True)
+            return _NoDoubleBackward.apply(impl, anchor, *args)
+        return impl()
 
     class KilnServedGraph(torch.autograd.Function):
         @staticmethod
@@ -279,23 +347,9 @@ def served_training(forward: Callable[[list[Any]], Any],
             ctx._materialize_non_diff_grads = False
             return returns
 
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            args = [*ctx.kiln_symints, *ctx.saved_tensors,
-                    *[_coerce(grads[t.output], t) for t in plan.tangents]]
-            clear = getattr(ctx, "maybe_clear_saved_tensors", None)
-            if callable(clear):
-                clear()
+        backward = staticmethod(run_backward)  # autograd calls it: not Dynamo's wrapper
 
-            def impl() -> tuple[Any, ...]:
-                out = _call(backward, args, disable_amp)
-                return tuple(g if need else None for g, need in zip(out, plan.grad_inputs))
-
-            if torch.is_grad_enabled():
-                anchor = torch.empty(0, requires_grad=True)
-                return _NoDoubleBackward.apply(impl, anchor, *args)
-            return impl()
-
+    @opaque_to_dynamo
     def run(*args: Any) -> list[Any]:
         inputs: Sequence[Any] = args
         if plan.detach_inputs:
@@ -308,7 +362,10 @@ def served_training(forward: Callable[[list[Any]], Any],
             if not replay:
                 torch._C._set_view_replay_enabled(True)
             with torch.enable_grad():
-                return list(KilnServedGraph.apply(*inputs))
+                outs = list(KilnServedGraph.apply(*inputs))
+            for i in plan.mutated_inputs:  # written by the compiled forward, not by ATen
+                torch.autograd.graph.increment_version(inputs[i])
+            return outs
         finally:
             if torch._C._is_view_replay_enabled() != replay:
                 torch._C._set_view_replay_enabled(replay)
