@@ -2,7 +2,8 @@
 where AOTAutograd's runtime would only call the one inference graph with grad off, Kiln
 hands Dynamo the compiled graph itself (behind ``aot_cache.served_graph``). Everything
 else keeps AOTAutograd's runtime, and the program sees what eager gives: outputs that
-alias an input are views of it (made by the direct call too), mutated inputs are mutated (version counters too),
+alias an input are views of it (made by the direct call too), mutated inputs are mutated
+(version counters too),
 training graphs differentiate, autocast graphs are not cast twice, nested return values
 keep their types."""
 

@@ -16,7 +16,8 @@ from store_helpers import BUCKET
 
 from bench.ci_cache import fresh_env, kiln_store, run_runner
 
-# The models (its MLP as a training step), BatchNorm in train mode and a graph break in training steps:
+# The models (its MLP as a training step), BatchNorm in train mode and a graph break
+# in training steps:
 # every kind of graph the AOT cache serves (bench/ci_job.py's two_batches is left out:
 # its second size makes a graph with symbolic sizes, which the AOT cache traces).
 MODELS = "conv_bn_eval,encoder_eval,train_mlp,train_conv_bn,train_graph_break"
