@@ -28,7 +28,7 @@ def _params() -> list[torch.nn.Parameter]:
     lambda ps: torch.optim.Adam(ps, lr=1e-2),
 ])
 def test_compiled_adam_step_matches_eager_with_no_eager_op(make: Any) -> None:
-    from kiln.frontend import compile as kiln_compile
+    from kiln.frontend.core import compile as kiln_compile
 
     eager = _params()
     compiled = [torch.nn.Parameter(p.detach().clone()) for p in eager]

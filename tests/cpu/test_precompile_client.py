@@ -59,7 +59,7 @@ print("client ok")
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "KILN_STORE": str(tmp_path / "store"), "KILN_FARM": "inprocess",
            "KILN_LOCAL_CACHE": "off", "KILN_CPU_BACKEND": "cpp",
-           "KILN_CACHE_DIR": str(tmp_path / "kernels"), "XDG_CACHE_HOME": str(tmp_path),
+           "KILN_CACHE_DIR": str(tmp_path / "kernels"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
            "KILN_STATS_FILE": str(tmp_path / "precompile-stats.json")}
     return {**env, **extra}
 

@@ -106,7 +106,7 @@ def client_stats(env: dict[str, str]) -> dict[str, object]:
 
 def test_a_client_waits_for_the_farms_tuning_then_exits_cleanly(
         farm_up: dict[str, str], tmp_path: Path) -> None:
-    env = {**farm_up, "KILN_AUTOTUNE_EXIT_WAIT": "120", "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**farm_up, "KILN_AUTOTUNE_EXIT_WAIT": "120", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     out, exit_s = run_client(env, n=24)
     # Exit waited for the farm's tuning (Ray still connected) and published it.
     assert exit_s < 90, f"the client took {exit_s:.0f}s to exit"
@@ -122,7 +122,7 @@ def test_a_client_past_its_exit_wait_stops_waiting_and_exits_cleanly(
         farm_up: dict[str, str], tmp_path: Path) -> None:
     """No time left for tuning at exit: the tuning thread is refused Ray (or stops
     waiting on it) and the process leaves at once, publishing nothing."""
-    env = {**farm_up, "KILN_AUTOTUNE_EXIT_WAIT": "0", "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**farm_up, "KILN_AUTOTUNE_EXIT_WAIT": "0", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     _, exit_s = run_client(env, n=40)
     assert exit_s < 30, f"the client took {exit_s:.0f}s to exit"
     assert client_stats(env)["autotune_publishes"] == 0
