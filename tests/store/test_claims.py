@@ -35,7 +35,10 @@ def claims_of(store: Store, **options: Any) -> Claims:
 
 
 def open_backend(backend: tuple[str, dict[str, Any]], **kwargs: Any) -> Store:
+    """A process's store; signed, as a shared store (the bucket) must be for a reader to
+    take what another process published (artifact_store/trust.py)."""
     url, options = backend
+    kwargs.setdefault("signing_key", "hmac:claims-test")
     return open_store(url=url, storage_options=options, local_cache=False, stats_file=False,
                       **kwargs)
 
