@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "kiln tests: 20 to 30 minutes on 2 cores (tests/gpu skip without CUDA); one line per" \
+echo "kiln tests: 30 to 45 minutes on 2 cores (tests/gpu skip without CUDA); one line per" \
      "file as it runs"
 # short: Ray's socket paths under it must fit 107 bytes
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/kt.XXXXXX")"
