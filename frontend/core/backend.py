@@ -21,7 +21,7 @@ import torch
 from kiln.compiler import trace
 from kiln.compiler.decompositions import kiln_decompositions
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.core.fallback import _warn_eager, eager_instead
+from kiln.frontend.core.fallback import eager_instead, warn_eager
 from kiln.frontend.trace import flush as flush_trace
 from kiln.frontend.trace import start_recording, trace_path
 from kiln.workers import foreground
@@ -166,7 +166,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     reason = unsupported_reason(example_inputs)
     if reason is not None:
-        _warn_eager(name, "graph check", reason)
+        warn_eager(name, "graph check", reason)
         return make_boxed_func(gm.forward)
     try:
         from kiln.frontend.core.compile import compile_and_load

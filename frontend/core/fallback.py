@@ -24,10 +24,10 @@ def eager_instead(gm: torch.fx.GraphModule, name: str, error: Exception
     from torch._functorch.aot_autograd import make_boxed_func
 
     stage = getattr(error, "stage", "compile")
-    _warn_eager(name, stage, f"{type(error).__name__}: {error}")
+    warn_eager(name, stage, f"{type(error).__name__}: {error}")
     log.debug("kiln compile failure for %s", name, exc_info=error)
     return make_boxed_func(gm.forward)
 
-def _warn_eager(name: str, stage: str, reason: str) -> None:
+def warn_eager(name: str, stage: str, reason: str) -> None:
     warnings.warn(f"kiln: graph {name} runs eagerly (stage {stage}): {reason}",
                   KilnFallbackWarning, stacklevel=3)
