@@ -49,11 +49,8 @@ STORES = ("kiln-folder", "kiln-s3", "inductor-redis", "inductor-mega")
 RUNNERS = ("A", "B", "C")
 BUCKET = "kiln-ci"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+sys.path.insert(0, str(ROOT))
+from bench import store_bench  # noqa: E402
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
@@ -71,7 +68,8 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 
 @contextmanager
 def moto_server() -> Iterator[str]:
-    """An S3 API server in its own process on loopback, with the bucket made."""
+    """bench/store_bench.py's S3 API server (its own process, on loopback), with the job's
+    bucket made."""
     try:
         import boto3
         import moto.server  # noqa: F401
@@ -79,19 +77,11 @@ def moto_server() -> Iterator[str]:
     except ImportError as e:
         raise Skip(f"no S3 API server here ({e}; pip install 'moto[server]' s3fs)") from None
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_port(port, proc, "moto server")
-        endpoint = f"http://127.0.0.1:{port}"
+    with store_bench.moto_server() as endpoint:
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="ci",
                      aws_secret_access_key="ci", region_name="us-east-1",
                      ).create_bucket(Bucket=BUCKET)
         yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def redis_server_binary() -> str | None:
@@ -105,7 +95,7 @@ def redis_server_binary() -> str | None:
 
 @contextmanager
 def redis_server(binary: str, folder: Path) -> Iterator[int]:
-    port = free_port()
+    port = store_bench.free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--dir", str(folder)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
