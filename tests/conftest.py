@@ -22,11 +22,9 @@ def _torchvision_importable() -> None:
     """The dev environment's torchvision is PyPI's CUDA build (scripts/setup.sh): next to a
     CPU-only torch its native half does not load, and every later ``import torchvision``,
     from timm or transformers too, raises. Its Python half is made importable once, here,
-    before any test imports those (bench/suite/tv_shim.py); a torchvision that loads, or
-    none at all, is left as it is."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    before any test imports those (bench/suite/tv_shim.py: the repository root is on the
+    path through pyproject's pytest pythonpath); a torchvision that loads, or none at all,
+    is left as it is."""
     try:
         from bench.suite.tv_shim import ensure_torchvision
 
