@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kiln.farm")
 
-RAY_CLIENT_PORT = 10001
 RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 # Ray replaces a loopback node IP by the machine's network address unless it believes it
 # runs without a cluster (its macOS/Windows default); with this at 0, a node started with
