@@ -104,8 +104,10 @@ AUTH_HINT = ("the cluster uses token authentication and this client's token is m
              "wrong: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token "
              "(`ray get-auth-token` on the head)")
 
-_AUTH_MARKERS = ("invalidauthtoken", "unauthenticated", "authentication token",
-                 "auth token", "token authentication")
+# What Ray says when a cluster refuses a token (not its start-up notice that token
+# authentication is on or off, which every log holds).
+_AUTH_MARKERS = ("invalidauthtoken", "unauthenticated", "authentication token is missing",
+                 "invalid or missing authentication token", "invalid authentication token")
 
 def explain_join_failure(address: str, error: BaseException, ray_output: str) -> str:
     """One line on why joining ``address`` failed, naming the fix where it is known."""

@@ -147,6 +147,20 @@ def python_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def session_ray_token() -> dict[str, str]:
+    """RAY_AUTH_TOKEN for a child that joins the session's cluster: the machine's Ray
+    token (``~/.ray/auth_token``, which Ray writes and uses for the clusters it starts
+    with token authentication on); empty when there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return {"RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"]}
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return {}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {}
+
+
 def run_python(code: str, env: dict[str, str], timeout: float = 240.0) -> dict[str, Any]:
     """Run ``code`` in a fresh interpreter (from the session's sources); it prints one
     JSON object as its last line."""

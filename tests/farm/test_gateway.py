@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from farm_helpers import RayHead, blob_digests, cuda_request, python_env, run_python
+from farm_helpers import (RayHead, blob_digests, cuda_request, python_env, run_python,
+                          session_ray_token)
 
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.core.client import KilnClient, KilnFarmWarning
@@ -204,11 +205,12 @@ def test_a_gateway_killed_mid_call_costs_one_local_compile(
         farm: RayFarm, ray_cluster: RayHead, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     token = secrets.token_hex(32)
-    # No Ray address in its farm file: the gateway joins the session's cluster (which
-    # has no token authentication) without the farm token.
+    # No Ray address in its farm file: the gateway joins the session's cluster with that
+    # cluster's own Ray token (Ray turns token authentication on for the clusters it
+    # starts), not the farm token, which only guards the gateway's socket.
     farm_file = farm_file_for(tmp_path, "", "", token)
     log = tmp_path / "gateway.log"
-    env = python_env(KILN_FARM_FILE=str(farm_file))
+    env = python_env(KILN_FARM_FILE=str(farm_file), **session_ray_token())
     with log.open("w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "kiln.workers.serve.gateway", "--ray",
                                  ray_cluster.address, "--join-now"], env=env, stdout=sink,

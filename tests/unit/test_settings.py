@@ -121,6 +121,8 @@ def test_a_join_failure_names_its_cause_and_fix() -> None:
                 "RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
     auth = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect"), ray_said)
     assert "refused this client" in auth and "set RAY_AUTH_TOKEN" in auth
-    other = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect"), "")
+    notice = ("WARNING authentication_token_setup.py:85 -- Token authentication is enabled "
+              "for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+    other = explain_join_failure("10.0.0.1:6379", ConnectionError("Failed to connect"), notice)
     assert other == ("cannot join the Ray cluster at 10.0.0.1:6379: ConnectionError: Failed "
                      "to connect")
