@@ -20,8 +20,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from farm_helpers import (RayHead, blob_digests, cuda_request, python_env, run_python,
-                          session_ray_token)
+from farm_helpers import (
+    RayHead,
+    blob_digests,
+    cuda_request,
+    python_env,
+    run_python,
+    session_ray_token,
+)
 
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.core.client import KilnClient, KilnFarmWarning
