@@ -373,7 +373,9 @@ def _padded_matmul_rows(node: IRNode, meta: torch.Tensor) -> bool:
     """True when ``node`` views a library matmul's output whose rows were widened to an
     aligned stride (``_padded_matmul``), where eager's output is contiguous."""
     if not (isinstance(node, ReinterpretView) and isinstance(node.data, ExternKernel)
-            and node.data.op_overload in _MATMULS and meta.is_contiguous() and meta.dim() >= 2):
+            and (node.data.op_overload in _MATMULS
+                 or node.data.op_overload is torch.ops.aten.addmm.default)
+            and meta.is_contiguous() and meta.dim() >= 2):
         return False
     sizes, row = list(meta.shape), int(node.layout.stride[-2])
     if not sizes[-1] < row < sizes[-1] + 16:

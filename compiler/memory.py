@@ -155,7 +155,7 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
             if buf is None or not _allocates(buf) or name in aliases:
                 continue  # a fallback's view of its input holds no storage of its own
             plan.lifetimes[name] = (step, step)
-            donor = _take_reusable(free_pool, buf, graph)
+            donor = _take_reusable(free_pool, buf, graph) if _takes_donor(buf) else None
             if donor is not None:
                 plan.reuse[name] = donor
             # A reused storage was counted free when its first owner died; it is live again.
@@ -177,6 +177,17 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
             plan.lifetimes[name] = (start, len(nodes))
     plan.peak_bytes = peak
     return plan
+
+
+def _takes_donor(buf: Buffer) -> bool:
+    """Whether the wrapper allocates ``buf``'s storage itself, so that it can hand it a
+    freed buffer's instead: a kernel's output, or a library call with an ``out=`` variant.
+    A library call without one returns storage of its own; a donor planned for it would
+    be kept alive (never freed, never taken) until the graph returns."""
+    if isinstance(buf, (ComputedBuffer, TemplateBuffer)):
+        return True
+    return (isinstance(buf, ExternKernel) and not isinstance(buf, (FallbackKernel, MultiOutput))
+            and getattr(buf, "out_variant", None) is not None)
 
 
 def _allocates(buf: Buffer) -> bool:

@@ -222,10 +222,8 @@ class WrapperCodegen:
             return
         rendered = refs + [value_str(a) for a in buf.constant_args]
         rendered += [f"{k}={value_str(v)}" for k, v in buf.kwargs.items()]
-        if buf.out_variant is not None:
-            layout = buf.get_layout()
-            assert isinstance(layout, Layout)
-            self.lines.writeline(f"{name} = {self.empty(layout)}")
+        if buf.out_variant is not None:  # into storage of its own or a freed buffer's
+            self.allocate(buf)
             rendered.append(f"out={name}")
             self.lines.writeline(f"{_op_ref(buf.out_variant)}({', '.join(rendered)})")
             return

@@ -109,9 +109,9 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 def symbolic_output(op: Any, inputs: Sequence[IRNode]) -> Any:
     """What ``op`` returns when its inputs have symbolic sizes (no meta run: a meta tensor
     needs values): matmuls by their rule, the op being lowered from its FX node's meta."""
-    if op in _MATMULS:
-        a, b = inputs[0].get_size(), inputs[1].get_size()
-        return _SymbolicOut((*a[:-1], b[-1]), inputs[0].get_dtype())
+    if op in _MATMULS or op is torch.ops.aten.addmm.default:  # addmm: (bias, a, b)
+        a, b = (inputs[1:] if op is torch.ops.aten.addmm.default else inputs)[:2]
+        return _SymbolicOut((*a.get_size()[:-1], b.get_size()[-1]), a.get_dtype())
     node = V.graph.current_node
     if node is not None and node.target is op and "val" in node.meta:
         return node.meta["val"]

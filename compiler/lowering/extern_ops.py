@@ -102,13 +102,33 @@ def addmm(bias: IRNode, a: IRNode, b: IRNode, *, beta: Any = 1, alpha: Any = 1) 
     # no extra pass over the output); other forms are a matmul plus a pointwise epilogue
     # that fuses with what follows.
     library_bias = beta == 1 and alpha == 1 and len(bias.get_size()) == 1 and \
-        _row_padding(a, b) == 1 and a.get_device().type == "cuda"
+        a.get_device().type == "cuda" and V.graph.sizevars.statically_known_equals(
+            bias.get_size()[0], b.get_size()[-1])
     tuned = tuned_matmul("mm", a, b, 1, 2, library_epilogue=library_bias)
     if tuned is not None:  # max-autotune chose the template: the bias fuses into its store
         return _scaled_epilogue(tuned, bias, beta, alpha)
     if library_bias:
-        return ExternKernel.create(aten.addmm.default, [bias, a, b])
+        return _padded_addmm(bias, a, b)
     return _scaled_epilogue(mm(a, b, 1, 2), bias, beta, alpha)
+
+
+def _padded_addmm(bias: IRNode, a: IRNode, b: IRNode) -> TensorBox:
+    """``addmm(bias, a, b)`` as one library call (the bias added in its epilogue), with
+    ``b``'s columns and ``bias`` zero-padded where rows would be unaligned (an LM head over
+    a vocabulary of 30522): the output is written once, as a view of the padded rows, not
+    a padded product and then a second, biased copy of it."""
+    from .indexing import constant_pad_nd
+    from .views import slice_
+
+    pad = _row_padding(a, b)
+    if pad == 1:
+        return ExternKernel.create(aten.addmm.default, [bias, a, b])
+    n = int(b.get_size()[-1])
+    extra = -(-n // pad) * pad - n
+    padded = constant_pad_nd(b, [0, extra])
+    _keep_stride_order(padded, b)
+    out = ExternKernel.create(aten.addmm.default, [constant_pad_nd(bias, [0, extra]), a, padded])
+    return slice_(out, -1, 0, n)  # type: ignore[return-value]
 
 
 @register_lowering(aten.baddbmm)
