@@ -255,13 +255,16 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger().addHandler(handler)
     errors: dict[str, str] = {}
     worst: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in names:
+            start = time.perf_counter()
             try:
                 worst[name] = run_case(name, MODELS[name], args.backend, device)
             except AssertionError as e:
                 errors[name] = str(e)[:300]
+            seconds[name] = round(time.perf_counter() - start, 3)
     if device.type == "cuda":
         torch.cuda.synchronize()
     job_s = time.perf_counter() - AFTER_TORCH
@@ -282,7 +285,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
             "aot_traces": len(calls) - figures["aot_hits"] * (args.backend != "kiln"),
             "bytes_fetched": figures.pop("bytes_fetched", fetched) or fetched,
             **figures, "fallback_warnings": fallbacks, "dynamo_warnings": dynamo,
-            "errors": errors, "max_abs_diff": worst}
+            "errors": errors, "max_abs_diff": worst, "model_s": seconds}
 
 
 def main() -> None:

@@ -166,3 +166,93 @@ if __name__ == "__main__":  # the second process of the model test: prints its c
     import sys
 
     print(json.dumps(run_decoder(json.loads(sys.argv[1]))))
+
+
+class _ConvNet(torch.nn.Module):
+    """Convolution, BatchNorm (eval), max pooling, a strided convolution, adaptive average
+    pooling and a linear head: the sizes after pooling and striding are floors of floors
+    of the input's symbolic height and width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.max_pool2d(torch.relu(self.bn(self.c1(x))), 2)
+        x = torch.relu(self.c2(x))
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def check_conv_net(options: dict[str, Any]) -> None:
+    """``dynamic=True`` on a conv net: batch, height and width symbolic. Before, the
+    strided convolution's input stride ``Max(floor(...), 1)`` sent sympy into endless
+    recursion and its copy was looked up as a view of itself forever: the graph ran
+    eagerly with a KilnFallbackWarning."""
+    import warnings
+
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
+
+    torch.manual_seed(0)
+    model = _ConvNet().eval()
+    with torch.no_grad():  # BatchNorm's statistics: not the defaults
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 1.5)
+    seen: list[Any] = []
+    kiln_compile.observers.append(lambda name, result: seen.append(result))
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="kiln", dynamic=True, options=options)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            for batch, side in [(2, 32), (3, 40), (5, 24)]:
+                x = torch.randn(batch, 3, side, side)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    finally:
+        kiln_compile.observers.pop()
+    (result,) = seen  # one graph for the three sizes
+    assert len(result.compiled.stats["dynamic"]["symbols"]) >= 2
+    assert not result.compiled.stats.get("fallback_ops"), result.compiled.stats
+
+
+def _pools(x: torch.Tensor) -> torch.Tensor:
+    x = torch.nn.functional.max_pool2d(x, 3, stride=2, padding=1)
+    return torch.nn.functional.avg_pool2d(x, 2, padding=1, count_include_pad=False) * 3
+
+
+def check_pools(options: dict[str, Any]) -> None:
+    """Max pooling (3x3, stride 2, padding 1, as ResNet's stem) and average pooling
+    (padding excluded from the divisor), forward and backward, one graph each for odd and
+    even heights and widths: windows over symbolic extents are unrolled (their last taps
+    masked where they can leave the input), not run by ATen's kernel."""
+    import warnings
+
+    from kiln.frontend.core import compile as kiln_compile
+    from kiln.frontend.core.fallback import KilnFallbackWarning
+
+    torch.manual_seed(0)
+    seen: list[Any] = []
+    kiln_compile.observers.append(lambda name, result: seen.append(result))
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(_pools, backend="kiln", dynamic=True, options=options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnFallbackWarning)
+            for batch, h, w in [(2, 17, 20), (3, 24, 13), (4, 9, 31)]:
+                x = torch.randn(batch, 3, h, w, requires_grad=True)
+                ref_x = x.detach().clone().requires_grad_()
+                out, ref = compiled(x), _pools(ref_x)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                grad = torch.randn_like(ref)
+                out.backward(grad)
+                ref.backward(grad)
+                torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
+    finally:
+        kiln_compile.observers.pop()
+    assert len(seen) == 2  # one forward, one backward, for every size
+    for result in seen:
+        assert result.compiled.stats["dynamic"]["symbols"], result.compiled.name
+        assert not result.compiled.stats.get("fallback_ops"), result.compiled.stats

@@ -11,12 +11,27 @@ import torch
 from .sym import Expr, sympify_tuple
 
 
+def at_least_one(size: Expr) -> Expr:
+    """``max(size, 1)``: the step a dimension of ``size`` elements gives the next stride
+    (torch's rule, so that a size of 0 gives no zero strides). A symbolic size is a
+    positive symbol or an expression of them that is at least 1 (Dynamo specializes 0
+    and 1); where sympy cannot show it cheaply, the ``Max`` stays unevaluated: evaluating
+    it on a convolution's output size (floors of floors after striding and pooling) makes
+    sympy recurse without end."""
+    size = sympy.sympify(size)
+    if size.is_number:
+        return sympy.Integer(max(int(size), 1))
+    if size.is_positive:
+        return size
+    return sympy.Max(size, 1, evaluate=False)
+
+
 def contiguous_strides(size: Sequence[Expr]) -> tuple[Expr, ...]:
     strides: list[Expr] = []
     running: Expr = sympy.Integer(1)
     for s in reversed(size):
         strides.append(running)
-        running = running * sympy.Max(s, 1)
+        running = running * at_least_one(s)
     return tuple(reversed(strides))
 
 
@@ -26,7 +41,7 @@ def strides_for_order(size: Sequence[Expr], order: Sequence[int]) -> tuple[Expr,
     running: Expr = sympy.Integer(1)
     for d in order:
         strides[d] = running
-        running = running * sympy.Max(size[d], 1)
+        running = running * at_least_one(size[d])
     return tuple(strides)
 
 

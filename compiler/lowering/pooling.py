@@ -38,10 +38,11 @@ WINDOW_INLINE_MAX_READS = 6
 
 @dataclass(frozen=True)
 class Window:
-    """One spatial dimension of a pooling window: input extent ``size``, ``kernel`` taps
-    ``dilation`` apart, windows ``stride`` apart starting at ``-padding``."""
+    """One spatial dimension of a pooling window: input extent ``size`` (an int, or a
+    symbolic size without ``ceil_mode``), ``kernel`` taps ``dilation`` apart, windows
+    ``stride`` apart starting at ``-padding``."""
 
-    size: int
+    size: Any  # int, or a sympy expression of the graph's size symbols
     kernel: int
     stride: int
     padding: int
@@ -49,10 +50,16 @@ class Window:
     ceil_mode: bool
 
     @property
-    def out_size(self) -> int:
+    def symbolic(self) -> bool:
+        return not isinstance(self.size, (int, sympy.Integer))
+
+    @property
+    def out_size(self) -> Any:
         """ATen's pooling output extent (``ceil_mode``: a last partial window counts if it
         starts inside the input or its left padding)."""
         span = self.size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1
+        if self.symbolic:  # no ceil_mode (pool2d_geometry)
+            return FloorDiv(span, self.stride) + 1 if self.stride != 1 else span + 1
         out = (span + (self.stride - 1 if self.ceil_mode else 0)) // self.stride + 1
         if self.ceil_mode and (out - 1) * self.stride >= self.size + self.padding:
             out -= 1
@@ -63,8 +70,13 @@ class Window:
         return o * self.stride - self.padding + k * self.dilation
 
     def tap_may_leave(self, k: int) -> tuple[bool, bool]:
-        """Whether tap ``k`` falls before the input, or after it, for some window."""
+        """Whether tap ``k`` falls before the input, or after it, for some window. For a
+        symbolic size, after it where it can for some size: the last window starts at
+        most ``span`` in, so tap ``k`` reaches at most ``size + padding - dilation *
+        (kernel - 1 - k) - 1``."""
         first = k * self.dilation - self.padding
+        if self.symbolic:
+            return first < 0, self.padding - self.dilation * (self.kernel - 1 - k) - 1 >= 0
         last = (self.out_size - 1) * self.stride - self.padding + k * self.dilation
         return first < 0, last >= self.size
 
@@ -93,12 +105,18 @@ class Pool2d:
             before, after = win.tap_may_leave(k)
             pos = ops.index_expr(win.tap(o, k), torch.int64) if before or after else None
             for bad, check in ((before, lambda p: ops.ge(p, ops.constant(0, torch.int64))),
-                               (after, lambda p, n=win.size: ops.lt(
-                                   p, ops.constant(n, torch.int64)))):
+                               (after, lambda p, n=win.size: ops.lt(p, _index(n)))):
                 if bad:
                     m = check(pos)
                     mask = m if mask is None else ops.logical_and(mask, m)
         return mask
+
+
+def _index(value: Any) -> Any:
+    """An int64 value at the ops level: a constant, or an expression of size symbols."""
+    if isinstance(value, (int, sympy.Integer)):
+        return ops.constant(int(value), torch.int64)
+    return ops.index_expr(value, torch.int64)
 
 
 def _pair(value: Sequence[int] | int | None, default: Sequence[int] | None = None
@@ -121,15 +139,16 @@ def pool2d_geometry(x: IRNode, kernel_size: Any, stride: Any, padding: Any, dila
     size = x.get_size()
     if len(size) not in (3, 4):
         return f"a {len(size)}-d input (2-d pooling takes 3-d or 4-d)"
-    if not all(isinstance(s, (int, sympy.Integer)) for s in size[-2:]):
-        return "a symbolic height or width"
+    static = all(isinstance(s, (int, sympy.Integer)) for s in size[-2:])
+    if not static and ceil_mode:
+        return "ceil_mode with a symbolic height or width"
     kernel = _pair(kernel_size)
     strides, pads, dils = _pair(stride, kernel), _pair(padding), _pair(dilation)
     if kernel[0] * kernel[1] > MAX_WINDOW_TAPS:
         return f"a {kernel[0]}x{kernel[1]} window has more than {MAX_WINDOW_TAPS} taps"
-    wins = [Window(int(size[-2 + d]), kernel[d], strides[d], pads[d], dils[d], bool(ceil_mode))
-            for d in range(2)]
-    if any(w.out_size <= 0 for w in wins):
+    wins = [Window(int(size[-2 + d]) if static else size[-2 + d], kernel[d], strides[d],
+                   pads[d], dils[d], bool(ceil_mode)) for d in range(2)]
+    if static and any(w.out_size <= 0 for w in wins):
         return "an empty output"
     return Pool2d(*wins)
 
@@ -231,8 +250,7 @@ def _candidates(win: Window, i: Expr) -> list[tuple[Expr, Any]]:
         num = i + win.padding - k * win.dilation
         value = ops.index_expr(num, torch.int64)
         ok = ops.logical_and(ops.ge(value, ops.constant(0, torch.int64)),
-                             ops.lt(value, ops.constant(win.out_size * win.stride,
-                                                        torch.int64)))
+                             ops.lt(value, _index(win.out_size * win.stride)))
         if win.stride != 1:
             on_grid = ops.eq(ops.remainder(value, ops.constant(win.stride, torch.int64)),
                              ops.constant(0, torch.int64))
@@ -280,10 +298,10 @@ def _avg_divisor(pool: Pool2d, oh: Expr, ow: Expr, count_include_pad: bool,
     for win, o in ((pool.h, oh), (pool.w, ow)):
         start = ops.index_expr(o * win.stride - win.padding, torch.int64)
         end = ops.minimum(ops.add(start, ops.constant(win.kernel, torch.int64)),
-                          ops.constant(win.size + win.padding, torch.int64))
+                          _index(win.size + win.padding))
         if not count_include_pad:
             start = ops.maximum(start, ops.constant(0, torch.int64))
-            end = ops.minimum(end, ops.constant(win.size, torch.int64))
+            end = ops.minimum(end, _index(win.size))
         sizes.append(ops.sub(end, start))
     return ops.to_dtype(ops.mul(sizes[0], sizes[1]), torch.float32)
 

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dynamic_cases import CASES, DynamicCase, run_case, run_decoder
+from tests.dynamic_cases import (
+    CASES,
+    DynamicCase,
+    check_conv_net,
+    check_pools,
+    run_case,
+    run_decoder,
+)
 
 OPTIONS = {"cpu_backend": "cpp"}
 
@@ -156,3 +163,12 @@ def test_parse_shapes_ranges() -> None:
     assert parse_shapes("1-64x128,128") == [((1, 64), 128), (128,)]
     with pytest.raises(Exception, match="dynamic range"):
         parse_shapes("64-1x128")
+
+
+
+def test_a_conv_net_under_dynamic_true_compiles_one_graph_for_every_size() -> None:
+    check_conv_net(OPTIONS)
+
+
+def test_pooling_and_its_backward_with_symbolic_height_and_width() -> None:
+    check_pools(OPTIONS)

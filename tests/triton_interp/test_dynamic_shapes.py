@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dynamic_cases import CASES, DynamicCase, run_case, run_decoder
+from tests.dynamic_cases import (
+    CASES,
+    DynamicCase,
+    check_conv_net,
+    check_pools,
+    run_case,
+    run_decoder,
+)
 
 OPTIONS = {"cpu_backend": "triton-interpret"}
 
@@ -83,3 +90,11 @@ def test_decoder_without_fallback() -> None:
     result = run_decoder(OPTIONS, batches=(2, 3), lengths=(5, 7))
     assert result["asked"] <= 3, result
     assert result["counters"].get("compiles", 0) <= result["asked"], result
+
+
+def test_a_conv_net_under_dynamic_true_compiles_one_graph_for_every_size() -> None:
+    check_conv_net(OPTIONS)
+
+
+def test_pooling_and_its_backward_with_symbolic_height_and_width() -> None:
+    check_pools(OPTIONS)
