@@ -16,11 +16,10 @@ from store_helpers import BUCKET
 
 from bench.ci_cache import fresh_env, kiln_store, run_runner
 
-# The models (its MLP as a training step), BatchNorm in train mode and a graph break
-# in training steps:
-# every kind of graph the AOT cache serves (bench/ci_job.py's two_batches is left out:
-# its second size makes a graph with symbolic sizes, which the AOT cache traces).
-MODELS = "conv_bn_eval,encoder_eval,train_mlp,train_conv_bn,train_graph_break"
+# The models (its MLP as a training step), BatchNorm in train mode, a graph break
+# in training steps and a model called at two batch sizes (its second size makes a graph
+# with symbolic sizes): every kind of graph the AOT cache serves.
+MODELS = "conv_bn_eval,encoder_eval,train_mlp,train_conv_bn,train_graph_break,two_batches"
 
 
 def run(folder: Path, settings: dict[str, str]) -> dict[str, Any]:

@@ -28,6 +28,10 @@ inputs the plan names equal to Dynamo's), then every region's artifact, each a v
 hit, loaded and stitched; an entry naming regional graphs is published once every plan it
 names is stored (a ``DeferredGraph``'s at its first call). A region missing or not loading
 at serve time rejects the entry: the graph is traced (and its regions compiled again).
+A graph with symbolic sizes (inference only) is served as a static one, its inputs
+compared as a request names them and its dynamic outputs marked, where AOTAutograd's
+trace added no guard to the shape environment (a served graph adds none: ``"serve":
+false``, ``trace_guards``, otherwise).
 Anything else (a graph whose runtime does more, a graph run eagerly, a regional graph
 whose plan was not stored) is recorded as an entry that is not served (``"serve":
 false`` and why), so a warm start knows at once to trace it. A graph that is not keyed
@@ -58,10 +62,15 @@ import torch
 
 from kiln.artifact_store import Artifact
 from kiln.compiler import trace
-from kiln.compiler.request import SerializationError, TensorMeta
-from kiln.compiler.symwire import is_static
+from kiln.compiler.request import SerializationError, TensorMeta, symint_meta
+from kiln.compiler.symwire import SymbolTable, is_static
 from kiln.frontend.config import KilnConfig
-from kiln.frontend.core.aot.dynamo_key import NotCacheable, aot_key
+from kiln.frontend.core.aot.dynamo_key import (
+    NotCacheable,
+    aot_key,
+    symbolic_shape_env,
+    traced_value,
+)
 from kiln.frontend.core.aot.entry import AotEntry, EntryError, entry_from_artifact, to_artifact
 from kiln.frontend.core.aot.training import (
     ForwardFacts,
@@ -179,6 +188,10 @@ class Pending:
         except Exception:  # inputs with no wire form: neither served nor called directly
             self.key = None
         self.disable_amp = bool(torch._C._is_any_autocast_enabled())
+        # Symbolic sizes: the shape environment, and its guards before AOTAutograd traced.
+        # A trace that adds guards is not served (a warm start would not add them).
+        self.shape_env = symbolic_shape_env(example_inputs)
+        self.guards_before = len(getattr(self.shape_env, "guards", ()))
         self.made: list[_Made] = []
         self.results: dict[str, CompileResult] = {}
         self.backward_observer: Callable[[str, CompileResult], None] | None = None
@@ -224,8 +237,8 @@ class Pending:
         elif runtime != "training" and name not in self.results:
             problem = "eager_graph"
         dynamic = dynamic_outputs(meta)
-        if problem is None and dynamic:  # a served entry would not mark them
-            problem = "dynamic_outputs"
+        if problem is None and dynamic and self.shape_env is None:
+            problem = "dynamic_outputs"  # symbolic outputs of a graph without symbols
         aliases = input_aliases(meta) or () if runtime is None else ()
         if problem is None and not _same_dtypes(aliases, outputs, inputs):
             problem = runtime = "output_alias_or_grad"  # a view as another dtype
@@ -244,7 +257,9 @@ class Pending:
         plan: TrainingPlan | None = None
         if name.startswith("forward_"):
             got = forward_facts(meta, graph, len(inputs))
-            if isinstance(got, str):
+            if self.shape_env is not None:
+                problem = "dynamic_training"  # served for static sizes only
+            elif isinstance(got, str):
                 problem = got
             elif _input_wires(inputs) != self.expected:
                 problem = "inputs_changed"
@@ -392,8 +407,14 @@ class Pending:
         made = self.made[0]
         if made.problem is not None:
             return AotEntry(False, reason=made.problem)
+        symbolic = self.shape_env is not None
+        if symbolic and len(self.shape_env.guards) != self.guards_before:
+            return AotEntry(False, reason="trace_guards")
+        if symbolic and made.regional is not None:
+            return AotEntry(False, reason="dynamic_regions")
         return AotEntry(True, self._graph_key(made), made.num_inputs, made.constants,
-                        regions=made.regional is not None, aliases=made.aliases)
+                        regions=made.regional is not None, aliases=made.aliases,
+                        symbolic=symbolic, dynamic=made.dynamic)
 
     def _training_entry(self) -> AotEntry:
         if len(self.made) != 2:
@@ -467,7 +488,7 @@ class AotCache:
             try:
                 with trace.span("AOT cache key", cat="client") as parts:
                     key = self._key(gm, example_inputs, parts)
-                served = self._serve(key, example_inputs)
+                served = self._serve(key, gm, example_inputs)
             except NotCacheable as e:  # not keyed, or an entry that says: trace it
                 key = None
                 self.uncached(e.reason)
@@ -498,7 +519,8 @@ class AotCache:
         target = target_for(input_device(example_inputs))
         return aot_key(gm, example_inputs, request_options(self.config), target, part_ms).key
 
-    def _serve(self, key: str, example_inputs: Sequence[Any]) -> Callable[..., Any] | None:
+    def _serve(self, key: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+               ) -> Callable[..., Any] | None:
         with trace.span("AOT cache entry", cat="client", key=key[:16]) as found:
             artifact = self.client.store.get(key, kind="aot")
             found["hit"] = artifact is not None
@@ -517,7 +539,11 @@ class AotCache:
                             len(entry.constants))
         if result is None:
             return None
-        wires = _input_wires(example_inputs)
+        if entry.symbolic:  # compared as the request named them (symbols by appearance)
+            wires = request_wires([traced_value(n)
+                                   for n in gm.graph.find_nodes(op="placeholder")])
+        else:
+            wires = _input_wires(example_inputs)
         if result.inputs != wires:
             return self._reject(key, f"its graph {entry.graph[:16]} takes other inputs")
         if entry.training is None:
@@ -601,7 +627,7 @@ class AotCache:
         if call is None:
             return None
         return served_graph(call, bool(torch._C._is_any_autocast_enabled()),
-                            aliases=entry.aliases)
+                            dynamic=entry.dynamic, aliases=entry.aliases)
 
     def _load_training(self, key: str, entry: AotEntry, forward: _Stored,
                        backward: _Stored, example_inputs: Sequence[Any]
@@ -648,10 +674,23 @@ def _traced_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         return example_inputs
     traced = []
     for node, x in zip(placeholders, example_inputs):
-        val = node.meta.get("example_value", node.meta.get("val"))
-        symbolic = isinstance(val, torch.Tensor) and not is_static(_layout(val))
+        val = traced_value(node)
+        symbolic = isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and not is_static(_layout(val)))
         traced.append(val if symbolic else x)
     return traced
+
+
+def request_wires(values: Sequence[Any]) -> list[Any] | None:
+    """Dynamo's traced inputs as a request names them (``make_request``: symbols
+    ``s0, s1, ...`` by first appearance), comparable across processes; None where one
+    has no such form."""
+    symbols = SymbolTable()
+    try:
+        return [symint_meta(v, symbols).to_wire() if isinstance(v, torch.SymInt)
+                else TensorMeta.from_tensor(v, symbols).to_wire() for v in values]
+    except Exception:  # an input with no request form: never equal to a stored graph's
+        return None
 
 
 def _input_wires(inputs: Sequence[Any]) -> list[Any]:

@@ -6,7 +6,9 @@ under, as named canonical parts hashed like a request's (``compiler.keys``).
               operator and math functions only, each checked to be the module's own),
               arguments by value, node references by position, partitioner tags
     inputs    every placeholder: shape, stride, dtype, device type, storage offset,
-              requires_grad, parameter or not, leaf, inference tensor, conj/neg bits
+              requires_grad, parameter or not, leaf, inference tensor, conj/neg bits;
+              symbolic sizes as a request names them (``s0, s1, ...`` by first
+              appearance), with their ranges and the shape environment's guards
     state     grad mode, inference mode, autocast per device, default dtype,
               deterministic algorithms, SDPA backends, functorch's config
     options   the compile options of the ATen graphs' requests
@@ -16,11 +18,13 @@ under, as named canonical parts hashed like a request's (``compiler.keys``).
 
 Two Dynamo graphs share a key only if AOTAutograd traces them the same way. A graph
 whose trace could depend on something these parts do not hold raises
-:class:`NotCacheable` with a short reason, and takes the traced path: symbolic sizes,
+:class:`NotCacheable` with a short reason, and takes the traced path: an unbacked size,
 submodules or attributes (``get_attr``, ``call_module``), higher-order operators, a
 function from outside torch (its code could change under the same name), an argument
 that is not plain data, a tensor subclass input, an active dispatch mode or functorch
-transform.
+transform. A graph with symbolic sizes is keyed (``inputs``); its entry is served only
+where AOTAutograd's trace added no guard (``cache.Pending.entry``), and only for
+inference.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import sympy
 import torch
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kiln.compiler.keys import KeyInfo, key_from_parts, schema
 from kiln.compiler.request import OP_NAMESPACES, TensorMeta, canonical
+from kiln.compiler.symwire import SymbolicSizeError, SymbolTable
 from kiln.compiler.versions import hash_source_tree, versions
 
 # Bump when what goes into the AOT key changes.
@@ -163,26 +169,91 @@ def inputs_wire(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list
     if len(placeholders) != len(example_inputs):
         raise NotCacheable("inputs", f"{len(placeholders)} placeholders for "
                                      f"{len(example_inputs)} inputs")
-    return [_input_wire(i, node, x) for i, (node, x) in enumerate(zip(placeholders,
-                                                                      example_inputs))]
+    values = [traced_value(node) for node in placeholders]
+    env = symbolic_shape_env(values)
+    if env is None:
+        return [_input_wire(i, node, x) for i, (node, x) in enumerate(zip(placeholders,
+                                                                          example_inputs))]
+    # Symbolic sizes: as a request names them (``s0, s1, ...`` by first appearance, with
+    # their ranges), and the shape environment's guards so far over those names: what
+    # AOTAutograd can know about the sizes when it traces.
+    symbols = SymbolTable()
+    wires = [_symbolic_input_wire(i, x, val, symbols)
+             for i, (x, val) in enumerate(zip(example_inputs, values))]
+    ranges = [[r.lower, r.upper] for r in symbols.ranges]
+    return [*wires, ["symbols", ranges], ["guards", guard_wires(env, symbols)]]
 
 
-def _input_wire(i: int, node: torch.fx.Node, x: Any) -> list[Any]:
-    val = node.meta.get("example_value", node.meta.get("val"))
-    if isinstance(x, torch.SymInt) or isinstance(val, torch.SymInt):
-        raise NotCacheable("dynamic_shapes", f"input {i} is a symbolic size")
+def traced_value(node: torch.fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def symbolic_shape_env(values: Sequence[Any]) -> Any:
+    """The shape environment of the first symbolic size among Dynamo's traced input
+    values (SymInts, or fake tensors with SymInt sizes); None where every size is static."""
+    for val in values:
+        if isinstance(val, torch.SymInt):
+            return val.node.shape_env
+        if isinstance(val, torch.Tensor):
+            for s in (*val.shape, *val.stride(), val.storage_offset()):
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+    return None
+
+
+def _symbolic_input_wire(i: int, x: Any, val: Any, symbols: SymbolTable) -> list[Any]:
+    from kiln.compiler.request import SerializationError, symint_meta
+
+    try:
+        if isinstance(val, torch.SymInt):
+            if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
+                raise NotCacheable("inputs", f"input {i} is a {type(x).__name__}, not a size")
+            return ["symint", symint_meta(val, symbols).to_wire()]
+        _check_tensor(i, x)
+        if not isinstance(val, torch.Tensor):
+            raise NotCacheable("dynamic_shapes", f"input {i} has no traced value")
+        meta = TensorMeta.from_tensor(val, symbols)
+    except (SerializationError, SymbolicSizeError) as e:
+        raise NotCacheable("dynamic_shapes", f"input {i}: {e}") from None
+    return [meta.to_wire(), _flags(x)]
+
+
+def guard_wires(env: Any, symbols: SymbolTable) -> list[str]:
+    """The shape environment's guards, each over the symbols' canonical names
+    (``srepr``: hashed into the key, never read back)."""
+    rename = {sym: sympy.Symbol(f"k{k}", integer=True) for sym, k in symbols.index.items()}
+    out = []
+    for guard in getattr(env, "guards", ()):
+        expr = guard.expr
+        if not expr.free_symbols <= rename.keys():
+            raise NotCacheable("dynamic_shapes", f"a guard on a size no input has ({expr})")
+        out.append(sympy.srepr(expr.xreplace(rename)))
+    return out
+
+
+def _check_tensor(i: int, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
         raise NotCacheable("inputs", f"input {i} is a {type(x).__name__}, not a tensor")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         raise NotCacheable("inputs", f"input {i} is a tensor subclass {type(x).__name__}")
+    if x.layout != torch.strided or x.is_quantized:
+        raise NotCacheable("inputs", f"input {i} has layout {x.layout}")
+
+
+def _flags(x: torch.Tensor) -> list[bool]:
+    return [x.requires_grad, isinstance(x, torch.nn.Parameter), x.is_leaf, x.is_inference(),
+            x.is_conj(), x.is_neg()]
+
+
+def _input_wire(i: int, node: torch.fx.Node, x: Any) -> list[Any]:
+    val = traced_value(node)
+    if isinstance(x, torch.SymInt) or isinstance(val, torch.SymInt):
+        raise NotCacheable("dynamic_shapes", f"input {i} is a symbolic size")
+    _check_tensor(i, x)
     if not isinstance(val, torch.Tensor) or not all(
             type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset())):
         raise NotCacheable("dynamic_shapes", f"input {i} has symbolic (or unknown) sizes")
-    if x.layout != torch.strided or x.is_quantized:
-        raise NotCacheable("inputs", f"input {i} has layout {x.layout}")
-    flags = [x.requires_grad, isinstance(x, torch.nn.Parameter), x.is_leaf, x.is_inference(),
-             x.is_conj(), x.is_neg()]
-    return [TensorMeta.from_tensor(x).to_wire(), flags]
+    return [TensorMeta.from_tensor(x).to_wire(), _flags(x)]
 
 
 # ---------------------------------------------------------------------------------------

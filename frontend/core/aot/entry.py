@@ -5,6 +5,7 @@ and its blobs say, written by :func:`to_artifact` and read back, every field che
     manifest {"kind": "aot", "schema": 4, "serve": true, "graph": <Kiln key>,
               "regions": <bool>, "inputs": <count>, "constants": [names],
               "aliases": [[output, input, is_input]],
+              "symbolic": <bool>, "dynamic": [[output, [dims]]],
               "training": null | {"backward": <Kiln key>, "backward_regions": <bool>,
                                   "backward_constants": [names],
                                   "outputs", "saved", "symints": <counts>,
@@ -18,6 +19,9 @@ and its blobs say, written by :func:`to_artifact` and read back, every field che
              by value, if any), "backward_constants.msgpack" (the backward's)
 
 ``"regions"``: the key names a region plan (``frontend.core.regions``), not one graph.
+``"symbolic"``: the graph has symbolic sizes (its inputs are compared as a request names
+them); ``"dynamic"``: the outputs whose dimensions are marked dynamic when served, as
+AOTAutograd's runtime marks them.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from kiln.frontend.core.aot.training import MEMORY_FORMATS, TangentLayout, Train
 
 ENTRY_KIND = "aot"
 # 3: "regions" and "backward_regions" (graphs compiled as regions); 4: "aliases" (outputs
-# that are views of inputs) and a training entry's "mutated" (inputs its forward writes)
-ENTRY_SCHEMA = 4
+# that are views of inputs) and a training entry's "mutated" (inputs its forward writes);
+# 5: "symbolic" and "dynamic" (graphs with symbolic sizes)
+ENTRY_SCHEMA = 5
 CONSTANTS_BLOB = "constants.msgpack"
 BACKWARD_CONSTANTS_BLOB = "backward_constants.msgpack"
 _HEX = frozenset("0123456789abcdef")
@@ -62,6 +67,8 @@ class AotEntry:
     regions: bool = False  # ``graph`` is a region plan's key (frontend.core.regions)
     backward_regions: bool = False  # and ``backward``
     aliases: tuple[tuple[int, int, bool], ...] = ()  # frontend.core.aot.cache.input_aliases
+    symbolic: bool = False  # symbolic sizes: inputs compared as a request names them
+    dynamic: tuple[tuple[int, frozenset[int]], ...] = ()  # cache.dynamic_outputs
 
 
 def to_artifact(key: str, entry: AotEntry) -> Artifact:
@@ -71,7 +78,8 @@ def to_artifact(key: str, entry: AotEntry) -> Artifact:
     manifest = {"kind": ENTRY_KIND, "schema": ENTRY_SCHEMA, "serve": True,
                 "graph": entry.graph, "regions": entry.regions, "inputs": entry.num_inputs,
                 "constants": sorted(entry.constants), "training": None,
-                "aliases": [list(a) for a in entry.aliases]}
+                "aliases": [list(a) for a in entry.aliases], "symbolic": entry.symbolic,
+                "dynamic": [[i, sorted(dims)] for i, dims in entry.dynamic]}
     blobs = {}
     if entry.constants:
         blobs[CONSTANTS_BLOB] = _constants_blob(entry.constants)
@@ -128,13 +136,16 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
     if type(regions) is not bool:
         raise EntryError("the entry does not say whether its graph is a region plan")
     aliases = _aliases(m.get("aliases"), count)
+    symbolic, dynamic = m.get("symbolic"), _dynamic(m.get("dynamic"))
+    if type(symbolic) is not bool or (dynamic and not symbolic):
+        raise EntryError("the entry does not say whether its sizes are symbolic")
     entry = AotEntry(True, graph, count, _constants(artifact, names, CONSTANTS_BLOB),
-                     regions=regions, aliases=aliases)
+                     regions=regions, aliases=aliases, symbolic=symbolic, dynamic=dynamic)
     training = m["training"]
     if training is None:
         return entry
-    if aliases:
-        raise EntryError("a training entry with aliasing outputs")
+    if aliases or symbolic:
+        raise EntryError("a training entry with aliasing outputs or symbolic sizes")
     plan, backward, backward_names = _training_plan(training, count)
     return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
                     backward_constants=_constants(artifact, backward_names,
@@ -193,6 +204,21 @@ def _aliases(w: Any, num_inputs: int) -> tuple[tuple[int, int, bool], ...]:
     if len({a[0] for a in aliases}) != len(aliases):
         raise EntryError("an output aliasing two inputs")
     return tuple(aliases)
+
+
+def _dynamic(w: Any) -> tuple[tuple[int, frozenset[int]], ...]:
+    """Outputs and their dynamic dimensions: each [output, [dims]], no output twice."""
+    if not isinstance(w, list) or len(w) > 1 << 16:
+        raise EntryError("no list of outputs with dynamic dimensions")
+    out = []
+    for d in w:
+        if not isinstance(d, list) or len(d) != 2 or not _is_count(d[0]) \
+                or not _are_indices(d[1], 64) or not d[1]:
+            raise EntryError("a dynamic output naming no output or no dimensions")
+        out.append((d[0], frozenset(d[1])))
+    if len({d[0] for d in out}) != len(out):
+        raise EntryError("an output named twice among the dynamic ones")
+    return tuple(out)
 
 
 def _tangent(t: Any, outputs: int) -> TangentLayout:
