@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.compiler import trace
 from kiln.compiler.runtime.kernel_files import interpreter_active
@@ -19,7 +20,8 @@ from kiln.frontend.cli.main import main as kiln_main
 from kiln.frontend.core.hotswap import SwappableGraph
 from kiln.workers import gpu_share
 from kiln.workers.autotune import FAKE_AUTOTUNE_ENV, FAKE_AUTOTUNE_MS_ENV
-from tests.unit.test_background_autotune import _client, _cuda_request
+from tests.targets import SM90
+from tests.unit.test_background_autotune import _client, build_request, fake_cuda, trace_aten
 
 pytestmark = pytest.mark.skipif(interpreter_active(),
                                 reason="Triton was imported for its interpreter")
@@ -33,8 +35,13 @@ def test_turns_slowdown_and_takeover_show_in_trace_and_stats(
     monkeypatch.setenv("KILN_STATS_FILE", str(stats_file))
     monkeypatch.setenv(FAKE_AUTOTUNE_ENV, "1")
     monkeypatch.setenv(FAKE_AUTOTUNE_MS_ENV, "2")  # each candidate's (fake) GPU time
+    # Tuning's part of the time, 0.25 by default: more here, so that the candidates'
+    # compiles (CPU-bound on this machine) end sooner; turns still alternate with calls.
+    monkeypatch.setenv(gpu_share.SHARE_ENV, "0.9")
     client = _client(tmp_path, local_cache="off", stats_file=str(stats_file))
-    request = _cuda_request(client.config)
+    args = fake_cuda([torch.randn(256, 512)])  # one tunable kernel: six candidates
+    request = build_request(trace_aten(lambda a: (a + 1).sum(0), args), args, client.config,
+                            target=dict(SM90))
     first = client.compile(request)  # type: ignore[arg-type]
     assert first.source == "local" and first.compiled.stats["autotune_pending"]
     calls = 0
