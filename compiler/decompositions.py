@@ -27,7 +27,7 @@ _EXTRA = [
     aten.sigmoid_backward, aten.tanh_backward, aten.threshold_backward,
     aten.embedding_dense_backward, aten.rms_norm, aten.linear, aten.t, aten.transpose,
     aten.mv, aten.dot, aten.addcmul, aten.addcdiv, aten.lerp, aten.frac, aten.xlogy,
-    aten.native_dropout_backward, aten.expand_as,
+    aten.native_dropout_backward, aten.expand_as, aten.linalg_vector_norm, aten.repeat,
 ]
 
 # Ops Kiln lowers itself even where core ATen decomposes them.

@@ -351,3 +351,49 @@ def avg_pool2d_backward(grad: IRNode, x: IRNode, kernel_size: Any, stride: Any, 
         return ops.to_dtype(total, dtype)
 
     return Pointwise.create(x.get_device(), dtype, inner_fn, x.get_size())
+
+
+def _adaptive_windows(x: IRNode, output_size: Any) -> tuple[int, int] | None:
+    """The (height, width) stride of an adaptive average pooling whose windows are all
+    alike (the input divisible by the output: then stride == kernel, as ATen's own
+    shortcut takes it); None for a global pooling (1 x 1), where the answer is a mean."""
+    out = _pair(output_size)
+    if out == (1, 1):
+        return None
+    size = x.get_size()
+    if len(size) not in (3, 4) or not all(isinstance(s, (int, sympy.Integer))
+                                          for s in size[-2:]):
+        raise EagerInstead("adaptive pooling over a symbolic height or width")
+    h, w = int(size[-2]), int(size[-1])
+    if h % out[0] or w % out[1]:
+        raise EagerInstead("adaptive windows of different lengths")
+    return h // out[0], w // out[1]
+
+
+@register_lowering(aten._adaptive_avg_pool2d)
+def adaptive_avg_pool2d(x: IRNode, output_size: Any) -> Any:
+    """A global pooling (1 x 1) is a mean over height and width, accumulated in fp32 (one
+    reduction, whatever the window); windows all alike are an average pooling."""
+    stride = _adaptive_windows(x, output_size)
+    if stride is None:
+        from .reductions import mean
+
+        return mean(x, [-2, -1], keepdim=True)
+    return avg_pool2d(x, list(stride), list(stride))
+
+
+@register_lowering(aten._adaptive_avg_pool2d_backward)
+def adaptive_avg_pool2d_backward(grad: IRNode, x: IRNode) -> Any:
+    """Each input element gets its one window's gradient over the window's size."""
+    stride = _adaptive_windows(x, grad.get_size()[-2:])
+    if stride is not None:
+        return avg_pool2d_backward(grad, x, list(stride), list(stride), 0, False, True, None)
+    *_, h, w = x.get_size()
+    g_load, dtype = grad.make_loader(), grad.get_dtype()
+
+    def inner_fn(idx: Sequence[Expr]) -> Any:
+        g = ops.to_dtype(g_load([*idx[:-2], sympy.Integer(0), sympy.Integer(0)]),
+                         torch.float32)
+        return ops.to_dtype(ops.truediv(g, ops.to_dtype(_index(h * w), torch.float32)), dtype)
+
+    return Pointwise.create(x.get_device(), dtype, inner_fn, x.get_size())

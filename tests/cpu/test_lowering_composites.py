@@ -121,6 +121,14 @@ GRAD_CASES: dict[str, tuple[Callable[..., torch.Tensor], list[tuple[int, ...]]]]
     "batch_norm_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
                          [(4, 3, 5), (3,), (3,)]),
     "pools": (lambda x: F.avg_pool2d(x, 2) + F.max_pool2d(x, 2), [(1, 2, 4, 6)]),
+    # Global and even adaptive average pooling (a mean; an average pooling), a vector
+    # norm and repeat: each lowered (they ran eagerly in the model suite's graphs).
+    "adaptive_pools": (lambda x: F.adaptive_avg_pool2d(x, 1).sin()
+                       + F.adaptive_avg_pool2d(x, (2, 3)).sum((-2, -1), keepdim=True),
+                       [(2, 3, 4, 6)]),
+    "vector_norm": (lambda x: x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                    + torch.linalg.vector_norm(x, ord=3, dim=0), [(4, 5)]),
+    "repeat": (lambda x: x.repeat(2, 1, 3).exp(), [(3, 4)]),
     "attention": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
                   [(1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)]),
 }
