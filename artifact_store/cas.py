@@ -30,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 CAS_DIR = "cas"
 AC_DIR = "ac"
 QUARANTINE_DIR = "quarantine"
+CLAIMS_DIR = "claims"  # claims.py: one compile of a key across processes
 TMP_MARKER = ".tmp-"
 
 

@@ -46,7 +46,7 @@ from typing import Any, Generic, TypeVar
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .cas import TMP_MARKER
+from .cas import CLAIMS_DIR, TMP_MARKER
 from .errors import describe_exception
 from .faults import READ, WRITE, Reporter
 from .stats import StoreStats
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-CLAIMS_DIR = "claims"
 CLAIMS_ENV = "KILN_CLAIMS"
 TTL_ENV = "KILN_CLAIM_TTL"
 WAIT_ENV = "KILN_CLAIM_WAIT"

@@ -2,7 +2,10 @@
 
 One pass, the same for `Store.gc` on the store and for the local tier's LRU bound:
 
-1. temporary files of interrupted writes and quarantined objects older than `grace_s`;
+1. temporary files of interrupted writes, quarantined objects and claims (claims.py)
+   older than `grace_s` (a live claim is rewritten every third of its TTL, seconds;
+   one this old was left by a process that died holding it, or by a release that
+   failed);
 2. manifests that do not decode (they are misses for every reader);
 3. blobs no manifest names, older than `grace_s` (younger ones may belong to a publish
    in flight, whose manifest comes last);
@@ -28,7 +31,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from .cas import AC_DIR, CAS_DIR, QUARANTINE_DIR, Entry
+from .cas import AC_DIR, CAS_DIR, CLAIMS_DIR, QUARANTINE_DIR, Entry
 from .errors import IntegrityError, UnsupportedFormat
 from .manifest import decode_manifest
 
@@ -49,6 +52,7 @@ class _Plan:
         self.blobs: dict[str, Entry] = {}
         self.temps: list[Entry] = []
         self.quarantine: list[Entry] = []
+        self.claims: list[Entry] = []
         self.broken: list[Entry] = []
         self.refs: dict[str, set[str]] = {}  # manifest path -> digests it names
         self.refcount: Counter[str] = Counter()
@@ -93,7 +97,8 @@ def collect(
     ac = list(io.listing(AC_DIR))
     cas = list(io.listing(CAS_DIR))
     quarantine = list(io.listing(QUARANTINE_DIR))
-    total = sum(e.size for e in ac + cas + quarantine)
+    claims = list(io.listing(CLAIMS_DIR))
+    total = sum(e.size for e in ac + cas + quarantine + claims)
     plan = _Plan(total, time.time() if now is None else now, grace_s)
     if trigger_bytes is not None and total <= trigger_bytes:
         return _report(plan, total, kept=len(ac), blobs_kept=len(cas), dry_run=dry_run)
@@ -103,6 +108,9 @@ def collect(
     for entry in quarantine:
         if entry.mtime < plan.old:
             plan.drop(plan.quarantine, entry)
+    for entry in claims:
+        if entry.mtime < plan.old:
+            plan.drop(plan.claims, entry)
     plan.blob_entries = {e.name: e for e in cas if not e.is_temp}
     manifests = [e for e in ac if not e.is_temp]
     plan.seen = {e.path: e.mtime for e in manifests}
@@ -157,7 +165,7 @@ def _read_refs(tier: Tier, manifests: list[Entry], plan: _Plan) -> None:
 def _execute(tier: Tier, plan: _Plan) -> None:
     # Manifests first: once they are gone no reader looks for these blobs.
     paths = [e.path for e in plan.broken + plan.manifests]
-    paths += [e.path for e in plan.temps + plan.quarantine]
+    paths += [e.path for e in plan.temps + plan.quarantine + plan.claims]
     tier.remove_many(paths)
     if plan.blobs:
         _spare_reused(tier, plan)
@@ -189,6 +197,7 @@ def _report(plan: _Plan, before: int, *, kept: int, blobs_kept: int,
         "blobs_deleted": len(plan.blobs),
         "temp_files_deleted": len(plan.temps),
         "quarantine_deleted": len(plan.quarantine),
+        "claims_deleted": len(plan.claims),
         "manifests_kept": kept,
         "blobs_kept": blobs_kept,
         "bytes_before": before,

@@ -196,3 +196,25 @@ def test_unreachable_store_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     # the store's circuit breaker is open: later claims skip it without a call
     assert store.stats()["claim_errors"] == 1
     assert store.get(KEY) is None and len(store_warnings(caplog)) == 1
+
+
+def test_gc_deletes_claims_left_by_dead_holders_and_keeps_live_ones(tmp_path: Any) -> None:
+    """A process killed while holding a claim leaves its object behind (a takeover only
+    replaces it when the key is missed again): the store's gc deletes claims older than its
+    grace period, and keeps one still being renewed."""
+    import os
+
+    store = open_backend((f"file://{tmp_path}/store", {}))
+    live = claims_of(store).try_acquire(KEY)
+    assert live is not None
+    folder = tmp_path / "store" / "claims" / ("b" * 2)
+    folder.mkdir(parents=True)
+    dead = folder / f"{'b' * 64}.00000001"
+    dead.write_bytes(b'{"key": "left by a killed process"}')
+    hour_ago = time.time() - 7200
+    os.utime(dead, (hour_ago, hour_ago))
+    report = store.gc()["local"]
+    assert report["claims_deleted"] == 1, report
+    assert not dead.exists()
+    assert live.renew()  # the live claim is still there, still its holder's
+    live.release()
