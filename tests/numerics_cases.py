@@ -171,7 +171,10 @@ LAYOUTS: list[Case] = [
 ]
 
 FALLBACK: list[Case] = [
-    Case("cumsum_fallback", lambda a: torch.cumsum(a.exp(), 1) * 2,
+    # cumsum is a masked sum (lowering/reductions.py); cumprod still runs ATen's kernel
+    Case("cumsum_masked_sum", lambda a: torch.cumsum(a.exp(), 1) * 2,
+         lambda dt: [rand(9, 13, dtype=dt)], (torch.float32,)),
+    Case("cumprod_fallback", lambda a: torch.cumprod(a.exp() * 0.5, 1) * 2,
          lambda dt: [rand(9, 13, dtype=dt)], (torch.float32,)),
 ]
 

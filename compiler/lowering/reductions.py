@@ -339,3 +339,38 @@ def var(x: IRNode, dim: Any = None, unbiased: bool | None = None, keepdim: bool 
 def prims_var(x: IRNode, dims: Any, correction: float = 1.0, *,
               output_dtype: torch.dtype | None = None) -> IRNode:
     return var_mean_welford(x, dims, correction, False)[0]
+
+
+# Kiln has no scan: a cumulative sum of up to this many elements is a masked sum, each
+# output summing the elements at or before it (quadratic in the length: HF's position ids
+# from an attention mask, over a sequence). Longer scans run ATen's kernel.
+CUMSUM_MAX_LENGTH = 1024
+
+
+@register_lowering(aten.cumsum)
+def cumsum(x: IRNode, dim: int, *, dtype: torch.dtype | None = None) -> TensorBox:
+    from .fallbacks import EagerInstead
+
+    size = list(x.get_size())
+    if not size:
+        raise EagerInstead("a 0-d cumulative sum")
+    d = dim % len(size)
+    length = size[d]
+    if not isinstance(length, (int, sympy.Integer)) or int(length) > CUMSUM_MAX_LENGTH:
+        raise EagerInstead(f"a cumulative sum over {length} elements (more than "
+                           f"{CUMSUM_MAX_LENGTH}, or symbolic)")
+    out = _result_dtype(x, "sum", dtype)
+    loader = x.make_loader()
+
+    def inner_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        source = list(index)
+        source[d] = rindex[0]
+        value = ops.to_dtype(loader(source), out)
+        before = ops.le(ops.index_expr(rindex[0], torch.int64),
+                        ops.index_expr(index[d], torch.int64))
+        return ops.where(before, value, ops.constant(0, out))
+
+    node = Reduction(x.get_device(), out, inner_fn, tuple(size), (length,), "sum", out, None)
+    result = TensorBox.create(node)
+    result.realize()
+    return result

@@ -129,6 +129,7 @@ GRAD_CASES: dict[str, tuple[Callable[..., torch.Tensor], list[tuple[int, ...]]]]
     "vector_norm": (lambda x: x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
                     + torch.linalg.vector_norm(x, ord=3, dim=0), [(4, 5)]),
     "repeat": (lambda x: x.repeat(2, 1, 3).exp(), [(3, 4)]),
+    "cumsum": (lambda x: x.cumsum(1) * 2 + x.cumsum(0), [(5, 7)]),  # a masked sum
     "attention": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
                   [(1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)]),
 }
@@ -195,3 +196,10 @@ def test_aot_autograd_forward_and_backward_graphs(draw: Draw, assert_same: Any) 
     grads = run_graph(lower_and_schedule(bw, bw_in, name="bw").graph, bw_in)
     expected = torch.autograd.grad(model(*args), args)
     assert_same(grads, list(expected), reduction=True)
+
+
+def test_position_ids_from_an_attention_mask(check_lowering: Any) -> None:
+    """RoBERTa's position ids: an int64 cumulative sum of the mask along the sequence,
+    lowered (a masked sum), exact."""
+    mask = (torch.rand(4, 37) > 0.3).long()
+    check_lowering(lambda m: torch.cumsum(m, dim=1) * m + 1, mask)
