@@ -126,6 +126,20 @@ class Store:
         self._finalizer = weakref.finalize(self, stats.flush)
         self._claims: Claims | None = None
 
+    def refuses_unsigned(self, key: str) -> str | None:
+        """Why an unsigned artifact under ``key`` would be refused here (signatures
+        required, or a tier others can write and KILN_TRUST_UNSIGNED unset); None where
+        this store accepts one (the trust rule of ``_signature_problem``)."""
+        if self.require_signed:
+            return "signatures are required"
+        if self.trust_unsigned:
+            return None
+        for tier in self._tiers:
+            shared = tier.shared_reason(key)
+            if shared is not None:
+                return f"others can write it: {shared}"
+        return None
+
     @property
     def url(self) -> str:
         return redact_url(self.config.url)

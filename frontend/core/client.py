@@ -496,16 +496,23 @@ class KilnClient:
         address = getattr(self.farm, "address", None)
         return address() is not None if callable(address) else True
 
-    def _checks_signatures(self) -> bool:
-        return bool(self.store.keyring) or self.store.require_signed
+    def _checks_signatures(self, key: str) -> bool:
+        """Whether this client runs only signed code for ``key``: it holds a key, requires
+        signatures, or its store is one others can write (whose unsigned artifacts it
+        refuses: then an answer from the farm that publishes there is refused too, unless
+        the store holds it signed)."""
+        return bool(self.store.keyring) or self.store.refuses_unsigned(key) is not None
 
     def _trusted_answer(self, key: str, answer: CompiledGraph) -> CompiledGraph:
         """The farm's answer as this client may run it. A client that checks signatures
-        (it holds a key, or requires them) runs no code the farm's connection carried:
-        it reads back what the farm published and verifies it as any store read
-        (signature, digests); the answer's numbers (stats, timings) are kept.
-        UntrustedAnswer when the store holds no such artifact."""
-        if not self._checks_signatures():
+        (``_checks_signatures``) runs no code the farm's connection carried: it reads
+        back what the farm published and verifies it as any store read (signature,
+        digests); the answer's numbers (stats, timings) are kept. UntrustedAnswer when
+        the store holds no such artifact. Otherwise (no key, and a store only this user
+        can write, where the farm publishes for this user alone) the answer runs as the
+        farm's authenticated connection carried it (the farm token's handshake, Ray's
+        token authentication)."""
+        if not self._checks_signatures(key):
             return answer
         artifact = self.store.get(key, kind="farm_answer")
         if artifact is None:

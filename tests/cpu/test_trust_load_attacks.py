@@ -170,3 +170,44 @@ def test_row3_farm_answer_is_not_run_by_a_client_that_checks_signatures(
     assert not marker.exists(), "code from the farm's answer ran"
     said = [str(w.message) for w in caught if issubclass(w.category, KilnFarmWarning)]
     assert len(said) == 1 and "signature" in said[0] and hostile.description in said[0]
+
+
+def test_row3_farm_answer_is_not_run_by_a_keyless_client_of_a_store_others_can_write(
+        env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """No key, default settings, a team store its group may write: the client refuses
+    that store's unsigned artifacts, so it refuses the answer of the farm that publishes
+    there too (its code could be anyone's who can write the store); it compiles here."""
+    from kiln.frontend.core import client as client_module
+    from kiln.frontend.core.client import KilnFarmWarning
+
+    team = tmp_path / "team-store"
+    team.mkdir()
+    team.chmod(0o775)
+    monkeypatch.setenv("KILN_STORE", str(team))
+    monkeypatch.delenv("KILN_SIGNING_KEY")  # default settings: no key
+    marker = tmp_path / "pwned"
+    hostile = HostileFarm(marker)
+    monkeypatch.setattr(client_module, "farm_for", lambda mode: hostile)
+    monkeypatch.setenv("KILN_FARM", "local")
+    fresh_process(monkeypatch)
+    caught = run_checked()  # right results: compiled here instead
+    assert hostile.answers >= 1, "the farm was never asked"
+    assert not marker.exists(), "code from the farm's answer ran"
+    said = [str(w.message) for w in caught if issubclass(w.category, KilnFarmWarning)]
+    assert len(said) == 1 and "signature" in said[0] and hostile.description in said[0]
+
+
+def test_a_keyless_client_of_its_own_store_runs_its_farms_answer(
+        env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The default (no key, a store only this user can write): the farm's answer runs as
+    its authenticated connection carried it, no second read of the store."""
+    from kiln.frontend.core import client as client_module
+
+    monkeypatch.delenv("KILN_SIGNING_KEY")
+    marker = tmp_path / "ran"
+    farm = HostileFarm(marker)  # (here: the user's own farm, whose code runs)
+    monkeypatch.setattr(client_module, "farm_for", lambda mode: farm)
+    monkeypatch.setenv("KILN_FARM", "local")
+    fresh_process(monkeypatch)
+    run_checked()
+    assert farm.answers >= 1 and marker.exists()
