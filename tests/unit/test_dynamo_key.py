@@ -89,11 +89,20 @@ def test_options_target_and_graph_change_the_key() -> None:
     assert key_of(lambda t: t + 2, x) != base
 
 
-def test_symbolic_sizes_are_not_keyed() -> None:
-    gm, inputs = capture(mlp, torch.randn(4, 8), torch.randn(8, 3), dynamic=True)
-    with pytest.raises(NotCacheable) as caught:
-        aot_key(gm, inputs, {}, CPU)
-    assert caught.value.reason == "dynamic_shapes"
+def test_symbolic_sizes_are_keyed_by_symbol_not_by_value() -> None:
+    """A dynamic=True graph keys its sizes as symbols: captures at other sizes share the key
+    (one compile serves every size), and the static capture of the same sizes does not."""
+    with torch.no_grad():
+        gm, inputs = capture(mlp, torch.randn(4, 8), torch.randn(8, 3), dynamic=True)
+        first = aot_key(gm, inputs, {}, CPU)
+        gm2, inputs2 = capture(mlp, torch.randn(6, 5), torch.randn(5, 7), dynamic=True)
+        second = aot_key(gm2, inputs2, {}, CPU)
+        static = key_of(mlp, torch.randn(4, 8), torch.randn(8, 3))
+    traced = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    assert any(isinstance(s, torch.SymInt) for t in traced if isinstance(t, torch.Tensor)
+               for s in t.shape), "the capture was not symbolic"
+    assert first.key == second.key
+    assert first.key != static
 
 
 def _users_function(t: torch.Tensor) -> torch.Tensor:
