@@ -261,3 +261,44 @@ def test_encoder_train_warm_start_in_a_fresh_process(tmp_path: Path) -> None:
     assert warm["traces"] == 0, warm
     assert warm["counters"]["aot_hits"] == cold["traces"]
     assert warm["counters"].get("compiles", 0) == 0
+
+
+def test_a_training_graph_with_symbolic_sizes_is_served_at_new_sizes(
+        store: Path, aot_traces: list[int]) -> None:
+    """Training with a dynamic batch (``mark_dynamic``): the first process traces the
+    forward and the backward (a symbolic batch, sizes saved for the backward) and
+    publishes one entry; a new process at batch sizes never seen is served, with no trace
+    and no compile, and its loss and gradients equal eager's. (``dynamic=True`` costs one
+    trace in every process: its first graph has a symbolic feature size, which the trace
+    specializes to the weights', and Dynamo compiles the frame again.)"""
+    torch.manual_seed(0)
+    model = NormMLP()
+
+    def steps(batches: tuple[int, ...]) -> None:
+        compiled = torch.compile(model, backend="kiln")
+        for batch in batches:
+            x = torch.randn(batch, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", KilnFallbackWarning)
+                loss = compiled(x).square().mean()
+                loss.backward()
+            got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            model.zero_grad(set_to_none=True)
+            want = model(x).square().mean()
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+            for g, p in zip(got, model.parameters()):
+                torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+
+    steps((5, 9))
+    [(_, entry)] = aot_entries(store)
+    assert entry["serve"] is True and entry["symbolic"] is True, entry
+    assert entry["training"]["symints"] >= 1  # the batch size, saved for the backward
+    new_process()
+    steps((7, 12, 3))
+    warm = process_counters()
+    assert len(aot_traces) == 1, warm  # the first process's only
+    assert warm.get("aot_hits") == 1 and warm.get("aot_traces", 0) == 0, warm
+    assert warm.get("compiles", 0) == 0, warm

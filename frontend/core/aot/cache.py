@@ -255,10 +255,12 @@ class Pending:
         problem: str | None = None
         facts: ForwardFacts | None = None
         plan: TrainingPlan | None = None
+        dynamic: DynamicOutputs = ()
         if name.startswith("forward_"):
             got = forward_facts(meta, graph, len(inputs))
-            if self.shape_env is not None:
-                problem = "dynamic_training"  # served for static sizes only
+            dynamic = dynamic_outputs(meta)
+            if dynamic and self.shape_env is None:
+                problem = "dynamic_outputs"
             elif isinstance(got, str):
                 problem = got
             elif _input_wires(inputs) != self.expected:
@@ -278,7 +280,7 @@ class Pending:
         elif problem is None and name not in self.results:
             problem = "eager_graph"
         made = _Made(name, problem or None, "training", len(inputs), fn=fn, facts=facts,
-                     plan=plan, regional=regional)
+                     plan=plan, regional=regional, dynamic=dynamic)
         if problem is None and self.key is not None:
             made.constants = graph_constants(graph)
         self.made.append(made)
@@ -423,12 +425,18 @@ class Pending:
         problem = forward.problem or backward.problem
         if problem is not None or backward.plan is None:
             return AotEntry(False, reason=problem or "training")
+        symbolic = self.shape_env is not None
+        if symbolic and len(self.shape_env.guards) != self.guards_before:
+            return AotEntry(False, reason="trace_guards")
+        if symbolic and (forward.regional or backward.regional):
+            return AotEntry(False, reason="dynamic_regions")
         return AotEntry(True, self._graph_key(forward), forward.num_inputs,
                         forward.constants, training=backward.plan,
                         backward=self._graph_key(backward),
                         backward_constants=backward.constants,
                         regions=forward.regional is not None,
-                        backward_regions=backward.regional is not None)
+                        backward_regions=backward.regional is not None,
+                        symbolic=symbolic, dynamic=forward.dynamic)
 
     def _graph_key(self, made: _Made) -> str:
         """The Kiln key an entry names for a graph: its plan's where it is regional."""
@@ -639,8 +647,9 @@ class AotCache:
         bw = fw and self._load_one(key, backward, entry.backward_constants, example_inputs)
         if fw is None or bw is None:
             return None
-        return served_training(fw, bw, entry.training,
-                               bool(torch._C._is_any_autocast_enabled()))
+        served = served_training(fw, bw, entry.training,
+                                 bool(torch._C._is_any_autocast_enabled()))
+        return _marking_dynamic(served, entry.dynamic) if entry.dynamic else served
 
     def _reject(self, key: str, why: str) -> Callable[..., Any] | None:
         self.client.counters.add(aot_rejected=1)

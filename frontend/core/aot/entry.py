@@ -12,6 +12,7 @@ and its blobs say, written by :func:`to_artifact` and read back, every field che
                                   "grad_inputs": [bool], "detach": [input index],
                                   "nondiff": [output index],
                                   "mutated": [input index],
+                                  "dynamic_saved": [[saved index, [dims]]],
                                   "tangents": [{"output", "sizes", "strides"} or
                                                {"output", "memory_format"}]}}
                                                     # or "serve": false, "reason"
@@ -110,7 +111,8 @@ def _training_wire(entry: AotEntry) -> dict[str, Any]:
             "outputs": plan.num_outputs, "saved": plan.num_saved,
             "symints": plan.num_symints, "grad_inputs": list(plan.grad_inputs),
             "detach": list(plan.detach_inputs), "nondiff": list(plan.nondiff_outputs),
-            "mutated": list(plan.mutated_inputs), "tangents": tangents}
+            "mutated": list(plan.mutated_inputs), "tangents": tangents,
+            "dynamic_saved": [[i, sorted(dims)] for i, dims in plan.dynamic_saved]}
 
 
 def entry_from_artifact(artifact: Artifact) -> AotEntry:
@@ -144,19 +146,20 @@ def entry_from_artifact(artifact: Artifact) -> AotEntry:
     training = m["training"]
     if training is None:
         return entry
-    if aliases or symbolic:
-        raise EntryError("a training entry with aliasing outputs or symbolic sizes")
+    if aliases:
+        raise EntryError("a training entry with aliasing outputs")
     plan, backward, backward_names = _training_plan(training, count)
     return AotEntry(True, graph, count, entry.constants, training=plan, backward=backward,
                     backward_constants=_constants(artifact, backward_names,
                                                   BACKWARD_CONSTANTS_BLOB),
-                    regions=regions, backward_regions=training["backward_regions"])
+                    regions=regions, backward_regions=training["backward_regions"],
+                    symbolic=symbolic, dynamic=dynamic)
 
 
 _TRAINING_FIELDS = frozenset({"backward", "backward_regions", "backward_constants",
                               "outputs", "saved",
                               "symints", "grad_inputs", "detach", "nondiff", "tangents",
-                              "mutated"})
+                              "mutated", "dynamic_saved"})
 
 
 def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str]]:
@@ -185,8 +188,11 @@ def _training_plan(w: Any, num_inputs: int) -> tuple[TrainingPlan, str, list[str
     if len({t.output for t in layouts}) != len(layouts) \
             or {t.output for t in layouts} & set(nondiff):
         raise EntryError("tangents repeat an output or name a non-differentiable one")
+    dynamic_saved = _dynamic(w["dynamic_saved"])
+    if any(i >= saved for i, _ in dynamic_saved):
+        raise EntryError("a dynamic saved tensor naming no saved tensor")
     plan = TrainingPlan(outputs, saved, symints, tuple(grad_inputs), tuple(detach),
-                        tuple(nondiff), layouts, tuple(mutated))
+                        tuple(nondiff), layouts, tuple(mutated), dynamic_saved)
     return plan, w["backward"], w["backward_constants"]
 
 

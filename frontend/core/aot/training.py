@@ -70,6 +70,10 @@ class TrainingPlan:
     # Inputs the compiled forward writes itself (BatchNorm's running statistics in train
     # mode), whose version counters the runtime bumps after it (in_graph_mutations).
     mutated_inputs: tuple[int, ...] = ()
+    # Saved tensors with symbolic dimensions (a graph with symbolic sizes): the runtime
+    # marks those dimensions on them, as AOTAutograd's runtime does (compiled autograd
+    # then treats them as dynamic).
+    dynamic_saved: tuple[tuple[int, frozenset[int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,6 @@ def training_problem(meta: Any) -> str | None:
         return problem
     if getattr(meta, "num_opaque_objects_saved_for_bw", 0) \
             or getattr(meta, "num_tensors_saved_with_no_vc_check", 0) \
-            or getattr(meta, "dynamic_saved_tensors_idxs", None) \
             or getattr(meta, "num_unsafe_view_outputs", 0):
         return "saved_state"
     return None
@@ -200,7 +203,9 @@ def forward_facts(meta: Any, graph: torch.fx.GraphModule, num_inputs: int
         num_outputs, num_saved, num_symints,
         tuple(bool(i.requires_grad) for i in meta.input_info), (),
         tuple(i for i, o in enumerate(meta.output_info) if not o.requires_grad),
-        tuple(tangents), in_graph_mutations(meta) or ())
+        tuple(tangents), in_graph_mutations(meta) or (),
+        tuple(sorted((int(i), frozenset(int(d) for d in dims)) for i, dims in
+                     (getattr(meta, "dynamic_saved_tensors_idxs", None) or {}).items())))
     return ForwardFacts(plan, tuple(bool(i.requires_grad) and not i.is_leaf
                                     for i in meta.input_info))
 
@@ -340,7 +345,12 @@ def served_training(forward: Callable[[list[Any]], Any],
             if len(outs) != expected:
                 raise RuntimeError(f"kiln: a served forward gave {len(outs)} outputs, its "
                                    f"AOT cache entry says {expected}")
-            ctx.save_for_backward(*[x.detach() if x._is_view() else x for x in outs[saved]])
+            to_save = [x.detach() if x._is_view() else x for x in outs[saved]]
+            for i, dims in plan.dynamic_saved:  # as AOTAutograd's runtime marks them
+                if i < len(to_save):
+                    marked = getattr(to_save[i], "_dynamo_propagated_dynamic_indices", set())
+                    to_save[i]._dynamo_propagated_dynamic_indices = set(dims) | marked
+            ctx.save_for_backward(*to_save)
             ctx.kiln_symints = outs[symints]
             returns = tuple(outs[user])
             ctx.mark_non_differentiable(*[returns[i] for i in plan.nondiff_outputs])
