@@ -9,7 +9,10 @@ launches (``Pacer.turn``), and the pacer decides when and for how long:
 - ``GpuShare``, a client's own GPU: the frontend reports each call of a graph being tuned
   (``call_begin`` / ``call_end``: host times, and CUDA events on the user's stream). A
   turn starts once a call ended since the last one (in a back-to-back loop, one turn per
-  call), or once no call came for ``IDLE_S`` (the program does something else). Its
+  call), or once no call came for ``IDLE_S`` (the program does something else), and
+  never while a call is launching; a loop that calls again the moment a call returns
+  leaves no such gap, so the next call waits up to ``HANDOFF_S`` for the due turn to be
+  taken (``ShareStats.handoffs``; without it tuning starved for thousands of calls). Its
   budget is ``share`` of the graphs' steady call time (at most ``slice_ms``), so a call
   that overlaps a turn takes at most ``1 + share`` times its steady time; after each turn
   the tuner rests so that it holds at most ``share`` of the GPU. Turns run on a
@@ -56,6 +59,11 @@ CLEAN_CALLS = 3  # calls with no turn beside them before a graph's steady time i
 # interpreter's switch interval before a waiting thread gets it: the program's call would
 # wait that long (several times a short call) behind a candidate's compile.
 SWITCH_S = 0.0005
+# A loop that calls again the moment a call returns is never between calls when the
+# tuner wakes: a call that begins while a due turn waits for that gap waits up to this
+# long for the tuner to take it (the turn then runs beside the call), so tuning is not
+# starved.
+HANDOFF_S = 0.002
 
 
 def _env_float(name: str, default: float) -> float:
@@ -112,6 +120,7 @@ class ShareStats:
     slowed_ms: float = 0.0  # their time over steady, summed
     worst_extra_ms: float = 0.0  # the most one call took over its steady time
     worst_ratio: float = 1.0
+    handoffs: int = 0  # calls that waited (HANDOFF_S at most) for a due turn to be taken
 
     def counters(self) -> dict[str, float]:
         """Counters that add up across processes (``merge_counters``: ``*max_ms`` takes
@@ -120,7 +129,7 @@ class ShareStats:
                 "calls_timed": self.calls_timed,
                 "calls_beside_turns": self.calls_beside_turns,
                 "slowed_calls": self.slowed_calls, "slowed_ms": self.slowed_ms,
-                "worst_extra_max_ms": self.worst_extra_ms}
+                "worst_extra_max_ms": self.worst_extra_ms, "handoffs": self.handoffs}
 
 
 def counter_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -166,6 +175,7 @@ class GpuShare:
         self._last_call = clock()  # host time of the last call's end (or begin)
         self._in_call = 0
         self._in_turn = False
+        self._turn_waiting = False  # a turn is due and waits only for a gap between calls
         self._rest_until = 0.0
         self._last_user: Any = None  # the user's last call's end event
         self._pending: deque[_Call] = deque(maxlen=256)  # calls whose events are not done
@@ -181,6 +191,10 @@ class GpuShare:
         return self._tuning > 0
 
     def call_begin(self, graph: str) -> _Call:
+        with self._cond:
+            if self._turn_waiting and self._tuning and not self._in_turn:
+                self.stats.handoffs += 1
+                self._cond.wait_for(lambda: not self._turn_waiting, HANDOFF_S)
         start = self.device.mark() if self.device else self.clock()
         with self._cond:
             self._in_call += 1
@@ -276,16 +290,26 @@ class GpuShare:
         from kiln.workers import foreground
 
         with self._cond:
-            while True:
-                foreground.check_stopped()
-                now = self.clock()
-                idle = now - self._last_call >= IDLE_S
-                # A loop's first calls set the budget: no turn beside them until then.
-                ready = idle or (self._ended > self._ended_at_turn and self._knows_steady())
-                if ready and now >= self._rest_until and not self._in_call:
-                    return
-                wait = max(self._rest_until - now, 0.0) if ready else IDLE_S
-                self._pause(max(wait, 1e-4))
+            try:
+                while True:
+                    foreground.check_stopped()
+                    now = self.clock()
+                    idle = now - self._last_call >= IDLE_S
+                    # A loop's first calls set the budget: no turn beside them until then.
+                    ready = idle or (self._ended > self._ended_at_turn
+                                     and self._knows_steady())
+                    due = ready and now >= self._rest_until
+                    if due and not self._in_call:
+                        if self._turn_waiting:  # the call waiting for this gap goes on
+                            self._turn_waiting = False
+                            self._cond.notify_all()
+                        return
+                    self._turn_waiting = due  # the next call to begin hands over
+                    wait = max(self._rest_until - now, 0.0) if ready else IDLE_S
+                    self._pause(max(wait, 1e-4))
+            except BaseException:
+                self._turn_waiting = False  # stopped: no call waits for this turn
+                raise
 
     def _knows_steady(self) -> bool:
         """Whether a steady time is known (called holding ``_cond``, released meanwhile:
