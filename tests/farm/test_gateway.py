@@ -228,7 +228,14 @@ def test_a_gateway_killed_mid_call_costs_one_local_compile(
         assert set(FARM_COUNTERS) <= set(remote.stats())
         monkeypatch.setenv("KILN_TEST_COMPILE_DELAY", "20")
         client = client_with(remote, tmp_path / "s")
-        threading.Timer(3.0, proc.send_signal, (signal.SIGKILL,)).start()
+
+        def kill_mid_call() -> None:
+            proc.send_signal(signal.SIGKILL)
+            # The delay kept the farm's compile running; the local compiles that follow
+            # would sleep it too (the compile path reads it in this process).
+            os.environ.pop("KILN_TEST_COMPILE_DELAY", None)
+
+        threading.Timer(3.0, kill_mid_call).start()
         start = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
