@@ -295,10 +295,16 @@ class WrapperCodegen:
 
 
 def _view_expr(node: ReinterpretView) -> str:
-    """The expression that makes ``node``: the same text for the same view."""
+    """The expression that makes ``node``: the same text for the same view.
+    ``reinterpret_tensor`` counts its offset from where the tensor it is given starts,
+    while a layout's offset counts from its storage's start: a graph input that starts
+    inside its storage (``k`` and ``v`` sliced out of one ``qkv`` buffer) has its own
+    offset taken off, or the view would start that far past its data."""
     lay = node.layout
+    start = getattr(getattr(node.data, "layout", None), "offset", 0) or 0
+    offset = sympy.expand(sympy.sympify(lay.offset) - start)
     return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
-            f"{size_str(lay.stride)}, {py_size(lay.offset)})")
+            f"{size_str(lay.stride)}, {py_size(offset)})")
 
 
 def _allocated_expr(allocated_as: dict[str, ReinterpretView], name: str) -> str | None:
