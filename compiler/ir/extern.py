@@ -45,10 +45,10 @@ def realize_input(x: IRNode) -> IRNode:
         copy = TensorBox.create(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(),
                                           x.get_size()))
         copy.realize()
-        buf = copy.storage().data  # type: ignore[union-attr]
-        assert isinstance(buf, Buffer)
-        buf.freeze_layout()
-        return buf  # a fresh buffer is itself (never a view to find again: no recursion)
+        fresh = copy.storage().data  # type: ignore[union-attr]
+        assert isinstance(fresh, Buffer)
+        fresh.freeze_layout()
+        return fresh  # a fresh buffer is itself (never a view to find again: no recursion)
     if isinstance(x, StorageBox):
         x.realize()
         return x.data
