@@ -192,11 +192,10 @@ class GpuShare:
 
     def call_begin(self, graph: str) -> _Call:
         with self._cond:
-            if self._turn_waiting and self._tuning and not self._in_turn:
+            if self._turn_waiting:  # set only while a tuner waits in _wait_for_turn
                 self.stats.handoffs += 1
                 self._cond.wait_for(lambda: not self._turn_waiting, HANDOFF_S)
-        start = self.device.mark() if self.device else self.clock()
-        with self._cond:
+            start = self.device.mark() if self.device else self.clock()
             self._in_call += 1
             return _Call(graph, start, beside_turn=self._in_turn, wall_us=trace.now_us())
 

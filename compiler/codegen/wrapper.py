@@ -301,8 +301,7 @@ def _view_expr(node: ReinterpretView) -> str:
     inside its storage (``k`` and ``v`` sliced out of one ``qkv`` buffer) has its own
     offset taken off, or the view would start that far past its data."""
     lay = node.layout
-    start = getattr(getattr(node.data, "layout", None), "offset", 0) or 0
-    offset = sympy.expand(sympy.sympify(lay.offset) - start)
+    offset = sympy.expand(sympy.sympify(lay.offset) - node.data.get_layout().offset)
     return (f"reinterpret_tensor({node.get_name()}, {size_str(lay.size)}, "
             f"{size_str(lay.stride)}, {py_size(offset)})")
 

@@ -346,10 +346,10 @@ def served_training(forward: Callable[[list[Any]], Any],
                 raise RuntimeError(f"kiln: a served forward gave {len(outs)} outputs, its "
                                    f"AOT cache entry says {expected}")
             to_save = [x.detach() if x._is_view() else x for x in outs[saved]]
-            for i, dims in plan.dynamic_saved:  # as AOTAutograd's runtime marks them
-                if i < len(to_save):
-                    marked = getattr(to_save[i], "_dynamo_propagated_dynamic_indices", set())
-                    to_save[i]._dynamo_propagated_dynamic_indices = set(dims) | marked
+            # as AOTAutograd's runtime marks them (indices checked when the entry loaded)
+            for i, dims in plan.dynamic_saved:
+                marked: set[int] = getattr(to_save[i], "_dynamo_propagated_dynamic_indices", set())
+                to_save[i]._dynamo_propagated_dynamic_indices = set(dims) | marked
             ctx.save_for_backward(*to_save)
             ctx.kiln_symints = outs[symints]
             returns = tuple(outs[user])
