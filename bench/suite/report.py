@@ -38,7 +38,8 @@ def merge(paths: list[Path]) -> dict[str, Any]:
             "commits": sorted(c for c in commits if c), "shards": [str(p) for p in paths],
             "modes": sorted({r.get("mode", s.get("mode")) for s in shards
                              for r in s["rows"]}),
-            "date": datetime.date.today().isoformat(), "rows": rows}
+            "date": datetime.date.today().isoformat(), "rows": rows,
+            "gpu_shared": any(s.get("gpu_shared") for s in shards)}
 
 
 def geomean(values: list[float]) -> float | None:

@@ -9,10 +9,13 @@ with fresh caches (``bench/suite/row.py`` says what a row measures).
     python3 bench/suite/report.py /tmp/out/s*.json        # merge shards, summary, plot
 
 Rows go round-robin to shards (``--shard i/n``), so each shard gets a mix of sizes.
-``--parallel N`` runs N rows at once, each in its own process on its own GPU (a row's
-eager, Inductor and Kiln figures still come from one process on one card; compiles of
-neighbouring rows share the host's cores). ``--budget S`` starts no row after S seconds
-and prints the ``--models`` list of the rows left.
+``--parallel N`` runs N rows at once, each in its own process, spread round-robin over the
+host's GPUs (a row's eager, Inductor and Kiln figures still come from one process on one
+card; compiles of neighbouring rows share the host's cores). With more rows than GPUs,
+rows share a card: the result says ``"gpu_shared": true`` and its times are a survey
+(pass, fallbacks, launches, memory), not figures a target is met on.
+``--budget S`` starts no row after S seconds and prints the ``--models`` list of the rows
+left.
 A row that fails records its error and the run goes on; the JSON is rewritten after
 every row, so a run cut short keeps what it measured.
 """
@@ -50,7 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds per row")
     p.add_argument("--reps", type=int, default=None, help="timed calls per backend")
     p.add_argument("--parallel", type=int, default=1,
-                   help="rows at once, each on its own GPU (CUDA_VISIBLE_DEVICES=0..N-1)")
+                   help="rows at once, round-robin over the GPUs (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no row after this; the rows left are listed")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
@@ -188,13 +191,25 @@ def run_rows(names: list[str], args: argparse.Namespace, result: dict[str, Any]
             with lock:
                 record(row, args, result)
 
-    gpus: list[int | None] = list(range(args.parallel)) if args.parallel > 1 else [None]
+    gpus: list[int | None] = [None]
+    if args.parallel > 1:
+        cards = gpu_count(args.device)
+        gpus = [i % cards for i in range(args.parallel)] if cards else [None] * args.parallel
+        result["gpu_shared"] = bool(cards) and args.parallel > cards
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return left
+
+
+def gpu_count(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def record(row: dict[str, Any], args: argparse.Namespace, result: dict[str, Any]) -> None:
