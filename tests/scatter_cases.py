@@ -50,6 +50,11 @@ def _embedding_backward(grad: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return aten.embedding_dense_backward(grad * 2, idx, 12, 3, False)
 
 
+def _as_strided_scatter(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # a strided window (rows 1, 3, 5 of columns 2..5) of a 12 x 8 copy, offset into row 1
+    return torch.as_strided_scatter(x * 2, s.exp(), (3, 4), (16, 1), 10) + 1
+
+
 SCATTER_CASES: list[Case] = [
     Case("index_put_accumulate", _index_put_acc,
          lambda dt: [rand(16, 8, dtype=dt), _repeats(16, 40), rand(40, 8, dtype=dt)]),
@@ -76,6 +81,8 @@ SCATTER_CASES: list[Case] = [
          FLOATS + (torch.int64,)),
     Case("embedding_dense_backward", _embedding_backward,
          lambda dt: [rand(4, 9, 16, dtype=dt), _repeats(12, 4, 9)]),
+    Case("as_strided_scatter", _as_strided_scatter,
+         lambda dt: [rand(12, 8, dtype=dt), rand(3, 4, dtype=dt)]),
     Case("target_read_twice", _target_read_twice,
          lambda dt: [rand(16, 8, dtype=dt), _repeats(16, 40), rand(40, 8, dtype=dt)]),
 ]

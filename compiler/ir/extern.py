@@ -59,10 +59,22 @@ def meta_tensor(x: IRNode) -> torch.Tensor:
     """A meta tensor with the size, stride and dtype of a realized input."""
     if isinstance(x, (Buffer, ReinterpretView)):
         lay = x.get_layout() if isinstance(x, Buffer) else x.layout
-        return torch.empty_strided([int(s) for s in lay.size], [int(s) for s in lay.stride],
-                                   dtype=lay.dtype, device="meta")
+        offset = int(lay.offset) if isinstance(x, ReinterpretView) else 0
+        return strided_empty([int(s) for s in lay.size], [int(s) for s in lay.stride],
+                             offset, lay.dtype, "meta")
     size = [int(s) for s in x.get_size()]
     return torch.empty(size, dtype=x.get_dtype(), device="meta")
+
+
+def strided_empty(size: list[int], stride: list[int], offset: int, dtype: torch.dtype,
+                  device: Any) -> torch.Tensor:
+    """``empty_strided`` at a storage offset: a view's offset is part of what an op sees,
+    and ops that work on storage (``as_strided_scatter``) give outputs at that offset."""
+    if not offset:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    span = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    return torch.empty(offset + span, dtype=dtype, device=device).as_strided(
+        size, stride, offset)
 
 
 def layout_of(t: Any, device: torch.device) -> FixedLayout:
@@ -283,7 +295,8 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
 def _fake_like(x: IRNode) -> torch.Tensor:
     """Inside a FakeTensorMode: a fake tensor like realized input ``x``, on its device."""
     t = meta_tensor(x)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=x.get_device())
+    return strided_empty(list(t.shape), list(t.stride()), int(t.storage_offset()), t.dtype,
+                         x.get_device())
 
 
 def _buffer_name(x: IRNode) -> str:

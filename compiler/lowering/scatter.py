@@ -1,5 +1,6 @@
-"""The scatter family: index_put, scatter, scatter_add, scatter_reduce, index_add and
-embedding_dense_backward, as a copy of the target followed by an in-place ``Scatter``.
+"""The scatter family: index_put, scatter, scatter_add, scatter_reduce, index_add,
+embedding_dense_backward and as_strided_scatter, as a copy of the target followed by an
+in-place ``Scatter``.
 
 Two kernels per scatter: the first writes the whole target (a copy of ``self``, or a fill
 for ``new_zeros``), the second walks the *source* and writes each element to an indirect
@@ -19,12 +20,13 @@ import sympy
 import torch
 
 from ..ir.extern import make_fallback_call
-from ..ir.layout import MutationLayout
+from ..ir.layout import MutationLayout, contiguous_strides
 from ..ir.nodes import ComputedBuffer, IRNode, Pointwise, Scatter, StorageBox, TensorBox
-from ..ir.sym import Expr
+from ..ir.sym import Expr, ModularIndexing
 from ..virtualized import V, ops
+from .fallbacks import EagerInstead
 from .indexing import _indirect, _norm, advanced_indexer
-from .registry import expand, register_lowering, value_loader
+from .registry import eager_strides, expand, register_lowering, value_loader
 
 aten = torch.ops.aten
 
@@ -61,29 +63,32 @@ def _fallback(*args: Any, **kwargs: Any) -> Any:
     return make_fallback_call(node.target, args, kwargs)
 
 
-def _realized_copy(x: IRNode, dtype: torch.dtype) -> ComputedBuffer:
-    """A fresh contiguous buffer holding ``x`` as ``dtype``: the scatter's target."""
+def _realized_copy(x: IRNode, dtype: torch.dtype,
+                   stride: Sequence[Expr] | None = None) -> ComputedBuffer:
+    """A fresh buffer holding ``x`` as ``dtype``, contiguous unless ``stride`` is given:
+    the scatter's target."""
     load = value_loader(x, dtype)
     box = Pointwise.create(x.get_device(), dtype, load, x.get_size())
     box.realize()
     storage = box.storage()
     assert storage is not None and isinstance(storage.data, ComputedBuffer)
     buf = storage.data
-    buf.freeze_layout()
+    buf.freeze_layout(stride)
     return buf
 
 
 def scatter_into(x: IRNode, ranges: Sequence[Expr], to_target: IndexMap,
                  value: Callable[[Sequence[Expr]], Any], value_dtype: torch.dtype,
-                 mode: str | None) -> TensorBox:
-    """Copy ``x``, then write ``value(i)`` at ``to_target(i)`` for every ``i`` in ``ranges``.
+                 mode: str | None, stride: Sequence[Expr] | None = None) -> TensorBox:
+    """Copy ``x`` (laid out with ``stride`` if given), then write ``value(i)`` at
+    ``to_target(i)`` for every ``i`` in ``ranges``.
 
     ``value`` yields values of ``value_dtype``; they are converted to the target's dtype
     (fp32 for reduced floats with an atomic mode). The result reads the scattered target.
     """
     dtype = x.get_dtype()
     acc = _accumulator_dtype(dtype, mode)
-    target = _realized_copy(x, acc)
+    target = _realized_copy(x, acc, stride)
     lay = target.get_layout()
 
     def inner_fn(index: Sequence[Expr]) -> Any:
@@ -127,6 +132,60 @@ def index_put(x: IRNode, indices: Sequence[IRNode | None], values: IRNode,
     out_size, to_target = advanced_indexer(x.get_size(), indices)
     vals = expand(values, out_size)
     return scatter_into(x, out_size, to_target, vals.make_loader(), values.get_dtype(), mode)
+
+
+# -- as_strided_scatter ------------------------------------------------------------------
+
+
+@register_lowering(aten.as_strided_scatter)
+def as_strided_scatter(x: IRNode, src: IRNode, size: Sequence[int], stride: Sequence[int],
+                       storage_offset: int | None = None) -> IRNode:
+    """A copy of ``x`` with ``src`` written through ``as_strided(size, stride, offset)`` of
+    the copy's storage (what functionalization makes of an in-place write to a strided view
+    of a base, e.g. Swin's window partition in the backward).
+
+    Eager's copy has ``x``'s geometry: its strides and its storage offset, the offset the
+    strides start from. Where ``x`` is dense (contiguous, or a permutation of it), the copy
+    is made in that layout and each element of ``src`` goes to the element of ``x`` whose
+    storage position the strides give. A window reaching past ``x``'s elements, or an
+    ``x`` with gaps, runs ATen's kernel.
+    """
+    node = V.graph.current_node
+    arg = node.args[0] if node is not None and node.args else None
+    meta = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    layout = eager_strides(arg=0)
+    if not isinstance(meta, torch.Tensor) or layout is None:
+        raise EagerInstead("as_strided_scatter into an input with gaps (or no eager layout)")
+    shape = list(x.get_size())
+    numel = int(meta.numel())
+    base = int(meta.storage_offset())
+    start = storage_offset if storage_offset is not None else base
+    if any(int(s) < 0 for s in stride) or not base <= start or start + sum(
+            (int(n) - 1) * int(s) for n, s in zip(size, stride)) >= base + numel:
+        raise EagerInstead("as_strided_scatter window outside its input's elements")
+    copy_stride = [sympy.Integer(int(s)) for s in layout]
+    row_major = list(contiguous_strides(shape))
+    strides = [sympy.Integer(int(s)) for s in stride]
+    ranges = [sympy.Integer(int(n)) for n in size]
+    load, dtype = _source_value(expand(src, ranges), x.get_dtype(), ranges)
+
+    def position(idx: Sequence[Expr]) -> Expr:  # from x's first element
+        return sympy.Integer(start - base) + sum(
+            (i * s for i, s in zip(idx, strides)), sympy.Integer(0))
+
+    if all(c == r for c, r, n in zip(copy_stride, row_major, shape) if n != 1):
+        from .views import view  # a contiguous copy: scatter into it as one flat row
+
+        out = scatter_into(view(x, [sympy.Integer(numel)]), ranges,
+                           lambda i: [position(i)], load, dtype, None)
+        return view(out, shape)
+
+    def to_target(idx: Sequence[Expr]) -> list[Expr]:
+        p = position(idx)
+        return [sympy.Integer(0) if n == 1 else ModularIndexing(p, st, n)
+                for st, n in zip(copy_stride, shape)]
+
+    return scatter_into(x, ranges, to_target, load, dtype, None, copy_stride)
 
 
 # -- scatter, scatter_add, scatter_reduce -------------------------------------------------

@@ -25,7 +25,9 @@ def test_triton_scatter_matches_eager(item: Any) -> None:
     case, dtype = item
     args = case.inputs(dtype)
     compiled = compile_fn(lambda *a: flat_outputs(case.fn(*a)), args)
-    assert any("tl.atomic_" in k.source or "scatter" in k.name for k in compiled.kernels)
+    assert "aten." not in compiled.wrapper_source  # no op ran as ATen's kernel
+    if case.name != "as_strided_scatter":  # a plain store: the window's elements are unique
+        assert any("tl.atomic_" in k.source or "scatter" in k.name for k in compiled.kernels)
     assert_case_matches(case, args, list(run_compiled(compiled, args)), dtype)
 
 
