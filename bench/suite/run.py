@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rows at once, round-robin over the GPUs (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no row after this; the rows left are listed")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the suites (hf, timm, torchvision) in the row order, so a "
+                   "run cut short by --budget covers each")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -66,6 +69,19 @@ def shard_of(rows: list[Any], shard: str) -> list[Any]:
     if not 1 <= i <= n:
         raise SystemExit(f"--shard {shard}: want i/n with 1 <= i <= n")
     return rows[i - 1::n]
+
+
+def interleaved(rows: list[Any]) -> list[Any]:
+    """The rows with their suites taken in turn, each suite's in its own order."""
+    queues: dict[str, list[Any]] = {}
+    for row in rows:
+        queues.setdefault(row.suite, []).append(row)
+    out: list[Any] = []
+    while any(queues.values()):
+        for queue in queues.values():
+            if queue:
+                out.append(queue.pop(0))
+    return out
 
 
 def options(args: argparse.Namespace, device: str) -> dict[str, Any]:
@@ -156,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.suite.models import select
 
     rows = shard_of(select(args.models, args.mode), args.shard)
+    if args.interleave:
+        rows = interleaved(rows)
     if args.list:
         print("\n".join(m.name for m in rows))
         return 0

@@ -75,3 +75,15 @@ def test_report_merges_shards_and_summarizes(tmp_path: Path) -> None:
     assert math.isclose(hf["speedup_vs_eager"], math.sqrt(2.5 * 10 / 9))
     assert math.isclose(hf["compile_ratio"], 0.25) and math.isclose(hf["memory_ratio"], 1.1)
     assert math.isclose(timm["kiln_over_inductor"], 1.25)
+
+
+def test_interleave_takes_the_suites_in_turn_and_keeps_each_suites_order() -> None:
+    from bench.suite.models import select
+    from bench.suite.run import interleaved
+
+    rows = select(None, "inference")
+    order = interleaved(rows)
+    assert sorted(r.name for r in order) == sorted(r.name for r in rows)
+    assert [r.suite for r in order[:3]] == ["hf", "timm", "torchvision"]
+    for suite in ("hf", "timm", "torchvision"):
+        assert [r for r in order if r.suite == suite] == [r for r in rows if r.suite == suite]
