@@ -40,6 +40,11 @@ def buffer_bytes(buf: Buffer) -> int:
     return V.graph.sizevars.size_hint(storage_bytes(buf))
 
 
+# Ops that return their input although their schema does not say so: waiting for a
+# functional collective (tensor-parallel graphs) hands back the collective's own output.
+RETURNS_ITS_INPUT = frozenset({"_c10d_functional::wait_tensor"})
+
+
 def fallback_aliases(buffers: list[Buffer]) -> dict[str, set[str]]:
     """Buffers that may share storage with an input of theirs: a fallback whose op returns
     a view of an argument (``squeeze_``, ``view_as_real``, ``select`` on complex values)
@@ -48,8 +53,9 @@ def fallback_aliases(buffers: list[Buffer]) -> dict[str, set[str]]:
     for buf in buffers:
         if not isinstance(buf, FallbackKernel) or buf.op_overload is None:
             continue
-        returns = buf.op_overload._schema.returns
-        if not any(r.alias_info is not None for r in returns):
+        schema = buf.op_overload._schema
+        if schema.name not in RETURNS_ITS_INPUT and not any(
+                r.alias_info is not None for r in schema.returns):
             continue
         sources = set(buf.input_names())
         for name in [buf.get_name()] + [o.get_name() for o in buf.outputs]:

@@ -91,7 +91,13 @@ COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_au
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
 # ``torch_nn`` holds ops torch itself defines with ``torch.library`` (the chunked
 # ``F.linear_cross_entropy``): pure computations, per-op fallbacks in the graph.
-OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn"})
+OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn", "_c10d_functional"})
+# Namespaces of which only some ops may be named. The functional collectives of tensor-
+# parallel graphs (DTensor): a worker only computes their outputs' metadata (fake tensors,
+# never a process group); the client runs them, each as ATen's kernel.
+_NAMESPACE_OPS = {"_c10d_functional": frozenset({
+    "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+    "broadcast", "wait_tensor"})}
 # torch modules that register a namespace's ops when imported (torch imports them lazily,
 # so a worker that never called the function has not registered them yet).
 _NAMESPACE_MODULES = {"torch_nn": ("torch.nn.modules.linear_cross_entropy",)}
@@ -464,8 +470,10 @@ def _resolve_target(wire: Any) -> Any:
         return _HIGHER_ORDER_OPS[qualname]
     if kind not in ("op", "packet") or len(parts) != (3 if kind == "op" else 2):
         raise SerializationError(f"bad call target {wire!r:.200}")
+    only = _NAMESPACE_OPS.get(parts[0])
     if parts[0] not in OP_NAMESPACES or not all(
-            _OP_PART_RE.fullmatch(part) and not part.startswith("__") for part in parts[1:]):
+            _OP_PART_RE.fullmatch(part) and not part.startswith("__") for part in parts[1:]
+    ) or (only is not None and parts[1] not in only):
         raise SerializationError(
             f"op {qualname!r:.200} is not allowed in a request: ops come from the "
             f"{sorted(OP_NAMESPACES)} namespaces, named by identifiers (no dunders)")

@@ -164,6 +164,16 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """Compile one ATen graph; on any failure, the eager graph with one warning."""
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from kiln.frontend.core.opaque import without_opaque_inputs
+
+    try:
+        stripped = without_opaque_inputs(gm, example_inputs)
+    except ValueError as e:
+        warn_eager(name, "graph check", str(e))
+        return make_boxed_func(gm.forward)
+    if stripped is not None:  # a mesh or process group the graph passes along
+        inner, inputs, where = stripped
+        return where.wrap(compile_aten_graph(inner, inputs, config, name))
     reason = unsupported_reason(example_inputs)
     if reason is not None:
         warn_eager(name, "graph check", reason)

@@ -7,6 +7,7 @@ compares with eager."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -178,3 +179,24 @@ def test_fallback_output_whose_meta_dtype_is_wrong_is_converted(
     (graph,) = compiled_graphs
     assert "aten._batch_norm_with_update_functional.default" in fallback_ops(graph)
     assert "torch.bfloat16)" in graph.wrapper_source  # the planned dtype is checked
+
+
+def test_the_collectives_output_lives_as_long_as_its_wait() -> None:
+    """``wait_tensor`` returns the collective's output, though its schema does not say so:
+    that storage is not handed to a later kernel while the wait's result is still read
+    (it was: a kernel wrote over the all-reduced values before their last reader)."""
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.compiler.driver import compile_graph
+
+    c10d = torch.ops._c10d_functional
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", "0"))
+        a = y.sin() @ x
+        return (a + 1) @ x + y
+
+    args = [torch.randn(16, 16)]
+    source = compile_graph(trace_aten(fn, args), args, {}, name="wait").wrapper_source
+    reduced = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_reduce", source)
+    assert reduced is not None, source
+    assert f"= {reduced.group(1)}; del {reduced.group(1)}  # reuse" not in source, source

@@ -45,6 +45,7 @@ def _with_target(wire: list[Any], target: list[str]) -> bytes:
     ["packet", "_ops.ops"],                  # a private module attribute
     ["packet", "import_module.__call__"],    # torch.ops.import_module: import anything
     ["op", "mylib.evil_op.default"],         # a namespace outside the allowlist
+    ["op", "_c10d_functional.send.default"],  # a collective no graph of Kiln's names
 ])
 def test_op_outside_the_allowlist_is_refused(target: list[str]) -> None:
     x = torch.randn(4, 4)
@@ -66,6 +67,16 @@ def test_ops_torch_defines_with_torch_library_resolve() -> None:
     assert target is torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
     with pytest.raises(SerializationError, match="not allowed in a request"):
         _resolve_target(["op", "torch_nn.__class__.__init__"])
+
+
+def test_the_functional_collectives_of_tensor_parallel_graphs_resolve() -> None:
+    from kiln.compiler.request import _resolve_target
+
+    ops = torch.ops._c10d_functional
+    assert _resolve_target(["op", "_c10d_functional.all_reduce.default"]) is \
+        ops.all_reduce.default
+    assert _resolve_target(["op", "_c10d_functional.wait_tensor.default"]) is \
+        ops.wait_tensor.default
 
 
 def test_aten_ops_with_private_names_still_resolve() -> None:
