@@ -76,10 +76,15 @@ class GraphLowering(torch.fx.Interpreter):
         self.gemm_selection = GemmSelection()  # how matmuls lower (the driver sets it)
 
     def _default_device(self) -> torch.device:
-        for t in self.example_inputs:
-            if isinstance(t, (torch.Tensor, SymbolicTensor)):
-                return torch.device(t.device.type)
-        return torch.device("cpu")
+        """The graph's device: the target's kind where a target is given (a graph that
+        makes CUDA tensors from sizes alone has no CUDA input), else a GPU input's, else
+        the first tensor input's (a CPU scalar tensor beside GPU ones is a CPU scalar)."""
+        if self.target.get("kind") == "cuda":
+            return torch.device("cuda")
+        devices = [torch.device(t.device.type) for t in self.example_inputs
+                   if isinstance(t, (torch.Tensor, SymbolicTensor))]
+        return next((d for d in devices if d.type == "cuda"), devices[0] if devices
+                    else torch.device("cpu"))
 
     # -- buffer registry ------------------------------------------------------------
 
@@ -137,7 +142,18 @@ class GraphLowering(torch.fx.Interpreter):
         box = TensorBox.create(InputBuffer(name=name, layout=layout))
         self.graph_inputs[name] = box
         self.graph_input_names.append(name)
+        if layout.device.type == "cpu" and self.default_device.type != "cpu":
+            return self._on_device(box)
         return box
+
+    def _on_device(self, box: TensorBox) -> Any:
+        """A CPU tensor input of a GPU graph (eager's CPU scalar: ``x * torch.tensor(2.)``),
+        copied to the graph's device once at the start of a call: the graph's kernels
+        read device memory only."""
+        from .ir.extern import make_fallback_call
+
+        return make_fallback_call(torch.ops.aten._to_copy.default, [box],
+                                  {"device": self.default_device})
 
     def _add_symbol_source(self, expr: sympy.Expr, source: str) -> None:
         if isinstance(expr, sympy.Symbol) and expr not in self.symbol_sources:

@@ -176,6 +176,8 @@ def plan_memory(scheduler: Scheduler, stored: set[str] | None = None) -> MemoryP
             buf = graph.name_to_buffer.get(name)
             if buf is None or not _allocates(buf) or name in aliases:
                 continue  # freeing a view frees nothing: its source enters the pool
+            if isinstance(buf, (FallbackKernel, MultiOutput)):
+                continue  # storage an ATen op chose: its size is the op's, not the meta's
             free_pool.append(name)
         live -= sum(plan.allocations.get(n, 0) for n in node.last_usage if n not in outputs)
     for name, (start, _) in list(plan.lifetimes.items()):

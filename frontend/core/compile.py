@@ -24,7 +24,7 @@ from kiln.compiler.request import CompileRequest
 from kiln.compiler.runtime.buckets import NewBucket
 from kiln.frontend.config import KilnConfig
 from kiln.frontend.core.client import CompileResult, KilnClient, client_for
-from kiln.frontend.core.graphs import graph_constants, input_device, observers, output_code
+from kiln.frontend.core.graphs import graph_constants, graph_device, observers, output_code
 from kiln.frontend.core.serialize import make_request
 from kiln.frontend.core.warmup import Warmup
 from kiln.frontend.trace import flush as flush_trace
@@ -84,7 +84,7 @@ def request_options(config: KilnConfig, name: str = "") -> dict[str, Any]:
 def build_request(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   config: KilnConfig, target: dict[str, Any] | None = None,
                   name: str = "") -> CompileRequest:
-    target = target if target is not None else target_for(input_device(example_inputs))
+    target = target if target is not None else target_for(graph_device(gm, example_inputs))
     return make_request(gm, example_inputs, options=request_options(config, name),
                         target=target)
 
@@ -116,7 +116,7 @@ def _compile_and_load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if regional is not None:
         flush_trace()
         return regional
-    warm = Warmup.for_graph(gm, input_device(example_inputs), config.warm_first_call)
+    warm = Warmup.for_graph(gm, graph_device(gm, example_inputs), config.warm_first_call)
     result = client.compile(request, name, count_hit=False, warm=warm)
     loaded_at = time.perf_counter()
     build = _builder(gm, example_inputs, config, name)
@@ -154,7 +154,7 @@ def _builder(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Ki
              name: str) -> Callable[[CompiledGraph, NewBucket | None], Callable[..., Any]]:
     """How this graph's compiled form becomes its callable (its constants, its device,
     CUDA graphs if asked): for the first kernels, and again for tuned ones."""
-    constants, device = graph_constants(gm), input_device(example_inputs)
+    constants, device = graph_constants(gm), graph_device(gm, example_inputs)
 
     def build(compiled: CompiledGraph, on_new_bucket: NewBucket | None = None
               ) -> Callable[..., Any]:

@@ -29,10 +29,26 @@ def graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return out
 
 def input_device(example_inputs: Sequence[Any]) -> torch.device:
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
+    """The device of the inputs: a GPU's where any input is on one (a CPU scalar tensor
+    beside GPU tensors is eager's "CPU scalar", not a CPU graph), else the CPU."""
+    devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+    return next((d for d in devices if d.type == "cuda"), devices[0] if devices
+                else torch.device("cpu"))
+
+
+def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.device:
+    """The device a graph computes on: its inputs' (``input_device``), or, where no input
+    is on a GPU, a GPU any of its values is made on (a graph that builds a mask from sizes
+    alone takes no tensor, or CPU tensors only, and makes CUDA tensors)."""
+    device = input_device(example_inputs)
+    if device.type == "cuda":
+        return device
+    for node in gm.graph.nodes:
+        value = node.meta.get("val", node.meta.get("example_value"))
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                return v.device
+    return device
 
 # Observers of every graph compiled in this process (``kiln precompile``'s progress).
 observers: list[Callable[[str, CompileResult], None]] = []

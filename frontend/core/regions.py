@@ -245,12 +245,12 @@ def compile_regional(client: KilnClient, gm: torch.fx.GraphModule,
                      request: CompileRequest) -> Callable[..., Any] | None:
     """The stitched callable of ``gm`` compiled as regions, or None where the graph does
     not cut into two regions or more (the caller compiles it whole)."""
-    from kiln.frontend.core.graphs import graph_constants, input_device
+    from kiln.frontend.core.graphs import graph_constants, graph_device
 
     start = time.perf_counter()
     key = compute_key(request)
     constants = list(graph_constants(gm).values())
-    device = input_device(example_inputs)
+    device = graph_device(gm, example_inputs)
     try:
         plan = stored_plan(client, key.key, len(example_inputs), len(constants))
     except WholeGraphStored:

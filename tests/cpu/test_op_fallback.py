@@ -17,6 +17,7 @@ import torch
 
 from kiln import KilnFallbackWarning
 from kiln.compiler.compiled_graph import CompiledGraph
+from kiln.compiler.compiled_graph import load as load_graph
 
 aten = torch.ops.aten
 
@@ -200,3 +201,27 @@ def test_the_collectives_output_lives_as_long_as_its_wait() -> None:
     reduced = re.search(r"(buf\d+) = torch\.ops\._c10d_functional\.all_reduce", source)
     assert reduced is not None, source
     assert f"= {reduced.group(1)}; del {reduced.group(1)}  # reuse" not in source, source
+
+
+def test_an_aten_ops_output_is_never_handed_to_a_later_kernel() -> None:
+    """The storage an op run as ATen's kernel returns is the op's choice: a tensor the
+    meta says is (8, 16384) may come back empty, or as None (cuDNN attention's logsumexp
+    in inference on the H100: segformer's wrapper reinterpreted None). Only storage the
+    wrapper allocated itself is reused."""
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.compiler.driver import compile_graph
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.sort(x, 0).values  # run as ATen's kernel
+        z = y.sin() @ x
+        return (z.cos() @ x).exp()
+
+    args = [torch.randn(16, 16)]
+    compiled = compile_graph(trace_aten(fn, args), args, {}, name="donor")
+    source = compiled.wrapper_source
+    made = re.search(r"(buf\d+) = buf\d+\[0\]", source)  # sort's values
+    assert made is not None, source
+    assert f"= reinterpret_tensor({made.group(1)}," not in source, source
+    assert f"= {made.group(1)}; del {made.group(1)}  # reuse" not in source, source
+    torch.testing.assert_close(load_graph(compiled)([a.clone() for a in args])[0], fn(*args),
+                               rtol=1e-4, atol=1e-4)

@@ -281,3 +281,35 @@ def test_encoder_layers_launches_and_mask_built_once() -> None:
     assert sum(ln.count("reinterpret_tensor(") for ln in matmuls) == 9, matmuls
     assert all(re.search(r"torch\.bmm\(buf\d+, buf\d+\)$", ln)
                for ln in matmuls if "torch.bmm(" in ln), matmuls
+
+
+def test_a_cpu_scalar_input_of_a_gpu_graph_is_copied_to_the_gpu_first() -> None:
+    """Eager lets a CPU scalar tensor meet CUDA tensors (``x * torch.tensor(2.)``); a
+    Triton kernel reads device memory only, so the input is copied to the device once at
+    the start of the call (it was handed to the kernel as a host pointer: a segfault or
+    "invalid argument" on the H100 in torchvision's Swin and the detection models)."""
+    mode = FakeTensorMode()
+    (x,) = _fake((8, 8), dtype=torch.float32, mode=mode)
+    with mode:
+        s = torch.empty((), dtype=torch.float32)
+    compiled = compile_graph(trace_aten(lambda x, s: (x * s).sin(), [x, s]), [x, s], {},
+                             compile_kernels=False, target=SM90)
+    body = _body(compiled)
+    assert "buf0 = torch.ops.aten._to_copy.default(arg1_1, device=DEVICE)" in body, body
+    launch = next(ln for ln in body if ".run(" in ln)
+    assert "arg1_1" not in launch and "buf0" in launch, launch
+
+
+def test_a_graph_with_no_gpu_input_that_makes_gpu_tensors_is_a_gpu_graph() -> None:
+    """A graph that builds a mask from sizes alone (BART's, after a graph break) takes no
+    CUDA tensor: its device comes from what it makes, and it compiles for the GPU (it was
+    compiled for the CPU, and its mask came back on the CPU)."""
+    from kiln.frontend.core.graphs import graph_device
+
+    mode = FakeTensorMode()
+    with mode:
+        cpu = torch.empty(4)
+    gm = trace_aten(lambda n: torch.ones(8, 8, device="cuda").tril() * n.sum(), [cpu])
+    assert graph_device(gm, [cpu]).type == "cuda"
+    gm_cpu = trace_aten(lambda n: torch.ones(8, 8).tril() * n.sum(), [cpu])
+    assert graph_device(gm_cpu, [cpu]).type == "cpu"

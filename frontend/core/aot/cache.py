@@ -83,7 +83,7 @@ from kiln.frontend.core.aot.training import (
 )
 from kiln.frontend.core.client import CompileResult, KilnClient, client_for
 from kiln.frontend.core.compile import LoadFailure, load_stored, request_options, target_for
-from kiln.frontend.core.graphs import graph_constants, input_device, observers
+from kiln.frontend.core.graphs import graph_constants, graph_device, observers
 from kiln.frontend.core.regions import (
     DeferredGraph,
     Plan,
@@ -485,6 +485,7 @@ class AotCache:
 
     def __init__(self, config: KilnConfig) -> None:
         self.config = config
+        self.device = torch.device("cpu")  # the looked-up graph's (set by its key)
         self.client: KilnClient = client_for(config)
 
     def lookup(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
@@ -524,7 +525,8 @@ class AotCache:
             raise NotCacheable("off", "KILN_AOT_CACHE=0")
         if self.config.cudagraphs:
             raise NotCacheable("cudagraphs", "CUDA graphs wrap the compiled graph")
-        target = target_for(input_device(example_inputs))
+        self.device = graph_device(gm, example_inputs)
+        target = target_for(self.device)
         return aot_key(gm, example_inputs, request_options(self.config), target, part_ms).key
 
     def _serve(self, key: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
@@ -604,8 +606,7 @@ class AotCache:
         assert result is not None
         name = result.compiled.name  # as it was called when it was compiled
         try:
-            call = load_stored(result, constants, input_device(example_inputs),
-                               self.config, name)
+            call = load_stored(result, constants, self.device, self.config, name)
         except LoadFailure as e:
             self._reject(key, f"its graph {result.key.key[:16]} does not load ({e})")
             return None
@@ -622,7 +623,7 @@ class AotCache:
         with trace.span("load region plan", cat="client", key=graph[:16],
                         regions=len(plan.regions)):
             call = load_plan(self.client, plan, ordered,  # type: ignore[arg-type]
-                             input_device(example_inputs), f"regions_{graph[:16]}")
+                             self.device, f"regions_{graph[:16]}")
         if call is None:
             return self._reject(key, f"a region of graph {graph[:16]} is not in the store "
                                 "or does not load")
