@@ -313,3 +313,8 @@ def test_a_graph_with_no_gpu_input_that_makes_gpu_tensors_is_a_gpu_graph() -> No
     assert graph_device(gm, [cpu]).type == "cuda"
     gm_cpu = trace_aten(lambda n: torch.ones(8, 8).tril() * n.sum(), [cpu])
     assert graph_device(gm_cpu, [cpu]).type == "cpu"
+    # A CPU scalar first among the inputs (Swin's and DeBERTa's graphs on the H100) does
+    # not make a CPU graph of a GPU one: the wrapper's device moves its constants there.
+    (x,) = _fake((4,), mode=mode)
+    gm_mixed = trace_aten(lambda n, x: x * n.sum(), [cpu, x])
+    assert graph_device(gm_mixed, [cpu, x]).type == "cuda"
