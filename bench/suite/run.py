@@ -59,6 +59,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interleave", action="store_true",
                    help="alternate the suites (hf, timm, torchvision) in the row order, so a "
                    "run cut short by --budget covers each")
+    p.add_argument("--commit", help="the commit to record (default: git's HEAD here; a "
+                   "copy of the tree whose .git is older than its files needs it)")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(m.name for m in rows))
         return 0
     result: dict[str, Any] = {"mode": args.mode, "backends": args.backends.split(","),
-                              "shard": args.shard, "commit": commit(), "tiny": args.tiny,
+                              "shard": args.shard, "commit": args.commit or commit(),
+                              "tiny": args.tiny,
                               "device": args.device, "rows": []}
     left = run_rows([m.name for m in rows], args, result)
     if left:
