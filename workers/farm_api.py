@@ -31,6 +31,25 @@ class FarmNotUp(FarmUnavailable):
     """``local`` mode and no farm is up: compile here, quietly (that is the default)."""
 
 
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited: it is gone, or a zombie. A farm's head and
+    gateway outlive the `kiln farm up` that started them, so no process of ours reaps
+    them; where init does not reap orphans either (a container without an init), an
+    exited one stays a zombie, which ``kill(pid, 0)`` still finds."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: running
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[-1].split()
+    except OSError:  # no /proc here, or it went meanwhile (the next look sees that)
+        return False
+    return bool(fields) and fields[0] in (b"Z", b"X")
+
+
 def host_port(address: str) -> tuple[str, int] | None:
     """(host, port) to probe for an address; None where there is nothing to probe."""
     rest = address.removeprefix("ray://")

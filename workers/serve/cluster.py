@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.workers.farm_api import host_port, probe
+from kiln.workers.farm_api import host_port, probe, process_ended
 from kiln.workers.gpu_share import SHARED_GPU_ENV
 from kiln.workers.ray_farm import LOOPBACK, RAY_LOOPBACK_ENV, is_loopback
 from kiln.workers.serve.farm_files import (
@@ -286,7 +286,12 @@ def head_process_problem(info: dict[str, Any]) -> str | None:
     return None
 
 
-def stop_local_cluster(grace_s: float = 5.0) -> dict[str, Any] | None:
+# A head given SIGTERM drains for up to 30 s before it exits; a farm going down need not
+# wait for that: a second for a head that ends at once, then SIGKILL.
+STOP_GRACE_S = 1.0
+
+
+def stop_local_cluster(grace_s: float = STOP_GRACE_S) -> dict[str, Any] | None:
     """Stop the cluster of `kiln farm up` and forget its address. Only a process proved
     to be that farm's head is stopped (with its process group); a stale farm file is
     removed, and the returned info's ``stale`` says why. None when there is no file."""
@@ -324,13 +329,9 @@ def _kill_group(pid: int, grace_s: float) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    try:  # Ray drains for up to 30 s on SIGTERM; a farm going down need not wait
+    while time.monotonic() < deadline and not process_ended(pid):
+        time.sleep(0.05)
+    try:  # the rest of the group, and a head still draining (see STOP_GRACE_S)
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import socket
 import sys
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.workers.farm_api import FarmTimeout, FarmUnavailable, probe
+from kiln.workers.farm_api import FarmTimeout, FarmUnavailable, probe, process_ended
 from kiln.workers.ray_farm import RayFarm, use_farm_token
 from kiln.workers.serve.wire import (
     HANDSHAKE_LIMIT,
@@ -273,9 +272,7 @@ class _Deadline:
 def _watch_head(pid: int, gateway: Gateway) -> None:
     """Close the gateway once the farm's Ray head (``pid``) is gone."""
     while not gateway.closed.is_set():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if process_ended(pid):
             gateway.close()
             return
         time.sleep(HEAD_CHECK_S)
