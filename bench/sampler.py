@@ -24,8 +24,9 @@ from typing import Any
 INTERVAL_S = 0.002
 EVENTS = ("subprocess.Popen", "os.posix_spawn", "os.system", "os.exec", "os.fork",
           "os.mkdir", "ctypes.dlopen", "import")
+# Functions a thread blocks in (a pipe's `read`: pytest-xdist's and execnet's receivers).
 IDLE = {"wait", "acquire", "sleep", "select", "poll", "_wait_for_tstate_lock", "get",
-        "readinto", "recv", "accept", "epoll", "join"}
+        "read", "readinto", "recv", "accept", "epoll", "join"}
 _hooked = False
 _active: Sampler | None = None
 
