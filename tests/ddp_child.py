@@ -59,6 +59,16 @@ class Net(torch.nn.Module):
         return self.d(x).log_softmax(-1)
 
 
+def finish_rank(out: Path, rank: int) -> None:
+    """Write ``<out>/rank<rank>.json`` (the keys this rank computed and its client
+    counters), then leave the process group with the other ranks."""
+    counters = process_counters()
+    reset_clients()
+    (out / f"rank{rank}.json").write_text(json.dumps({"keys": keys, "counters": counters}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     warnings.simplefilter("error", KilnFallbackWarning)
     out = Path(sys.argv[1])
@@ -80,11 +90,7 @@ def main() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(kiln.module.named_parameters(), eager.module.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-    counters = process_counters()
-    reset_clients()
-    (out / f"rank{rank}.json").write_text(json.dumps({"keys": keys, "counters": counters}))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, rank)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the keys this rank computed, in order, and its client counters.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -29,9 +28,8 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-from kiln.frontend.core.client import process_counters, reset_clients  # noqa: E402
 from kiln.frontend.core.fallback import KilnFallbackWarning  # noqa: E402
-from tests.ddp_child import keys  # noqa: E402  (records the client's keys)
+from tests.ddp_child import finish_rank  # noqa: E402  (records the client's keys)
 
 
 class Mlp(torch.nn.Module):
@@ -67,11 +65,7 @@ def main() -> None:
     for (name, p), q in zip(net.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), rtol=1e-4,
                                    atol=1e-5, msg=name)
-    counters = process_counters()
-    reset_clients()
-    (out / f"rank{rank}.json").write_text(json.dumps({"keys": keys, "counters": counters}))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, rank)
 
 
 if __name__ == "__main__":

@@ -55,15 +55,16 @@ def realize_input(x: IRNode) -> IRNode:
     return x
 
 
-def meta_tensor(x: IRNode) -> torch.Tensor:
-    """A meta tensor with the size, stride and dtype of a realized input."""
+def meta_tensor(x: IRNode, device: Any = "meta") -> torch.Tensor:
+    """A tensor with the size, stride, storage offset and dtype of a realized input, on
+    ``device`` (meta by default; a fake device inside a FakeTensorMode)."""
     if isinstance(x, (Buffer, ReinterpretView)):
         lay = x.get_layout() if isinstance(x, Buffer) else x.layout
         offset = int(lay.offset) if isinstance(x, ReinterpretView) else 0
         return strided_empty([int(s) for s in lay.size], [int(s) for s in lay.stride],
-                             offset, lay.dtype, "meta")
+                             offset, lay.dtype, device)
     size = [int(s) for s in x.get_size()]
-    return torch.empty(size, dtype=x.get_dtype(), device="meta")
+    return torch.empty(size, dtype=x.get_dtype(), device=device)
 
 
 def strided_empty(size: list[int], stride: list[int], offset: int, dtype: torch.dtype,
@@ -294,9 +295,7 @@ def _output_metas(op: torch._ops.OpOverload, args_t: Any, kwargs_t: Any,
 
 def _fake_like(x: IRNode) -> torch.Tensor:
     """Inside a FakeTensorMode: a fake tensor like realized input ``x``, on its device."""
-    t = meta_tensor(x)
-    return strided_empty(list(t.shape), list(t.stride()), int(t.storage_offset()), t.dtype,
-                         x.get_device())
+    return meta_tensor(x, x.get_device())
 
 
 def _buffer_name(x: IRNode) -> str:

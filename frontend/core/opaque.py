@@ -81,5 +81,6 @@ def without_opaque_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     for node in dropped:
         new.graph.erase_node(node)
     new.recompile()
-    kept = [x for i, x in enumerate(example_inputs) if i not in set(slots)]
+    taken = set(slots)
+    kept = [x for i, x in enumerate(example_inputs) if i not in taken]
     return new, kept, OpaqueInputs(tuple(slots), returned)
