@@ -18,6 +18,7 @@ compiled (farm or in process, wall time), from which ``kiln stats`` counts time 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kiln.artifact_store import Artifact
@@ -120,9 +121,34 @@ def _read_buckets(artifact: Artifact, graph: dict[str, Any], kernels: list[Kerne
     return buckets, binaries
 
 
-def to_artifact(key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
-                compile_info: dict[str, Any] | None = None) -> Artifact:
+@dataclass(frozen=True)
+class StoredRequest:
+    """The parts of a graph's request that its artifact's manifest keeps: enough to tune
+    the size buckets of a graph served by its key alone (the AOT cache's warm path, which
+    has no request) and to publish them under the same key, not to compile it."""
+
+    target: dict[str, Any]
+    versions: dict[str, Any]
+    options: dict[str, Any]
+    inputs: list[Any]  # as the manifest holds them (each input's wire form)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> StoredRequest | None:
+        """None where a field is missing or not of its type (then nothing is tuned)."""
+        target, versions = manifest.get("target"), manifest.get("versions")
+        options, inputs = manifest.get("options"), manifest.get("inputs")
+        if not (isinstance(target, dict) and isinstance(versions, dict)
+                and isinstance(options, dict) and isinstance(inputs, list)):
+            return None
+        return cls(target, versions, options, inputs)
+
+
+def to_artifact(key: KeyInfo, request: CompileRequest | StoredRequest,
+                compiled: CompiledGraph, compile_info: dict[str, Any] | None = None
+                ) -> Artifact:
     """The store's view of a compiled graph (see the module docstring for the layout)."""
+    inputs = (list(request.inputs) if isinstance(request, StoredRequest)
+              else [meta.to_wire() for meta in request.inputs])
     manifest: dict[str, Any] = {
         "layout": LAYOUT_VERSION,
         "key": key.key,
@@ -130,7 +156,7 @@ def to_artifact(key: KeyInfo, request: CompileRequest, compiled: CompiledGraph,
         "target": request.target,
         "versions": request.versions,
         "options": request.options,
-        "inputs": [meta.to_wire() for meta in request.inputs],
+        "inputs": inputs,
     }
     return _with_graph(key.key, manifest, compiled, compile_info)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.compiler import trace
 from kiln.compiler.codegen.kernel_spec import KernelSpec
@@ -28,11 +28,14 @@ from kiln.compiler.runtime.buckets import aligned_sizes, generic_config
 from . import foreground
 from .pipeline import KernelCache, KernelJob, candidate_configs, fastest, needs_binary
 
+if TYPE_CHECKING:
+    from .artifact import StoredRequest
+
 # (kernel, bucket) -> (byte extent of each tensor argument, integer size arguments)
 Seen = dict[tuple[str, str], tuple[list[int], list[int]]]
 
 
-def can_tune_buckets(request: CompileRequest) -> bool:
+def can_tune_buckets(request: CompileRequest | StoredRequest) -> bool:
     """Whether this process can tune a request's buckets: autotuning asked, and a GPU of
     its arch (or the tests' fake benchmark, which also serves the interpreter)."""
     from .autotune import fake_autotune

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -34,6 +34,9 @@ from kiln.compiler.request import CompileRequest, canonical, compile_options
 from kiln.compiler.versions import versions
 
 from . import foreground
+
+if TYPE_CHECKING:
+    from .artifact import StoredRequest
 
 log = logging.getLogger("kiln.workers")
 
@@ -459,7 +462,7 @@ def _tune_sliced(jobs: dict[str, list[KernelJob]], cache: KernelCache, pacer: An
     return chosen, timed
 
 
-def local_autotune(request: CompileRequest) -> bool:
+def local_autotune(request: CompileRequest | StoredRequest) -> bool:
     """Whether this process can autotune the request: asked, and a GPU of its arch (or
     the tests' fake benchmark)."""
     if not request.options.get("autotune", True) or request.target.get("kind") != "cuda":

@@ -49,7 +49,13 @@ from kiln.frontend.transports.inprocess import InProcessFarm
 from kiln.frontend.transports.modes import LocalFarm, farm_for
 from kiln.frontend.tuning import BackgroundTuner
 from kiln.workers import foreground, gpu_share
-from kiln.workers.artifact import compile_seconds, cubin_records, from_artifact, to_artifact
+from kiln.workers.artifact import (
+    StoredRequest,
+    compile_seconds,
+    cubin_records,
+    from_artifact,
+    to_artifact,
+)
 from kiln.workers.farm_api import FarmNotUp, FarmTimeout, FarmUnavailable
 from kiln.workers.kernel_store import KernelStore
 from kiln.workers.pipeline import (
@@ -89,6 +95,8 @@ class CompileResult:
     recorded_compile_s: float = 0.0  # on a hit: what compiling it cost when it was made
     published_bytes: int | None = None  # on a miss: bytes the store took; None: not stored
     recorded_inputs: list[Any] | None = None  # on a hit: the input metas its manifest names
+    # on a hit: the request's parts its manifest keeps (tuning a served graph's buckets)
+    stored_request: StoredRequest | None = None
     # What the store lookup found: "found", or why it missed ("missing"; "damaged: ...",
     # "refused: ..." as the store said; "a regions plan"; "did not decode: ..."), so that a
     # warm start that compiled can say why (bench/coldstart.py, KILN_DEBUG's key.json).
@@ -298,7 +306,8 @@ class KilnClient:
             key = KeyInfo(key.key, {str(k): str(v) for k, v in parts.items()})
         return CompileResult(compiled, key, "hit", timings,
                              recorded_compile_s=compile_seconds(artifact.manifest),
-                             recorded_inputs=inputs if isinstance(inputs, list) else None
+                             recorded_inputs=inputs if isinstance(inputs, list) else None,
+                             stored_request=StoredRequest.from_manifest(artifact.manifest)
                              ), "found"
 
     def lookup(self, key: str) -> CompileResult | None:
@@ -407,7 +416,8 @@ class KilnClient:
             if listener is not None:
                 listener(tuned)
 
-    def publish_tuned(self, key: KeyInfo, request: CompileRequest, tuned: CompiledGraph,
+    def publish_tuned(self, key: KeyInfo, request: CompileRequest | StoredRequest,
+                      tuned: CompiledGraph,
                       compile_s: float = 0.0) -> bool:
         """Publish a graph tuned in this process (a bucket tuned after it was loaded),
         superseding the artifact under its key; only where this process is a builder."""

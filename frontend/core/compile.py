@@ -198,14 +198,32 @@ def compile_as_regions(client: KilnClient, gm: torch.fx.GraphModule,
 
 
 def load_stored(result: CompileResult, constants: dict[str, torch.Tensor],
-                device: torch.device, config: KilnConfig, name: str) -> Callable[..., Any]:
+                device: torch.device, config: KilnConfig, name: str,
+                client: KilnClient | None = None) -> Callable[..., Any]:
     """Load a graph the store gave for a key alone (the AOT cache's warm path: no request,
     so no repair here: a graph that does not load raises :class:`LoadFailure` and the
-    caller takes the traced path, which repairs it)."""
+    caller takes the traced path, which repairs it). A graph with dynamic sizes that this
+    process can tune (``client`` given) is a ``SwappableGraph``: each size bucket it meets
+    that its artifact has no tuned config for is tuned here, switched to and published,
+    from the request's parts that its manifest keeps."""
+    from kiln.frontend.core.hotswap import SwappableGraph, wants_swap
+
+    stored = result.stored_request
     try:
         with trace.span("load graph", cat="client", graph=name, source="aot cache hit",
                         kernels=len(result.compiled.kernels)):
-            fn = load(result.compiled, constants, device)
+            if client is not None and stored is not None and wants_swap(
+                    result.compiled, stored, result.source, client):
+                def build(compiled: CompiledGraph, on_new_bucket: NewBucket | None = None
+                          ) -> Callable[..., Any]:
+                    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                        return load(compiled, constants, device, on_new_bucket)
+
+                fn: Callable[..., Any] = SwappableGraph(
+                    build, result.compiled, client, result.key, stored,
+                    result.recorded_compile_s)
+            else:
+                fn = load(result.compiled, constants, device)
     except Exception as e:
         raise LoadFailure(f"{type(e).__name__}: {e}") from e
     print_output_code(config, name, result)

@@ -45,6 +45,7 @@ from kiln.frontend.core.client import KilnClient
 from kiln.frontend.core.first_call import traced_first_call
 from kiln.frontend.core.keys import KeyInfo
 from kiln.workers import gpu_share
+from kiln.workers.artifact import StoredRequest
 from kiln.workers.buckets import Seen, can_tune_buckets, tune_buckets
 
 log = logging.getLogger("kiln.hotswap")
@@ -52,8 +53,8 @@ log = logging.getLogger("kiln.hotswap")
 Build = Callable[[CompiledGraph, "NewBucket | None"], Callable[..., Any]]
 
 
-def wants_swap(compiled: CompiledGraph, request: CompileRequest, source: str,
-               client: KilnClient) -> bool:
+def wants_swap(compiled: CompiledGraph, request: CompileRequest | StoredRequest,
+               source: str, client: KilnClient) -> bool:
     """Whether a loaded graph may change kernels while it runs: this process tunes it
     in the background (``source``: it compiled it), or it has kernels with dynamic sizes
     and this process can tune their buckets."""
@@ -67,7 +68,8 @@ class SwappableGraph:
     """``graph(args)`` runs the current kernels; see the module docstring."""
 
     def __init__(self, build: Build, compiled: CompiledGraph, client: KilnClient,
-                 key: KeyInfo, request: CompileRequest, recorded_s: float = 0.0) -> None:
+                 key: KeyInfo, request: CompileRequest | StoredRequest,
+                 recorded_s: float = 0.0) -> None:
         # On the instance, not the class: torch wraps a backward graph's callable
         # (functools.wraps copies the instance's __dict__ only), and AOTAutograd reads
         # the flag on the wrapper.

@@ -140,8 +140,8 @@ def test_buckets_tuned_swapped_recorded_and_reloaded(
 def test_launcher_picks_the_bucket_config() -> None:
     g = torch.Generator().manual_seed(1)
     _compiled_marked(g)
-    # Traced again (the AOT cache would serve the stored graph as it is: a served graph
-    # has no request to tune new buckets from, so it is no SwappableGraph).
+    # Traced again, with the AOT cache off: this graph is the only one compiled (the
+    # served path has its own test below).
     compiled = _compiled_marked(g, {**OPTIONS, "aot_cache": False})  # noqa: F841
     for n in (2, 1031):
         _call(compiled, n, g)
@@ -155,6 +155,65 @@ def test_launcher_picks_the_bucket_config() -> None:
     assert launcher.launcher_for(128).config["XBLOCK"] == 128
     assert launcher.launcher_for(65984).config["XBLOCK"] == 4096
     assert launcher.launcher_for(3 * 2**20) is launcher.default  # a bucket never seen
+
+
+def test_a_served_graph_tunes_the_buckets_its_artifact_lacks_and_publishes_them(
+        launches: list[tuple[int, int]]) -> None:
+    """The AOT cache's warm path has no request, only the artifact: a bucket the stored
+    graph has no tuned config for is tuned in the process that meets it, switched to,
+    and published under the same key, so the next process launches it tuned."""
+    g = torch.Generator().manual_seed(4)
+    compiled = _compiled_marked(g)  # compiled, then its first bucket tuned (n = 64)
+    assert wait_for_background(120)
+    client = client_for(KilnConfig.resolve(OPTIONS))
+    (graph,) = _swappable()
+    key = graph.key.key
+    assert set(graph.compiled.buckets[_dynamic_kernel(graph)]) == {"4096x1"}
+    del compiled, graph
+
+    def new_process() -> tuple[Any, Any]:
+        reset_clients()
+        torch._dynamo.reset()
+        gc.collect()
+        launches.clear()
+        again = torch.compile(fn, backend="kiln", options=OPTIONS)
+        x, y = torch.randn(13, WIDTH, generator=g), torch.randn(13, WIDTH, generator=g)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
+        torch.testing.assert_close(again(x, y), fn(x, y), rtol=1e-5, atol=1e-5)
+        return again, client_for(KilnConfig.resolve(OPTIONS))
+
+    served, client = new_process()
+    counters = client.counters.snapshot()
+    assert counters.get("aot_hits") == 1 and not counters.get("compiles"), counters
+    assert launches == [(832, 1024)], launches  # bucket 1024x1: not tuned, heuristic
+    assert wait_for_background(120)
+    (graph,) = [s for s in _swappable() if s.key.key == key]
+    assert graph.swaps == 1, graph.swaps
+    launches.clear()
+    _call(served, 13, g)
+    _call(served, 64, g)  # the stored bucket is kept
+    assert launches == [(832, 512), (4096, 4096)], launches
+    counters = client.counters.snapshot()
+    assert counters["bucket_tunes"] == 1 and counters["autotune_publishes"] == 1, counters
+    manifest = client.store.get_manifest(key)
+    assert manifest is not None
+    assert {b: c["XBLOCK"] for b, c in
+            manifest["graph"]["buckets"][_dynamic_kernel(graph)].items()} == {
+        "4096x1": 4096, "1024x1": 512}
+    del served, graph
+
+    third, client = new_process()  # starts tuned: nothing benchmarked
+    assert launches == [(832, 512)], launches
+    assert wait_for_background(120)
+    counters = client.counters.snapshot()
+    assert counters.get("aot_hits") == 1 and not counters.get("bucket_tunes"), counters
+    del third
+
+
+def _dynamic_kernel(graph: SwappableGraph) -> str:
+    (spec,) = [s for s in graph.compiled.kernels if s.size_args]
+    return spec.name
 
 
 def test_failed_tuning_keeps_heuristic_kernels_with_one_warning(

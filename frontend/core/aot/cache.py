@@ -606,7 +606,7 @@ class AotCache:
         assert result is not None
         name = result.compiled.name  # as it was called when it was compiled
         try:
-            call = load_stored(result, constants, self.device, self.config, name)
+            call = load_stored(result, constants, self.device, self.config, name, self.client)
         except LoadFailure as e:
             self._reject(key, f"its graph {result.key.key[:16]} does not load ({e})")
             return None
