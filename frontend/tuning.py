@@ -38,6 +38,7 @@ here, or while a forward's backward is still to come (``workers.foreground``).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 (its exit hook first: see wait_at_exit's)
 import logging
 import os
 import threading
@@ -204,7 +205,15 @@ def wait_at_exit() -> int:
     return left
 
 
+# The wait runs from threading's exit hooks, which come before atexit's and, registered
+# after concurrent.futures' own (imported here first; they run in reverse order), before
+# it refuses new thread pools: a job that compiles its candidates in a pool during the
+# wait still finishes. atexit's hook covers an interpreter that skips threading's.
 atexit.register(wait_at_exit)
+try:
+    threading._register_atexit(wait_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python, or already shutting down
+    pass
 
 
 def _now() -> float:

@@ -77,6 +77,39 @@ def test_tuning_cut_off_at_exit_is_abandoned_quietly_and_not_published(
     assert "failed" not in stderr and "Traceback" not in stderr, stderr
 
 
+POOL_SCRIPT = """
+import sys, time, types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from kiln.frontend.tuning import BackgroundTuner
+
+marker = Path(sys.argv[1])
+
+def tune():  # compiles its candidates in a pool, as workers/pipeline.py does
+    time.sleep(0.5)  # the script has ended by now: the interpreter is exiting
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(abs, range(4)))
+    return types.SimpleNamespace(autotuned=True)
+
+BackgroundTuner().submit("k" * 64, tune, lambda graph: marker.write_text("published"))
+"""
+
+
+def test_tuning_that_starts_a_thread_pool_during_the_exit_wait_is_published(
+        tmp_path: Path) -> None:
+    """The exit wait runs before concurrent.futures refuses new pools at interpreter
+    shutdown: a tuning job that compiles candidates in a pool then still finishes (it
+    warned "cannot schedule new futures after interpreter shutdown" and published
+    nothing, seen on the H200 host after a dynamic model's last call)."""
+    marker = tmp_path / "published"
+    env = {k: v for k, v in os.environ.items() if k != EXIT_WAIT_ENV}
+    proc = subprocess.run([sys.executable, "-c", POOL_SCRIPT, str(marker)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert marker.exists()
+
+
 def test_tuning_that_ends_after_the_exit_wait_publishes_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "published"
     env = {**os.environ, EXIT_WAIT_ENV: "0.3"}
