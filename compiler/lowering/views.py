@@ -221,6 +221,9 @@ def slice_(x: IRNode, dim: int = 0, start: int | None = None, end: int | None = 
         length: Expr = sympy.Integer(max(0, (int(end_) - int(start_) + step - 1) // step))
     elif step == 1 and V.graph.sizevars.statically_known_geq(end_, start_):
         length = sympy.expand(end_ - start_)
+    elif step > 1 and V.graph.sizevars.statically_known_geq(end_, start_):
+        # every step-th element: ceil((end - start) / step), as eager's size is
+        length = FloorDiv(sympy.expand(end_ - start_ + step - 1), step)
     else:
         raise ValueError(f"slice [{start}:{end}:{step}] of a dimension of size {n}")
     new = size[:dim] + [length] + size[dim + 1:]

@@ -86,6 +86,18 @@ def test_slice_of_a_fixed_table_to_a_symbolic_length_is_a_view() -> None:
     assert len(result.compiled.kernels) == 1
 
 
+def test_strided_slices_of_a_symbolic_dimension_are_views() -> None:
+    """``x[:, ::2]`` and ``x[:, 1::2]`` of a symbolic width (a detection model's FPN,
+    Swin's patch merging) have ceil(s/2) and floor(s/2) elements: views the kernel
+    reads, not ATen's slice run eagerly inside the graph, at odd and even sizes."""
+    fn = lambda x: (x[:, ::2] * 2).sum(1) + (x[:, 1::2].exp()).sum(1)  # noqa: E731
+    results = _output_code(fn, lambda n: torch.randn(3, n), [37, 6, 211, 2], dim=1)
+    (result,) = [r for r in results if r.compiled.stats.get("dynamic")]  # (2: static)
+    wrapper = result.compiled.wrapper_source
+    assert "aten.slice" not in wrapper and not result.compiled.stats.get("fallback_ops"), \
+        (wrapper, result.compiled.stats.get("fallback_ops"))
+
+
 def test_equal_sizes_reuse_buffers_only_when_provably_equal() -> None:
     def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = (x * 2).sum(-1)           # size s0
