@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def _frame_label(frames: list[dict[str, Any]]) -> str:
         for f in frames:
             name = f.get("filename", "")
             if pred(name):
-                return f"{Path(name).name}:{f.get('line')} {f.get('name')}"
+                text = linecache.getline(name, int(f.get("line") or 0)).strip()[:120]
+                return f"{Path(name).name}:{f.get('line')} {text or f.get('name')}"
         return None
     return (pick(lambda n: "kiln" in n and "site-packages/torch" not in n)
             or pick(lambda n: "torchinductor" in n or "_inductor" in n)

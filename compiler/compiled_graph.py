@@ -3,6 +3,7 @@ callable. Everything here is plain data, so it can be stored and shipped."""
 
 from __future__ import annotations
 
+import linecache
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,7 +90,11 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
         namespace[name] = constants[name].to(device)
-    code = compile(compiled.wrapper_source, f"<kiln wrapper {compiled.name}>", "exec")
+    filename = f"<kiln wrapper {compiled.name}>"
+    code = compile(compiled.wrapper_source, filename, "exec")
+    # Tracebacks, and torch.cuda.memory's allocation frames, show the wrapper's lines.
+    linecache.cache[filename] = (len(compiled.wrapper_source), None,
+                                 compiled.wrapper_source.splitlines(True), filename)
     exec(code, namespace)
     call = namespace["call"]
     call._boxed_call = True

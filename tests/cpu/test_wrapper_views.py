@@ -157,3 +157,26 @@ def test_views_of_inputs_that_start_inside_their_storage(
     grad, w.grad = w.grad, None
     torch.testing.assert_close(loss, attention(x))
     torch.testing.assert_close(grad, w.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_fault_inside_a_wrapper_shows_the_wrapper_line(
+        compiled_graphs: dict[str, CompiledGraph]) -> None:
+    """A wrapper's source is registered with linecache when it loads, so a traceback
+    through it (and torch.cuda.memory's allocation frames, bench/memory_probe.py) shows
+    the line that ran, not only ``<kiln wrapper ...>`` and a number."""
+    import traceback
+
+    from kiln.compiler.compiled_graph import load
+
+    fn = torch.compile(lambda x, y: (x @ y).relu() + 1, backend="kiln")
+    x, y = torch.randn(5, 7), torch.randn(7, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnFallbackWarning)
+        torch.testing.assert_close(fn(x, y), (x @ y).relu() + 1)
+    (graph,) = compiled_graphs.values()
+    call = load(graph, {}, torch.device("cpu"))
+    with pytest.raises(ValueError) as caught:
+        call([x])  # one input short: the wrapper's unpacking of its inputs fails
+    text = "".join(traceback.format_exception(caught.value))
+    assert f"<kiln wrapper {graph.name}>" in text, text
+    assert "= args" in text, text  # the line itself, read back through linecache
