@@ -77,6 +77,34 @@ def arg_types(spec: KernelSpec, metadata: dict[str, Any]) -> str:
     return "".join(codes) + "O" * scratch_count(metadata)
 
 
+def unlaunchable(args: tuple[Any, ...], arg_tys: str, scratch: int, device: int
+                 ) -> str | None:
+    """Why torch's launcher cannot take ``args`` (checked once, at a kernel's first
+    launch), or None. Its C++ reads each pointer argument's ``data_ptr()`` without
+    checking that the call returned (an argument whose ``data_ptr`` raises crashes the
+    process) and asks the driver about the address (a host pointer fails with "invalid
+    argument", naming no argument): a pointer argument here is None, an address, or a
+    tensor with storage on this kernel's device."""
+    import torch
+
+    if len(args) + scratch != len(arg_tys):
+        return f"{len(args)} arguments for {len(arg_tys) - scratch} parameters"
+    for i, (arg, code) in enumerate(zip(args, arg_tys)):
+        if code != "O" or arg is None or type(arg) is int:
+            continue
+        if isinstance(arg, torch.Tensor) and (arg.device.type != "cuda"
+                                              or arg.device.index != device):
+            return f"argument {i} is on {arg.device}, not cuda:{device}"
+        data_ptr = getattr(arg, "data_ptr", None)
+        if data_ptr is None:  # torch's launcher refuses it with an error of its own
+            continue
+        try:
+            data_ptr()
+        except Exception as e:  # noqa: BLE001 (what torch's launcher would crash on)
+            return f"argument {i} has no data pointer ({type(e).__name__}: {e})"
+    return None
+
+
 def scratch_count(metadata: dict[str, Any]) -> int:
     """Trailing scratch arguments (passed as None); a kernel that needs scratch memory
     cannot be launched without Triton's allocator."""
@@ -410,6 +438,16 @@ class StaticCudaKernel:
                 self._instead.run(*args)
                 return
         assert self.stream is not None
+        problem = unlaunchable(args, self.arg_tys, len(self.scratch), self._device())
+        if problem is not None:  # the first launch: torch's launcher would crash or fail
+            if self.fallback is None:
+                raise StaticLaunchUnsupported(f"kernel {self.name}: {problem}")
+            log.warning("kiln: kernel %s: %s; launching it through Triton's launcher",
+                        self.name, problem)
+            self._instead = self.fallback()
+            self.run = self._instead.run  # type: ignore[method-assign]
+            self._instead.run(*args)
+            return
         gx, gy, gz = self.grid
         if self.xnumel_at is not None:
             gx, gy, gz = -(-args[self.xnumel_at] // self.xblock) or 1, 1, 1

@@ -139,6 +139,45 @@ def test_a_cubin_that_will_not_load_falls_back_to_another_launcher(softmax_graph
     assert ran == [(1, 2), (3, 4)]
 
 
+def test_an_argument_torchs_launcher_cannot_read_goes_to_another_launcher(
+        softmax_graph: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """torch's launcher calls each pointer argument's ``data_ptr()`` and does not check
+    that it returned: one that raises crashes the process; a CPU tensor fails in the
+    driver naming no argument. Kiln checks the first launch's arguments and sends such
+    a kernel to Triton's launcher, with one warning that names the argument."""
+    spec = softmax_graph.kernels[0]
+    pointers = sum(t.startswith("*") for t in spec.signature.values())
+
+    class NoStorage:
+        def data_ptr(self) -> int:
+            raise RuntimeError("Cannot access data pointer of Tensor")
+
+    cases = [(torch.randn(4), "argument 0 is on cpu, not cuda:0"),
+             (NoStorage(), "argument 0 has no data pointer (RuntimeError")]
+    ran: list[tuple[Any, ...]] = []
+
+    class Other:
+        def run(self, *args: Any) -> None:
+            ran.append(args)
+
+    for bad, why in cases:
+        ran.clear()
+        impl = RecordingLauncher()
+        kernel = StaticCudaKernel(spec, softmax_graph.binaries[spec.name], (1, 1, 1),
+                                  impl=impl, stream=lambda: 0, fallback=Other, device=0)
+        args = (bad, *[object() for _ in range(pointers - 1)])
+        caplog.clear()
+        kernel.run(*args)
+        kernel.run(*args)
+        assert impl.launches == [] and ran == [args, args]
+        (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert why in record.getMessage() and spec.name in record.getMessage()
+    kernel = StaticCudaKernel(spec, softmax_graph.binaries[spec.name], (1, 1, 1),
+                              impl=RecordingLauncher(), stream=lambda: 0, device=0)
+    with pytest.raises(StaticLaunchUnsupported, match="arguments for"):
+        kernel.run(*[object() for _ in range(pointers + 1)])  # and no launcher to go to
+
+
 def test_cubin_files_are_named_by_their_digest(softmax_graph: Any, tmp_path: Path) -> None:
     from kiln.compiler.runtime.static_launcher import cubin_path
 
