@@ -1,9 +1,10 @@
 """Where a backend's GPU memory goes on a suite model (a diagnostic, not a figure): for
 each backend, in one process per model, the memory the compiled model holds once it has
-run (resident above the weights), the peak of two calls as ``bench/suite/row.py`` takes
-it (right after the first calls, and again once background tuning has finished), and,
-from ``torch.cuda.memory``'s allocation history, the allocations alive at the peak of
-those two calls grouped by the frame that made them.
+run (resident above the weights, and by the frame that allocated it), the peak of two
+calls as ``bench/suite/row.py`` takes it (right after the first calls, and again once
+background tuning has finished), and, from ``torch.cuda.memory``'s allocation history,
+the allocations alive at the peak of those two calls grouped by the frame that made
+them.
 
     python3 bench/memory_probe.py --models hf_vit,timm_resnet50 --json /tmp/mem.json
     python3 bench/memory_probe.py --models hf_bert --mode train --backends kiln
@@ -70,6 +71,18 @@ def alive_at_peak(snapshot: dict[str, Any], device: int) -> tuple[float, dict[st
     return peak / MB, {k: round(v, 1) for k, v in top.items()}
 
 
+def held_by_frame(snapshot: dict[str, Any]) -> dict[str, float]:
+    """The blocks allocated now (MB), by the frame that allocated them (blocks made
+    before the history started recording have no frames: "?")."""
+    groups: dict[str, float] = defaultdict(float)
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                groups[_frame_label(block.get("frames", []))] += block["size"] / MB
+    top = sorted(groups.items(), key=lambda kv: -kv[1])[:15]
+    return {k: round(v, 1) for k, v in top}
+
+
 def probe(name: str, mode: str, backends: list[str]) -> dict[str, Any]:
     import torch
 
@@ -86,6 +99,8 @@ def probe(name: str, mode: str, backends: list[str]) -> dict[str, Any]:
         base = torch.cuda.memory_allocated()
         model = case.copy()
         weights = torch.cuda.memory_allocated() - base
+        # recorded from the compile on: what stays allocated after the calls says by whom
+        torch.cuda.memory._record_memory_history(max_entries=200000)
         step = case.step(model, None if backend == "eager" else
                          compile_backend(backend, False))
         fig: dict[str, Any] = {"weights_mb": round(weights / MB, 1)}
@@ -96,6 +111,9 @@ def probe(name: str, mode: str, backends: list[str]) -> dict[str, Any]:
         fig["first_calls_s"] = round(time.perf_counter() - t0, 2)
         fig["resident_after_calls_mb"] = round(
             (torch.cuda.memory_allocated() - base - weights) / MB, 1)
+        gc.collect()
+        fig["held_after_calls_by_frame_mb"] = held_by_frame(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
         fig["peak_as_suite_mb"] = round(peak_memory_mb(step, inputs), 1)
         if backend == "kiln":
             from kiln.frontend.core.client import wait_for_background
