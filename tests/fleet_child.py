@@ -6,7 +6,11 @@ the seconds from its start to its first output.
     python tests/fleet_child.py infer|train [seed]
 
 The store, farm mode and claim settings come from the environment (KILN_*);
-``FLEET_TRACE_DIR`` gives each process its own KILN_TRACE file there."""
+``FLEET_TRACE_DIR`` gives each process its own KILN_TRACE file there. ``FLEET_SYNC_DIR``
+lines the processes up for a test that kills one of them: each writes ``ready-<pid>``
+there once it has imported everything and built its model and inputs, waits for ``go``
+before it compiles, and writes ``waiting-<pid>`` (naming the holder) when it starts to
+wait on another process's claim."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 STARTED = time.time()
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +35,41 @@ from kiln.frontend.core.fallback import KilnFallbackWarning  # noqa: E402
 from tests import fleet_models  # noqa: E402
 
 
+def _write(path: Path, text: str) -> None:
+    """Written whole, then renamed: the test never reads half a file."""
+    path.with_suffix(".tmp").write_text(text)
+    path.with_suffix(".tmp").rename(path)
+
+
+def _report_claim_waits(sync: Path) -> None:
+    """``waiting-<pid>`` names the holder once this process waits on its claim."""
+    from kiln.artifact_store.claims import Claims, describe_owner
+
+    acquire_or_wait = Claims.acquire_or_wait
+
+    def reported(self: Claims, key: str, ready: Any, owner: Any = None,
+                 on_wait: Any = None) -> Any:
+        def heard(holder: dict[str, Any]) -> None:
+            _write(sync / f"waiting-{os.getpid()}", describe_owner(holder))
+            if on_wait is not None:
+                on_wait(holder)
+        return acquire_or_wait(self, key, ready, owner, heard)
+
+    Claims.acquire_or_wait = reported  # type: ignore[method-assign]
+
+
+def _line_up(sync: Path, timeout: float = 300.0) -> None:
+    """Ready; then wait for the test's ``go``, so the processes reach their claims
+    together however unevenly a loaded machine started them."""
+    _report_claim_waits(sync)
+    _write(sync / f"ready-{os.getpid()}", "")
+    ends = time.monotonic() + timeout
+    while not (sync / "go").exists():
+        if time.monotonic() > ends:
+            sys.exit("fleet_child: no go from the test")
+        time.sleep(0.01)
+
+
 def main() -> None:
     warnings.simplefilter("error", KilnFallbackWarning)
     mode = sys.argv[1]
@@ -37,6 +77,8 @@ def main() -> None:
     model = fleet_models.Block(dim=32, heads=2)
     x = torch.randn(2, 8, 32)
     compiled = torch.compile(model, backend="kiln")
+    if os.environ.get("FLEET_SYNC_DIR"):
+        _line_up(Path(os.environ["FLEET_SYNC_DIR"]))
     if mode == "train":
         model.train()
         expected = model(x)

@@ -1,7 +1,7 @@
 """Processes starting together on one model, in the default mode (no farm up) with a
 shared folder store: each distinct graph compiles once over all of them (claims in the
 store, artifact_store/claims.py), and a claimant killed with SIGKILL mid-compile is taken
-over, the others finishing within the claim's expiry plus one compile, every result
+over, the others done waiting within the claim's expiry plus one compile, every result
 checked against eager (tests/fleet_child.py)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,28 +71,64 @@ def claim_holder(store: Path, timeout: float = 300.0) -> int:
     raise AssertionError("no claim appeared in the store")
 
 
+def wait_for(what: str, done: Callable[[], bool], procs: list[subprocess.Popen[str]],
+             timeout: float = 300.0) -> None:
+    """Until ``done()``; fails at once if one of ``procs`` has exited meanwhile."""
+    ends = time.monotonic() + timeout
+    while not done():
+        for proc in procs:
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"process {proc.pid} exited ({proc.returncode}) "
+                                     f"before {what}: {err[-3000:]}")
+        assert time.monotonic() < ends, f"no {what} in {timeout} s"
+        time.sleep(0.02)
+
+
+def claim_wait_ends(path: Path) -> list[float]:
+    """When each ``claim wait`` span of a process's trace ended (seconds since the epoch)."""
+    events = json.loads(path.read_text())["traceEvents"]
+    return [(float(e["ts"]) + float(e["dur"])) / 1e6 for e in events
+            if e.get("name") == "claim wait"]
+
+
 def test_killed_claimant_is_taken_over(tmp_path: Path) -> None:
-    ttl, delay = 1.0, 2.0
+    # The holder is killed once both others wait on its claim (each process says when it
+    # starts waiting), at a random point of its compile; the compile's delay is only
+    # there to be longer than the others' way to their claims on a loaded machine.
+    ttl, delay = 2.0, 6.0
+    sync = tmp_path / "sync"
+    sync.mkdir()
     env = fleet_env(tmp_path, KILN_CLAIM_TTL=str(ttl), KILN_TEST_COMPILE_DELAY=str(delay),
-                    FLEET_TRACE_DIR=str(tmp_path))
+                    FLEET_TRACE_DIR=str(tmp_path), FLEET_SYNC_DIR=str(sync))
     procs = start(3, "infer", env)
+    wait_for("all three ready", lambda: all((sync / f"ready-{p.pid}").exists()
+                                            for p in procs), procs)
+    (sync / "go").touch()
     pid = claim_holder(tmp_path / "store")
     victim = next(p for p in procs if p.pid == pid)
-    time.sleep(random.uniform(0.0, delay * 0.9))
+    others = [p for p in procs if p is not victim]
+    wait_for("both others waiting on the claim",
+             lambda: all((sync / f"waiting-{p.pid}").exists() for p in others), procs)
+    assert all((sync / f"waiting-{p.pid}").read_text().endswith(f":{pid}") for p in others)
+    time.sleep(random.uniform(0.0, 1.0))
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
     victim.wait(timeout=30)
     assert victim.returncode == -signal.SIGKILL
-    survivors = [finish(p) for p in procs if p is not victim]
+    survivors = [finish(p) for p in others]
     data = stats(tmp_path)
     assert data["store"]["claim_takeovers"] == 1 and data["store"]["claim_waits"] >= 2
     assert data["client"]["compiles"] == len(graph_keys(tmp_path / "store")) == 1
-    # The claim's expiry (no renewal seen for one TTL, polled), one compile after the
-    # takeover (its own wall time), then loading the graph and running it.
+    # The others' waits end within the claim's expiry (no renewal seen for one TTL,
+    # polled) and one compile after the takeover (its own wall time): not at the wait's
+    # deadline (KILN_CLAIM_WAIT, minutes). Loading and running the graph come after.
     compile_s = max(r["counters"].get("compile_seconds", 0.0) for r in survivors)
     assert compile_s >= delay
-    last = max(r["first_output_at"] for r in survivors)
+    last = max(end for r in survivors
+               for end in claim_wait_ends(tmp_path / f"trace-{r['pid']}.json"))
     assert last - killed <= 2 * ttl + compile_s + 10.0, (last - killed, compile_s)
+    assert not data["store"].get("claim_deadlines")
     # The trace shows who waited (on the killed holder) and who compiled.
     for r in survivors:
         events = json.loads((tmp_path / f"trace-{r['pid']}.json").read_text())["traceEvents"]
