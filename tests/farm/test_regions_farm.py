@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -102,13 +103,37 @@ def two_worker_farm(farm: RayFarm) -> Iterator[RayFarm]:
     ray.kill(two._actor)
 
 
-def _overlap(a: trace.Event, b: trace.Event) -> bool:
-    return float(a["ts"]) < float(b["ts"]) + float(b["dur"]) and \
-        float(b["ts"]) < float(a["ts"]) + float(a["dur"])
+# Seconds each region's compile call sleeps before it starts (the workers' test delay), so
+# that the call lasts much longer than the time between the client's three submissions
+# even on a loaded machine. A region's graph stage alone takes a fraction of a second,
+# less than it can take a loaded machine to start a worker on the next one: whether two
+# stages overlapped was a matter of timing, whether two calls did is one of scheduling.
+CALL_DELAY_S = 2.0
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A region's compile call on a worker: its process, and when it began (the delay
+    before the request's deserialization) and ended (its graph stage's end), in us."""
+
+    pid: int
+    began: float
+    ended: float
+
+    def overlaps(self, other: _Call) -> bool:
+        return self.began < other.ended and other.began < self.ended
+
+
+def _calls(events: list[trace.Event]) -> list[_Call]:
+    began = {e["args"]["key"]: float(e["ts"]) - CALL_DELAY_S * 1e6 for e in events
+             if e["name"] == "deserialize request"}
+    return [_Call(int(e["pid"]), began[e["args"]["key"]], float(e["ts"]) + float(e["dur"]))
+            for e in events if e["name"] == "graph stage"]
 
 
 def test_a_deep_graph_spreads_over_compile_workers_and_kernel_processes(
-        two_worker_farm: RayFarm, recording: None) -> None:
+        two_worker_farm: RayFarm, recording: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_TEST_COMPILE_DELAY", str(CALL_DELAY_S))
     torch.manual_seed(11)
     model = Stack(d=40, layers=8).eval()  # sizes no other test compiles: fresh kernels
     gm, args = aten_graph(model, torch.randn(6, 8))
@@ -128,8 +153,9 @@ def test_a_deep_graph_spreads_over_compile_workers_and_kernel_processes(
     assert len(stages) == 3  # each distinct region once
     assert {e["args"]["process"] for e in stages} == {"compile worker"}
     assert len({e["pid"] for e in stages}) == 2, "the regions did not use both workers"
-    assert any(_overlap(a, b) for a in stages for b in stages
-               if a["pid"] != b["pid"]), "no two regions compiled at once"
+    calls = _calls(events)
+    assert any(a.overlaps(b) for a in calls for b in calls if a.pid != b.pid), \
+        "no two regions compiled at once"
     kernels = [e for e in events if e["name"] == "kernel compile"]
     assert kernels and all(e["pid"] != os.getpid() for e in kernels)
     assert {e["args"]["process"] for e in kernels} == {"kernel worker"}
