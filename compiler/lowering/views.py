@@ -53,7 +53,13 @@ def _reshape_groups(old: Sequence[Expr], new: Sequence[Expr]
         a, b = a + 1, b + 1
         while sympy.expand(po - pn) != 0:
             if a >= len(oi) and b >= len(nj):
-                raise ValueError(f"cannot pair the sizes {tuple(old)} with {tuple(new)}")
+                if not sympy.expand(po - pn).free_symbols:
+                    raise ValueError(f"cannot pair the sizes {tuple(old)} with {tuple(new)}")
+                # The last dims of both sides, equal in number of elements at every size
+                # Dynamo admits but not provably here: its trace of the view guarded the
+                # numels equal (as (s + 1) // 2 * 2 == s for an even s, which the symbol's
+                # range does not carry), and every earlier group is provably equal.
+                break
             # Which side grows next is a heuristic (hints); the loop checks the pairing.
             hint = V.graph.sizevars.size_hint
             if a < len(oi) and (b >= len(nj) or hint(po) < hint(pn)):

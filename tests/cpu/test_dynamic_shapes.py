@@ -98,6 +98,23 @@ def test_strided_slices_of_a_symbolic_dimension_are_views() -> None:
         (wrapper, result.compiled.stats.get("fallback_ops"))
 
 
+def test_interleave_of_strided_slices_reshaped_back_is_a_view() -> None:
+    """torchvision's ``clip_boxes_to_image``: ``stack((b[..., 0::2], b[..., 1::2]),
+    dim=2).reshape(b.shape)``. The stacked size is (s0, (s1 + 1) // 2, 2) and the reshape
+    to (s0, s1) is exact only for an even s1, which Dynamo guarded when the stack of two
+    halves traced: the reshape is a view, not ATen's view run eagerly inside the graph."""
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        x, y = b[..., 0::2].clamp(min=0, max=3), b[..., 1::2].clamp(min=-1, max=2)
+        return torch.stack((x, y), dim=2).reshape(b.shape) * 2
+
+    results = _output_code(fn, lambda n: torch.randn(5, n) * 4, [8, 4, 212, 36], dim=1)
+    (result,) = [r for r in results if r.compiled.stats.get("dynamic")]
+    wrapper = result.compiled.wrapper_source
+    assert "aten.view" not in wrapper and "aten.reshape" not in wrapper and \
+        not result.compiled.stats.get("fallback_ops"), \
+        (wrapper, result.compiled.stats.get("fallback_ops"))
+
+
 def test_equal_sizes_reuse_buffers_only_when_provably_equal() -> None:
     def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = (x * 2).sum(-1)           # size s0
