@@ -89,7 +89,7 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     for name in compiled.constant_names:
         if constants is None or name not in constants:
             raise KeyError(f"constant {name} of graph {compiled.name} was not provided")
-        namespace[name] = constants[name].to(device)
+        namespace[name] = device_constant(constants[name], device)
     filename = f"<kiln wrapper {compiled.name}>"
     code = compile(compiled.wrapper_source, filename, "exec")
     # Tracebacks, and torch.cuda.memory's allocation frames, show the wrapper's lines.
@@ -100,6 +100,17 @@ def load(compiled: CompiledGraph, constants: dict[str, torch.Tensor] | None = No
     call._boxed_call = True
     call.launchers = [namespace[spec.name] for spec in compiled.kernels]  # (hot swaps)
     return call  # type: ignore[no-any-return]
+
+
+def device_constant(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` on ``device``, a real tensor even where a dispatch mode is active: a
+    backend loads its graph while Dynamo's FakeTensorMode is on the mode stack, where
+    ``.to(device)`` of a CPU constant for a GPU graph makes a fake tensor, one with no
+    data pointer (torch's static launcher crashed on it; Triton's launcher refused it)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return value.to(device)
 
 
 def _default_device(device_type: str) -> torch.device:
