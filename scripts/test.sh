@@ -25,6 +25,10 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 export TMPDIR="$scratch" RAY_TMPDIR="$scratch"
+# The suite starts hundreds of Python processes (clients, ranks, Ray workers, the CLI):
+# each would compile Kiln's modules from source again where the environment says never
+# to write bytecode.
+unset PYTHONDONTWRITEBYTECODE
 status=0
 # The interpreter's run: its report goes to a log, shown after the main run's; its
 # per-file lines come here through file descriptor 3.
