@@ -150,7 +150,9 @@ def test_layer_norm_backward_over_batch_and_sequence() -> None:
 
 def test_row_sum_and_column_max_share_one_pass() -> None:
     fn = lambda x: (x.sum(1), x.amax(0))  # noqa: E731
-    x = rand(4096, 128)
+    # 64 columns: the same two kernels and 128 parts as 128 columns would give, at half
+    # the cost of the column max, which the interpreter combines an element at a time.
+    x = rand(4096, 64)
     compiled = _compile_for_cuda(fn, [x])
     assert [(k.kind, k.programs) for k in compiled.kernels] == [("row_column", 128),
                                                                ("reduction", 0)]
