@@ -169,8 +169,10 @@ def test_farm_benchmarks_on_its_autotuner_and_a_second_model_reuses_the_choice(
         first = run_python(CLIENT.replace("{NAME}", "model_a"), env | {
             "KILN_TRACE": str(tmp_path / "first.json")}, timeout=400)
         # A new coordinator: the second model finds the choice in the store, not in memory.
+        # One CPU (one kernel worker): only the first farm's compiles are checked for
+        # running in parallel.
         head.stop()
-        head = RayHead(tmp_path / "gpu-head2.log", num_cpus=2, num_gpus=1,
+        head = RayHead(tmp_path / "gpu-head2.log", num_cpus=1, num_gpus=1,
                        env={"KILN_TEST_FAKE_AUTOTUNE": "1", "KILN_STORE": str(store),
                             "KILN_LOCAL_CACHE": "off",
                             "XDG_CACHE_HOME": str(tmp_path / "workers")})

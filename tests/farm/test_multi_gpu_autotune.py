@@ -65,7 +65,9 @@ print(json.dumps({"runs": [run("cold-4", None), run("warm-1", 1), run("warm-4", 
 def test_benchmarks_spread_over_four_fake_gpus_and_finish_sooner_than_on_one(
         tmp_path: Path) -> None:
     store = tmp_path / "store"
-    head = RayHead(tmp_path / "head.log", num_cpus=2, num_gpus=4,
+    # One CPU: each coordinator starts one kernel worker, not two (the cold run's template
+    # configs compile one after another); the GPUs are what this test schedules.
+    head = RayHead(tmp_path / "head.log", num_cpus=1, num_gpus=4,
                    env={"KILN_TEST_FAKE_AUTOTUNE": "1", "KILN_TEST_FAKE_AUTOTUNE_MS": str(FAKE_MS),
                         "KILN_STORE": str(store), "KILN_LOCAL_CACHE": "off",
                         "XDG_CACHE_HOME": str(tmp_path / "workers")})
