@@ -66,8 +66,10 @@ def test_inprocess_local_and_cluster_artifacts_are_byte_identical(
         found[mode] = blob_digests(client.store.get(result.key.key))
     # The embedded mode: a fresh process starts its own Ray with this machine's CPUs
     # (`local`, the default, would compile in process: no farm is up).
+    # It starts Ray, a coordinator and a worker per CPU before it compiles, which on cores
+    # shared with other work can outlast the helper's default timeout.
     env = subprocess_env(tmp_path, KILN_FARM="embedded", KILN_STORE=str(tmp_path / "store-l"))
-    local = run_python(CLIENT.format(shapes=shapes), env)
+    local = run_python(CLIENT.format(shapes=shapes), env, timeout=900)
     assert local["source"] == "farm", local["_stderr"][-3000:]
     assert local["key"] == compute_key(request).key
     found["local"] = local["digests"]
