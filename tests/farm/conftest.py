@@ -51,18 +51,48 @@ def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory, session_cache: Path
-                ) -> Iterator[RayHead]:
-    """A 2-CPU Ray cluster started for the session; its workers share no cache with us."""
-    versions()  # hash the compiler now, as close as possible to when the workers do
-    log = tmp_path_factory.mktemp("ray") / "head.log"
-    head = RayHead(log, num_cpus=2, env={"XDG_CACHE_HOME": str(session_cache / "workers")})
-    yield head
+_SESSION_HEADS: list[RayHead] = []  # the session's cluster, once started
+
+
+def _stop_session_cluster() -> None:
     import ray
 
     ray.shutdown()
-    head.stop()
+    while _SESSION_HEADS:
+        _SESSION_HEADS.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory, session_cache: Path
+                ) -> Iterator[RayHead]:
+    """A 2-CPU Ray cluster started for the session; its workers share no cache with us.
+    It stops after the last test of tests/farm (``pytest_runtest_teardown``), not at the
+    end of the session: the rest of a run (scripts/test.sh's xdist worker goes on with
+    other files) does not share the machine with an idle cluster and farm."""
+    versions()  # hash the compiler now, as close as possible to when the workers do
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    head = RayHead(log, num_cpus=2, env={"XDG_CACHE_HOME": str(session_cache / "workers")})
+    _SESSION_HEADS.append(head)
+    yield head
+    _stop_session_cluster()
+
+
+def _in_farm(item: pytest.Item) -> bool:
+    return Path(__file__).parent in item.path.parents
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test of tests/farm, once its fixtures are torn down: the session's
+    cluster stops. Under pytest-xdist tests/farm is one worker's unit, run in one piece
+    (tests/conftest.py); in one process, the items left are looked at."""
+    if not _SESSION_HEADS or (nextitem is not None and _in_farm(nextitem)):
+        return
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        items = item.session.items
+        if any(_in_farm(later) for later in items[items.index(item) + 1:]):
+            return
+    _stop_session_cluster()
 
 
 @pytest.fixture(scope="session")
