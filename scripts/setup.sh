@@ -7,6 +7,16 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# A .venv this script finished with the same pyproject.toml and script needs no pip run
+# (scripts/test.sh runs this script each time; pip's no-op takes half a minute).
+stamp=.venv/.kiln-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && .venv/bin/python -c "
+import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ('kiln', 'torch', 'torchvision', 'xdist')))"; then
+  exit 0
+fi
+rm -f "$stamp"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || .venv/bin/python -m pip install -q torch==2.13.0
@@ -19,3 +29,4 @@ fi
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" \
   || { echo "setup.sh: torch is no longer 2.13.0" >&2; exit 1; }
+echo "$want" >"$stamp"
