@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pythonpath() -> str:
     """Kiln's tree first, then the caller's PYTHONPATH (where the GPU host's Ray lives)."""
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 MODES = ("kiln_solo", "kiln_default", "kiln_farm", "inductor", "inductor_redis")
 MODELS = ("gpt2", "encoder_train")
 

@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pythonpath() -> str:
     """Kiln's tree first, then the caller's PYTHONPATH (where the GPU host's Ray lives)."""
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 MODEL_ENV = "PACKAGE_BENCH_MODEL"  # {"smoke": bool, "dtype": "float16"} for gpt2()
 
 FIRST_OUTPUT = r"""
