@@ -278,6 +278,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("kernel_threads", parse_count, 0,
             "threads compiling one graph's kernels in process (0: the CPUs, at most 16)",
             env_only=True),
+    Setting("tune_compile_processes", parse_count, None,
+            "child processes compiling background tuning's GPU kernels (0: threads here)",
+            env_only=True),
 )}
 
 # Variables of tests, demos and benchmarks: known, so never "unknown", but not settings.

@@ -12,6 +12,7 @@ artifacts; the modes differ only in where each step runs.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -264,6 +265,23 @@ class KernelBacking(Protocol):
     def put(self, job: KernelJob, binary: KernelBinary) -> bool: ...
 
 
+def _background_compile(job: KernelJob) -> KernelBinary | None:
+    """A background GPU kernel's binary from a child process (``workers.compile_procs``:
+    off this interpreter, whose GIL the program's calls need), or None: this process
+    compiles it."""
+    if job.target.get("kind") != "cuda":
+        return None
+    from .compile_procs import compile_in_child, pool
+
+    if pool() is None:
+        return None
+    with trace.span("kernel compile", cat="kernel", kernel=job.spec.name,
+                    config=json.dumps(job.config, sort_keys=True), child=True) as span:
+        binary: KernelBinary | None = compile_in_child(job.spec, job.config, job.target)
+        span["child"] = binary is not None  # False: the child failed, compiled here next
+    return binary
+
+
 class KernelCache:
     """Binaries by job key, bounded (least recently used out); thread-safe. With a
     ``backing`` store, a kernel missing here is looked up there before it is compiled,
@@ -311,7 +329,9 @@ class KernelCache:
     def _fetch_or_compile(self, job: KernelJob) -> KernelBinary:
         binary = self._from_backing(job)
         if binary is None:
-            binary = compile_kernel(job.spec, job.config, job.target)
+            binary = _background_compile(job) if trace.in_background() else None
+            if binary is None:
+                binary = compile_kernel(job.spec, job.config, job.target)
             with self._lock:
                 self.compiles += 1
             if self.backing is not None:
