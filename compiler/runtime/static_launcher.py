@@ -254,22 +254,31 @@ def wait_prefetched(launchers: Iterable[Any]) -> int:
             else getattr(launcher, "default", None)
         pending = getattr(kernel, "_pending", None)
         if pending is not None:
-            try:
-                pending.result()
-            except Exception:  # LoadDeferred, or a failure the first launch reports
-                pass
+            pending.exception()  # waits; a failure is the first launch's to report
             waited += 1
     return waited
 
 
+class CubinLoadFailed(RuntimeError):
+    """A helper thread's load of a cubin failed (its error, re-raised without its
+    traceback: see ``_result_unless_deferred``)."""
+
+
 def _result_unless_deferred(pending: Future[LoadedCubin] | None) -> LoadedCubin | None:
-    """A helper's load, or None where there is none or the helper deferred it."""
+    """A helper's load, or None where there is none or the helper deferred it.
+
+    The loader keeps each job's future, and with it a failed load's exception: raised
+    here as it is, it would take the frames it passes through into its traceback, and
+    keep them, with every buffer of the wrapper call that made the kernel's first launch
+    (0.7-2 GB held between calls on the H100 host). A failure is raised as a new error."""
     if pending is None:
         return None
-    try:
+    error = pending.exception()  # waits for the load; raises nothing
+    if error is None:
         return pending.result()
-    except LoadDeferred:
+    if isinstance(error, LoadDeferred):
         return None
+    raise CubinLoadFailed(f"{type(error).__name__}: {error}")
 
 
 class StaticCudaKernel:
