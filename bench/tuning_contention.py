@@ -3,8 +3,9 @@ candidate compiles, with and without ``workers.foreground``'s gate (CPU only: th
 candidates are Triton kernels cross-compiled for sm_90, the graph the encoder's backward
 from bench/coldstart_models.py at smoke sizes). On the H200 host (2026-12-02 09:40) the
 forward's tuning ran beside the backward's compile: the backward's request took 1.59 s to
-decode against 0.10 s for the forward. Seconds of wall time, so a shared machine's load
-shows in them: compare rows of one run.
+decode against 0.10 s for the forward. Tuning's compiles run in child processes
+(``workers.compile_procs``) or, for comparison, on threads of this process. Seconds of
+wall time, so a shared machine's load shows in them: compare rows of one run.
 
     python3 bench/tuning_contention.py [--repeat 2]
 """
@@ -93,13 +94,25 @@ def tune(jobs: list[Any]) -> None:
         KernelCache().compile_all(jobs)
 
 
-def row(body: bytes, key: str, jobs: list[Any] | None, gated: bool) -> float:
+def row(body: bytes, key: str, jobs: list[Any] | None, gated: bool, children: bool = True
+        ) -> float:
     """Seconds of the backward's graph stage; tuning started 0.3 s before it (after the
-    forward's first call), the backward announced as ``aot_kiln`` does when ``gated``."""
-    from kiln.workers import foreground
+    forward's first call), the backward announced as ``aot_kiln`` does when ``gated``;
+    tuning's compiles in child processes (``workers.compile_procs``) or, without
+    ``children``, on threads of this process."""
+    from kiln.workers import compile_procs, foreground
     from kiln.workers.pipeline import compile_sources
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-contention-")
+    if compile_procs._pool is not None:
+        compile_procs._pool.close()
+    compile_procs._pool = None  # started again (or not) with this row's setting
+    os.environ[compile_procs.PROCESSES_ENV] = "" if children else "0"
+    if children:
+        compile_procs.pool()
+        warm = jobs[0] if jobs else None  # the child's start (imports) before the clock
+        if warm is not None:
+            compile_procs.compile_in_child(warm.spec, warm.config, warm.target)
     gc.collect()  # no row pays for the garbage of the one before
     if gated:
         foreground.expect("backward_bench")
@@ -127,10 +140,13 @@ def main() -> None:
     jobs = candidate_jobs()
     print(f"{len(jobs)} candidate compiles; kernel threads {os.environ['KILN_KERNEL_THREADS']}")
     for _ in range(args.repeat):
-        for label, tuning, gated in (("alone", False, False), ("beside tuning", True, False),
-                                     ("beside tuning, gated", True, True)):
-            seconds = row(body, key, jobs if tuning else None, gated)
-            print(f"  {label:22s} backward graph stage {seconds:6.2f} s", flush=True)
+        for label, tuning, gated, children in (
+                ("alone", False, False, True),
+                ("beside tuning, threads", True, False, False),
+                ("beside tuning, children", True, False, True),
+                ("beside tuning, gated", True, True, True)):
+            seconds = row(body, key, jobs if tuning else None, gated, children)
+            print(f"  {label:25s} backward graph stage {seconds:6.2f} s", flush=True)
 
 
 if __name__ == "__main__":
