@@ -31,9 +31,10 @@ export TMPDIR="$scratch" RAY_TMPDIR="$scratch"
 unset PYTHONDONTWRITEBYTECODE
 status=0
 # The interpreter's run: its report goes to a log, shown after the main run's; its
-# per-file lines come here through file descriptor 3.
+# per-file lines come here through file descriptor 3. It is the shorter of the two, so it
+# runs at a lower priority: the main run, the longer, gets the cores when both want them.
 exec 3>&1
-TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/triton_interp -p no:cacheprovider \
+TRITON_INTERPRET=1 nice -n 10 .venv/bin/python -m pytest tests/triton_interp -p no:cacheprovider \
   --file-progress=3 -o console_output_style=classic "$@" >"$scratch/interp.log" 2>&1 &
 interp=$!
 .venv/bin/python -m pytest tests --ignore=tests/triton_interp -p no:cacheprovider \
