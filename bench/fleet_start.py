@@ -44,13 +44,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _pythonpath() -> str:
-    """Kiln's tree first, then the caller's PYTHONPATH (where the GPU host's Ray lives)."""
-    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
-
 MODES = ("kiln_solo", "kiln_default", "kiln_farm", "inductor", "inductor_redis")
 MODELS = ("gpt2", "encoder_train")
 
@@ -112,7 +105,9 @@ class Fleet:
         base = self.root / f"{model}-{mode}"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_",
                                                                          "TORCHINDUCTOR_"))}
-        env.update({"PYTHONPATH": _pythonpath(), "XDG_CACHE_HOME": str(base / "xdg"),
+        # Kiln's tree first, then the caller's (where the GPU host's Ray is installed)
+        path = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.update({"PYTHONPATH": path, "XDG_CACHE_HOME": str(base / "xdg"),
                     "TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"),
                     "TRITON_CACHE_DIR": str(base / "triton"),
                     "KILN_STORE": f"file://{base / 'store'}",

@@ -49,13 +49,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _pythonpath() -> str:
-    """Kiln's tree first, then the caller's PYTHONPATH (where the GPU host's Ray lives)."""
-    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
-
+# Kiln's tree first, then the caller's PYTHONPATH (where the GPU host's Ray is installed)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 MODEL_ENV = "PACKAGE_BENCH_MODEL"  # {"smoke": bool, "dtype": "float16"} for gpt2()
 
 FIRST_OUTPUT = r"""
@@ -186,7 +181,7 @@ def build(path: Path, shape: tuple[int, int], device: str, gpu_less: bool) -> fl
     args = [sys.executable, "-m", "kiln.frontend.cli.main", "package", "bench.package_bench:gpt2",
             "--shapes", f"{shape[0]}x{shape[1]}", "--dtype", "int64", "--weights", "-o",
             str(path)] + (["--gpu", "sm_90"] if gpu_less else ["--device", device])
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     if gpu_less:
         env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.perf_counter()
@@ -199,7 +194,7 @@ def first_output(path: Path, shape: tuple[int, int], device: str) -> float:
     for _ in range(3):
         result = run([sys.executable, "-c", FIRST_OUTPUT, str(path), device,
                       json.dumps(list(shape)), str(vocab_size())],
-                     {**os.environ, "PYTHONPATH": _pythonpath()}, "loading the package")
+                     {**os.environ, "PYTHONPATH": PYTHONPATH}, "loading the package")
         times.append(json.loads(result.stdout.strip().splitlines()[-1])["load_first_output_s"])
     return statistics.median(times)
 

@@ -104,15 +104,10 @@ def row(body: bytes, key: str, jobs: list[Any] | None, gated: bool, children: bo
     from kiln.workers.pipeline import compile_sources
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-contention-")
-    if compile_procs._pool is not None:
-        compile_procs._pool.close()
-    compile_procs._pool = None  # started again (or not) with this row's setting
+    compile_procs.shutdown()  # started again (or not) with this row's setting
     os.environ[compile_procs.PROCESSES_ENV] = "" if children else "0"
-    if children:
-        compile_procs.pool()
-        warm = jobs[0] if jobs else None  # the child's start (imports) before the clock
-        if warm is not None:
-            compile_procs.compile_in_child(warm.spec, warm.config, warm.target)
+    if children and jobs:  # the child's start (its imports) before the clock
+        compile_procs.compile_in_child(jobs[0].spec, jobs[0].config, jobs[0].target)
     gc.collect()  # no row pays for the garbage of the one before
     if gated:
         foreground.expect("backward_bench")

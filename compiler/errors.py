@@ -9,6 +9,7 @@ class KilnCompileError(RuntimeError):
     def __init__(self, message: str, *, stage: str, graph: str = "", node: str = "",
                  op: str = "", kernel: str = "") -> None:
         self.stage, self.graph, self.node, self.op, self.kernel = stage, graph, node, op, kernel
+        self.reason = message  # without the "(stage ..., kernel ...)" that str() adds
         where = [f"stage {stage}"]
         if graph:
             where.append(f"graph {graph}")

@@ -36,6 +36,10 @@ from typing import IO, Any
 
 import msgpack
 
+from kiln.compiler.codegen.kernel_spec import KernelSpec
+from kiln.compiler.errors import KilnCompileError
+from kiln.compiler.kernel_compile import KernelBinary, compile_kernel
+
 log = logging.getLogger("kiln.workers")
 
 PROCESSES_ENV = "KILN_TUNE_COMPILE_PROCESSES"
@@ -88,11 +92,10 @@ def _settings() -> dict[str, str]:
 
 
 def _apply(settings: dict[str, str]) -> None:
-    for name in [k for k in os.environ if k.startswith(_PREFIXES)]:
-        if name not in settings:
-            del os.environ[name]
-    os.environ.update({str(k): str(v) for k, v in settings.items()
-                       if str(k).startswith(_PREFIXES) and k != "TRITON_INTERPRET"})
+    """In a child: the sender's ``_settings`` in place of its own."""
+    for name in [k for k in os.environ if k.startswith(_PREFIXES) and k not in settings]:
+        del os.environ[name]
+    os.environ.update({k: v for k, v in settings.items() if k.startswith(_PREFIXES)})
 
 
 class _Child:
@@ -155,12 +158,10 @@ class CompileProcesses:
                 if self.broken is not None:
                     raise CompileProcessError(self.broken) from None
 
-    def compile(self, spec: Any, config: dict[str, Any], target: dict[str, Any]) -> Any:
+    def compile(self, spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                ) -> KernelBinary:
         """``compile_kernel(spec, config, target)`` in a child: its ``KernelBinary``;
         a compile error is raised as ``KilnCompileError`` naming the kernel, as here."""
-        from kiln.compiler.errors import KilnCompileError
-        from kiln.compiler.kernel_compile import KernelBinary
-
         if self.broken is not None:
             raise CompileProcessError(self.broken)
         try:
@@ -217,10 +218,21 @@ def pool() -> CompileProcesses | None:
         return None if _pool.broken is not None else _pool
 
 
+def shutdown() -> None:
+    """Stop this process's children; the next background compile reads
+    ``KILN_TUNE_COMPILE_PROCESSES`` again."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None:
+            _pool.close()
+        _pool = None
+
+
 _warned = False
 
 
-def compile_in_child(spec: Any, config: dict[str, Any], target: dict[str, Any]) -> Any:
+def compile_in_child(spec: KernelSpec, config: dict[str, Any], target: dict[str, Any]
+                     ) -> KernelBinary | None:
     """The job's binary from a child, or None where there is no child to ask (off, or
     broken: one warning, then this process compiles)."""
     global _warned
@@ -239,10 +251,6 @@ def compile_in_child(spec: Any, config: dict[str, Any], target: dict[str, Any]) 
 
 def main() -> int:
     """A child: compile each job read from standard input; reply on standard output."""
-    from kiln.compiler.codegen.kernel_spec import KernelSpec
-    from kiln.compiler.errors import KilnCompileError
-    from kiln.compiler.kernel_compile import compile_kernel
-
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # prints of the compiler never reach the pipe
     while True:
@@ -254,9 +262,8 @@ def main() -> int:
             spec = KernelSpec.from_dict(job["spec"])
             binary = compile_kernel(spec, dict(job["config"]), dict(job["target"]))
             reply: dict[str, Any] = {"binary": binary.to_dict()}
-        except KilnCompileError as e:  # raised there again with its message as it is
-            reply = {"error": str(e).removesuffix(f" (stage kernel compile, kernel "
-                                                  f"{job['spec'].get('name')})")}
+        except KilnCompileError as e:  # raised there again, naming where as here
+            reply = {"error": e.reason}
         except Exception as e:  # noqa: BLE001 - sent back, raised there with the kernel
             reply = {"error": f"{type(e).__name__}: {e}"}
         _send(stdout, reply)

@@ -273,7 +273,7 @@ def _background_compile(job: KernelJob) -> KernelBinary | None:
         return None
     from .compile_procs import compile_in_child, pool
 
-    if pool() is None:
+    if pool() is None:  # off or broken: no span of a child's compile
         return None
     with trace.span("kernel compile", cat="kernel", kernel=job.spec.name,
                     config=json.dumps(job.config, sort_keys=True), child=True) as span:

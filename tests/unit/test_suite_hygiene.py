@@ -44,7 +44,7 @@ def test_file_progress_prints_a_line_per_file_from_xdist_workers(tmp_path: Path)
     """tests/file_progress.py under xdist (as scripts/test.sh runs the suite): one whole
     line per file once its last test is reported, with its counts and its failures."""
     (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n\n"
-                                          "def test_b():\n    assert 1 == 2\n")
+                                          "def test_b():\n    raise ValueError('on purpose')\n")
     (tmp_path / "test_two.py").write_text("import pytest\n\n@pytest.mark.skip\n"
                                           "def test_c():\n    pass\n")
     (tmp_path / "conftest.py").write_text(
