@@ -173,7 +173,10 @@ class GraphLowering(torch.fx.Interpreter):
             return value
         name = f"_tensor_constant{len(self.constants)}"
         self.constants[name] = value
-        layout = FixedLayout(torch.device(value.device.type), value.dtype,
+        # ``load`` puts every constant on the graph's device, so that is where it lives
+        # (a CPU constant of a GPU graph labelled CPU made its ``type_as`` a device change,
+        # run eagerly: DeBERTa-v2's mask fill value).
+        layout = FixedLayout(torch.device(self.default_device.type), value.dtype,
                              sympify_tuple(value.shape), sympify_tuple(value.stride()))
         box = TensorBox.create(ConstantBuffer(name=name, layout=layout))
         self.graph_inputs[name] = box

@@ -30,3 +30,29 @@ def test_constant_on_its_device_keeps_its_values() -> None:
         moved = device_constant(value, torch.device("cpu"))
     assert not is_fake(moved)
     torch.testing.assert_close(moved, value, rtol=0, atol=0)
+
+
+def test_cpu_constant_of_a_gpu_graph_is_read_by_its_kernel() -> None:
+    """``x * const.type_as(x)`` in a CUDA graph whose constant was captured on the CPU:
+    ``load`` puts the constant on the GPU, so its copy to the GPU is a dtype cast fused into
+    the multiply, not an eager ``_to_copy`` (DeBERTa-v2's one eager op on the H100)."""
+    from kiln.compiler.driver import compile_graph
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    const = graph.get_attr("_c")
+    cast = graph.call_function(aten._to_copy.default, (const,),
+                               {"dtype": torch.float16, "device": torch.device("cuda", 0)})
+    graph.output((graph.call_function(aten.mul.Tensor, (x, cast)),))
+    root = torch.nn.Module()
+    root._c = torch.tensor(float(torch.randint(2, 9, ()).item()))
+    with FakeTensorMode():
+        inputs = [torch.empty(64, 64, dtype=torch.float16, device="cuda")]
+    compiled = compile_graph(torch.fx.GraphModule(root, graph), inputs, {},
+                             compile_kernels=False)
+    assert compiled.stats.get("fallback_ops", {}) == {}
+    assert "_to_copy" not in compiled.wrapper_source
+    assert [k.backend for k in compiled.kernels] == ["triton"]
+    (launch,) = [ln for ln in compiled.wrapper_source.splitlines() if ".run(" in ln]
+    assert "_tensor_constant0" in launch
