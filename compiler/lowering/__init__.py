@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     creation,
     extern_ops,
     fallbacks,
+    foreach,
     index_views,
     indexing,
     pointwise,
