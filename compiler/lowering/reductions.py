@@ -293,8 +293,12 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     dims = _dims(x, dim)
     n = prod(x.get_size()[d] for d in dims)
     src = to_dtype(x, acc)
-    mean_ = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=0)
-    m2 = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=1)
+    split = _welford_split(src, dims)
+    if split.factor > 1:
+        mean_, m2 = _split_welford(src, dims, acc, keepdim, split)
+    else:
+        mean_ = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=0)
+        m2 = make_reduction_node(src, dims, "welford_reduce", acc, keepdim, output_index=1)
     load_m2, load_mean = m2.make_loader(), mean_.make_loader()
 
     def denom() -> Any:
@@ -311,6 +315,88 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
                                 lambda idx: ops.to_dtype(load_mean(idx), out_dtype),
                                 mean_.get_size()) if out_dtype != acc else mean_
     return var, mean_out
+
+
+def _welford_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tuple[Expr, ...],
+                                                         Any]:
+    """(kept ranges, reduced ranges, inner_fn) of a reduction of ``x`` over ``dims``."""
+    size = list(x.get_size())
+    kept = [d for d in range(len(size)) if d not in dims]
+    loader = x.make_loader()
+
+    def inner_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        full: list[Expr] = [sympy.Integer(0)] * len(size)
+        for d, i in zip(kept, index):
+            full[d] = i
+        for d, r in zip(dims, rindex):
+            full[d] = r
+        return loader(full)
+
+    return tuple(size[d] for d in kept), tuple(size[d] for d in dims), inner_fn
+
+
+def _welford_split(x: IRNode, dims: list[int]) -> Split:
+    """A GPU Welford reduction of few rows over many elements (batch norm's statistics in
+    training: 64 channels over batch x height x width) in chunks, as ``_gpu_split`` splits
+    a sum; the chunks' index innermost only (a column Welford keeps one stage)."""
+    if x.get_device().type != "cuda" or not dims:
+        return Split()
+    ranges, rranges, inner_fn = _welford_ranges(x, dims)
+    numel_expr, rnumel_expr = prod(ranges), prod(rranges)
+    if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
+        return Split()
+    inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
+                                          len(ranges))
+    if outer > inner:
+        return Split()
+    split = _gpu_split(int(numel_expr), int(rnumel_expr), False)
+    return split if split.factor > 1 else Split()
+
+
+def _split_welford(x: IRNode, dims: list[int], acc: torch.dtype, keepdim: bool,
+                   split: Split) -> tuple[IRNode, IRNode]:
+    """(mean, m2) of ``x`` over ``dims`` in two stages. Stage one: a Welford reduction of
+    each of ``split.factor`` equal chunks (mean and m2 per chunk, one kernel). Stage two
+    combines them as the parallel form of Welford's update does for equal counts ``c``:
+    mean = sum(mean_j) / k, then m2 = sum(m2_j + c * (mean_j - mean)^2), each chunk's
+    deviation taken from the final mean (no difference of large sums)."""
+    ranges, rranges, inner_fn = _welford_ranges(x, dims)
+    device = x.get_device()
+    k = split.factor
+    chunk = int(prod(rranges)) // k
+    n = len(ranges)
+    parts = (sympy.Integer(k),)
+
+    def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        return inner_fn(index[:n], unflatten_index(index[n] * chunk + rindex[0], rranges))
+
+    partials = []
+    for output_index in (0, 1):
+        box = TensorBox.create(Reduction(device, acc, stage1, ranges + parts,
+                                         (sympy.Integer(chunk),), "welford_reduce", acc,
+                                         output_index))
+        box.realize()
+        partials.append(box.make_loader())
+    load_mean, load_m2 = partials
+
+    def mean_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        return ops.truediv(load_mean([*index, rindex[0]]), ops.constant(float(k), acc))
+
+    mean = TensorBox.create(Reduction(device, acc, mean_fn, ranges, parts, "sum", acc))
+    mean.realize()
+    load_total_mean = mean.make_loader()
+
+    def m2_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
+        delta = ops.sub(load_mean([*index, rindex[0]]), load_total_mean(index))
+        spread = ops.mul(ops.mul(delta, delta), ops.constant(float(chunk), acc))
+        return ops.add(load_m2([*index, rindex[0]]), spread)
+
+    m2 = TensorBox.create(Reduction(device, acc, m2_fn, ranges, parts, "sum", acc))
+    m2.realize()
+    if keepdim:
+        shape = [1 if d in dims else s for d, s in enumerate(x.get_size())]
+        return view(mean, shape), view(m2, shape)
+    return mean, m2
 
 
 def _correction(correction: float | None, unbiased: bool | None) -> float:

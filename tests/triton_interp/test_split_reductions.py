@@ -194,3 +194,57 @@ def test_column_sum_of_other_data_stays_apart() -> None:
     assert "row_column" not in [k.kind for k in compiled.kernels]
     outs = _run(compiled, args)
     _assert_close(outs[1], args[1].sum(0), torch.float32)
+
+
+
+def _bn_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rm: torch.Tensor,
+              rv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Batch norm in training, as AOTAutograd traces it: output, saved mean and rstd,
+    updated running statistics."""
+    return aten._native_batch_norm_legit_functional(x, w, b, rm, rv, True, 0.1, 1e-5)
+
+
+def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return aten.var_mean(x, [0, 2, 3], correction=1)
+
+
+def test_batch_norm_statistics_split_over_the_batch() -> None:
+    """Training batch norm's Welford reduction (4 channels over 16 x 64 x 64) splits into
+    chunks of the batch (one program per chunk and channel: 32 on 16 SMs, where unsplit 4
+    programs would each walk 65536 elements), then one kernel combines the chunks' means
+    and m2s and makes every statistic batch norm returns; a third normalizes."""
+    with FakeTensorMode():
+        args = [torch.empty(16, 4, 64, 64, device="cuda")] + [
+            torch.empty(4, device="cuda") for _ in range(4)]
+    compiled = compile_graph(trace_aten(_bn_train, args), args, {}, target=SM16,
+                             compile_kernels=False)
+    stage1, stage2, out = compiled.kernels
+    assert (stage1.kind, stage1.xnumel, stage1.rnumel) == ("reduction", 4 * 8, 8192)
+    assert "th.welford_step(" in stage1.source and stage1.source.count("tl.store(") == 2
+    assert (stage2.kind, stage2.xnumel, stage2.rnumel) == ("persistent_reduction", 4, 8)
+    # mean (saved, and as the normalization reads it), rstd, running mean and variance
+    assert stage2.source.count("tl.store(") == 5
+    assert out.kind == "pointwise"
+
+
+@pytest.mark.parametrize("offset", [0.0, 1000.0], ids=["centred", "mean-1000"])
+def test_split_welford_matches_eager(offset: float) -> None:
+    """The split statistics against float64. Data far from zero (mean 1000, spread 2)
+    keeps its variance: each chunk's deviation is taken from the final mean, never a
+    difference of large sums."""
+    x = rand(16, 4, 64, 64) + offset
+    compiled = _compile_for_cuda(_channel_stats, [x], SM16)
+    assert [k.kind for k in compiled.kernels] == ["reduction", "persistent_reduction"]
+    # The interpreter combines a Welford reduction's lanes a pair at a time in Python:
+    # the candidate with the narrowest rows (32 x 64) runs in a second, not 25.
+    stage1 = compiled.kernels[0]
+    compiled.configs[stage1.name] = dict(min(stage1.configs, key=lambda c: c["RBLOCK"]))
+    _close_to_truth(_run(compiled, [x]), _channel_stats, [x], torch.float32, offset)
+
+
+def test_welford_of_a_column_keeps_one_stage() -> None:
+    """Channels-last data (the channel contiguous): no split, one Welford kernel."""
+    x = rand(16, 4, 64, 64).contiguous(memory_format=torch.channels_last)
+    compiled = _compile_for_cuda(_channel_stats, [x], SM16)
+    assert [k.kind for k in compiled.kernels] == ["reduction"]
+    _close_to_truth(_run(compiled, [x]), _channel_stats, [x], torch.float32)
