@@ -273,15 +273,28 @@ def _same_storage(a: Buffer, b: Buffer) -> bool:
 
 def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
     """A freed buffer with the same device, dtype and storage size, if there is one
-    (sizes provably equal for every admitted size, in a graph with dynamic shapes)."""
+    (sizes provably equal for every admitted size, in a graph with dynamic shapes): of the
+    two freed last, the one with ``buf``'s own shape and strides if either has them (no
+    view made per call), else the one freed last. A donor stays alive from its last use
+    until it is taken, so taking the oldest, as before, kept about L/2 of a deep model's
+    freed buffers alive at layer L whenever a layer frees more buffers of a size than it
+    allocates (HF ViT on the H100: six attention-score buffers of 114 MB, a peak of 2 GB
+    against Inductor's 0.3)."""
     want = (buf.get_device().type, buf.get_dtype())
     nbytes = storage_bytes(buf)
-    for i, name in enumerate(pool):
-        other = graph.name_to_buffer[name]  # type: ignore[attr-defined]
+    recent: list[int] = []
+    for i in reversed(range(len(pool))):
+        other = graph.name_to_buffer[pool[i]]  # type: ignore[attr-defined]
         if (other.get_device().type, other.get_dtype()) == want and \
                 V.graph.sizevars.statically_known_equals(storage_bytes(other), nbytes):
-            return pool.pop(i)
-    return None
+            recent.append(i)
+            if len(recent) == 2:
+                break
+    if not recent:
+        return None
+    named = graph.name_to_buffer  # type: ignore[attr-defined]
+    same = [i for i in recent if _same_storage(named[pool[i]], buf)]
+    return pool.pop((same or recent)[0])
 
 
 def describe(plan: MemoryPlan, nodes: list[BaseSchedulerNode]) -> str:

@@ -80,8 +80,8 @@ def _list_args(device: str) -> list[torch.Tensor]:
 
 
 def test_list_ops_match_eager() -> None:
-    from kiln.compiler.decompositions import trace_aten
     from kiln.compiler.compiled_graph import load
+    from kiln.compiler.decompositions import trace_aten
 
     args = _list_args("cpu")
     compiled = _compile(trace_aten(_list_ops, args), args)
