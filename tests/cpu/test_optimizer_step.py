@@ -112,3 +112,28 @@ def _compile(gm: torch.fx.GraphModule, args: list[torch.Tensor]) -> Any:
     from kiln.compiler.driver import compile_graph
 
     return compile_graph(gm, args, {}, compile_kernels=args[0].device.type == "cpu")
+
+
+def test_a_graph_of_list_ops_is_never_cut_into_regions() -> None:
+    """Regions would cut each parameter's chain of list ops (about 17 kernels per
+    parameter for BERT's AdamW step on the H100); the same ops one tensor at a time are
+    cut as usual."""
+    from kiln.compiler.decompositions import trace_aten
+    from kiln.frontend.config import KilnConfig
+    from kiln.frontend.core.regions import region_nodes, wanted
+
+    args = _list_args("cpu")
+    config = KilnConfig.resolve({"regions": "on", "region_nodes": 8})
+    listed = trace_aten(_list_ops, args)
+
+    def one_at_a_time(*flat: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for i in range(4):
+            p, g, m, v = flat[4 * i:4 * i + 4]
+            outs += [(p * 0.5 + m.lerp(g, 0.1) / (v.abs().sqrt() + 1.0)).clamp_min(-2.0)]
+        return outs
+
+    single = trace_aten(one_at_a_time, args)
+    assert len(single.graph.nodes) >= 2 * region_nodes(config)  # large enough to cut
+    assert wanted(single, args, config)
+    assert not wanted(listed, args, config)
