@@ -91,16 +91,24 @@ COMPILE_OPTIONS = frozenset({"cpu_backend", "autotune", "deterministic", "max_au
 # attributes: resolving ``torch.ops`` attributes by name reaches loaders and modules.
 # ``torch_nn`` holds ops torch itself defines with ``torch.library`` (the chunked
 # ``F.linear_cross_entropy``): pure computations, per-op fallbacks in the graph.
-OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn", "_c10d_functional"})
+OP_NAMESPACES = frozenset({"aten", "prims", "torch_nn", "_c10d_functional", "torchvision"})
 # Namespaces of which only some ops may be named. The functional collectives of tensor-
 # parallel graphs (DTensor): a worker only computes their outputs' metadata (fake tensors,
 # never a process group); the client runs them, each as ATen's kernel.
 _NAMESPACE_OPS = {"_c10d_functional": frozenset({
     "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-    "broadcast", "wait_tensor"})}
+    "broadcast", "wait_tensor"}),
+    # torchvision's detection ops (Faster and Mask R-CNN): C++ kernels with meta kernels,
+    # each a per-op fallback in the graph; a worker without torchvision cannot resolve
+    # them and says so.
+    "torchvision": frozenset({
+        "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_backward", "nms",
+        "ps_roi_align", "_ps_roi_align_backward", "ps_roi_pool", "_ps_roi_pool_backward",
+        "deform_conv2d", "_deform_conv2d_backward"})}
 # torch modules that register a namespace's ops when imported (torch imports them lazily,
 # so a worker that never called the function has not registered them yet).
-_NAMESPACE_MODULES = {"torch_nn": ("torch.nn.modules.linear_cross_entropy",)}
+_NAMESPACE_MODULES = {"torch_nn": ("torch.nn.modules.linear_cross_entropy",),
+                      "torchvision": ("torchvision",)}
 _OP_PART_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*|_[A-Za-z0-9][A-Za-z0-9_]*")
 
 # Bounds on tensor metadata from a request: a constant's storage is allocated for real.
@@ -121,6 +129,9 @@ _PY_FUNCTIONS: dict[str, Callable[..., Any]] = {
             "and_ or_ xor not_ invert lshift rshift",
         ),
         (math, "floor ceil trunc sqrt"),
+        # size arithmetic Dynamo records as plain calls (a detection model's
+        # ``max(h, w)`` of symbolic sizes)
+        (torch, "sym_max sym_min"),
     )
     for name in names.split()
 }
@@ -494,7 +505,8 @@ def _register_namespace(namespace: str) -> None:
     for module in _NAMESPACE_MODULES.get(namespace, ()):
         try:
             importlib.import_module(module)
-        except ImportError:  # an older torch: its ops are unknown, which the caller says
+        except Exception:  # noqa: BLE001 - absent or broken (an older torch, a torchvision
+            # built for another torch): its ops are unknown, which the caller says
             pass
 
 

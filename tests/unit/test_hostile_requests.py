@@ -46,6 +46,7 @@ def _with_target(wire: list[Any], target: list[str]) -> bytes:
     ["packet", "import_module.__call__"],    # torch.ops.import_module: import anything
     ["op", "mylib.evil_op.default"],         # a namespace outside the allowlist
     ["op", "_c10d_functional.send.default"],  # a collective no graph of Kiln's names
+    ["op", "torchvision._cuda_version.default"],  # torchvision: detection ops only
 ])
 def test_op_outside_the_allowlist_is_refused(target: list[str]) -> None:
     x = torch.randn(4, 4)
@@ -77,6 +78,31 @@ def test_the_functional_collectives_of_tensor_parallel_graphs_resolve() -> None:
         ops.all_reduce.default
     assert _resolve_target(["op", "_c10d_functional.wait_tensor.default"]) is \
         ops.wait_tensor.default
+
+
+def test_torchvision_detection_ops_pass_the_allowlist() -> None:
+    """Faster and Mask R-CNN graphs hold ``torchvision.roi_align``: allowed by name (a
+    per-op fallback), resolved where torchvision loads; where it does not (this CPU
+    machine's torchvision was built for another torch) the error names the op."""
+    from kiln.compiler.request import _resolve_target
+
+    try:
+        target = _resolve_target(["op", "torchvision.roi_align.default"])
+    except SerializationError as e:
+        assert "unknown op 'torchvision.roi_align.default'" in str(e)
+    else:
+        assert target is torch.ops.torchvision.roi_align.default
+
+
+def test_symbolic_max_of_sizes_round_trips() -> None:
+    """``torch.sym_max`` of two sizes (a detection model's image batching) is a listed
+    call target: a request holding it serializes and names the same function back."""
+    from kiln.compiler.request import _encode_target, _resolve_target
+
+    for fn in (torch.sym_max, torch.sym_min):
+        assert _resolve_target(_encode_target(fn)) is fn
+    with pytest.raises(SerializationError, match="bad call target"):
+        _resolve_target(["py", "torch.load"])
 
 
 def test_aten_ops_with_private_names_still_resolve() -> None:
