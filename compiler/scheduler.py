@@ -39,6 +39,8 @@ MAX_FUSION_ROUNDS = 10
 FUSION_WINDOW = 64
 # A kernel holds at most this many nodes.
 MAX_FUSION_SIZE = 64
+# Independent one-element kernels batched into one kernel: at most this many.
+MAX_SCALAR_BATCH = 32
 
 
 class BaseSchedulerNode:
@@ -427,7 +429,41 @@ class Scheduler:
             self.fuse_nodes_once()
             if len(self.nodes) == before:
                 break
+        self.batch_scalar_kernels()
         self.topological_sort()
+
+    def batch_scalar_kernels(self) -> None:
+        """One-element pointwise kernels that neither depends on, in graph order, as one
+        kernel per ``MAX_SCALAR_BATCH``: they share no access, so fusion by score never
+        joins them, and each costs a launch for one element. A compiled optimizer step has
+        one per parameter (``steps + 1``: 202 launches of BERT's AdamW step)."""
+        self._index_current()
+        batch: BaseSchedulerNode | None = None
+        for node in sorted(self.nodes, key=lambda n: n.min_order):
+            if not self._lone_scalar(node):
+                continue
+            if batch is None or len(batch.get_nodes()) + len(node.get_nodes()) > \
+                    MAX_SCALAR_BATCH or batch.get_device() != node.get_device() or \
+                    batch.get_names() & self.dependency_names(node) or \
+                    node.get_names() & self.dependency_names(batch) or \
+                    self.will_fusion_create_cycle(batch, node):
+                batch = node
+                continue
+            fused = FusedSchedulerNode.fuse(batch, node)
+            self.fusions.append((batch.get_name(), node.get_name()))
+            for name in fused.get_names():
+                self.current[name] = fused
+            self.nodes = [fused if n is batch else n for n in self.nodes if n is not node]
+            self._refresh_ancestors(fused, batch, node)
+            batch = fused
+
+    def _lone_scalar(self, node: BaseSchedulerNode) -> bool:
+        if node.is_extern() or node.is_nop() or node.is_template() or node.is_reduction():
+            return False
+        if isinstance(node, RowColumnSchedulerNode) or has_scatter(node):
+            return False
+        numel, rnumel = node.group
+        return bool(numel == 1 and rnumel == 1)
 
     def _index_current(self) -> None:
         self.current = {name: n for n in self.nodes for name in n.get_names()}

@@ -114,3 +114,31 @@ def test_kernel_compile_failure_falls_back_to_eager_with_one_warning(
     assert "graph key " in message, message
     assert "kernel source: " in message and "injected" in message, message
     torch.testing.assert_close(out, model(x))
+
+
+def _adam_like(*flat: torch.Tensor) -> list[torch.Tensor]:
+    """An optimizer step's list ops over 6 parameters with 0-d step counts, as a compiled
+    capturable AdamW traces them."""
+    p, g, m, v, steps = (list(flat[i::5]) for i in range(5))
+    steps = torch._foreach_add(steps, 1)
+    m = torch._foreach_lerp(m, g, 0.1)
+    v = torch._foreach_addcmul(torch._foreach_mul(v, 0.999), g, g, 0.001)
+    bc = torch._foreach_sub(torch._foreach_pow(0.9, steps), 1)
+    p = torch._foreach_addcdiv(p, m, torch._foreach_add(torch._foreach_sqrt(v), 1e-8),
+                               0.01)
+    return p + m + v + steps + bc
+
+
+def test_independent_one_element_kernels_are_one_kernel() -> None:
+    """Each parameter's update is one kernel; the six 0-d step updates (and their bias
+    corrections) share one kernel instead of a launch each."""
+    shapes = [(16, 8), (8,), (4, 4), (32,), (2, 3), (5,)]  # one kernel each
+    args = [t for s in shapes for t in
+            (rand(*s), rand(*s), rand(*s), rand(*s, low=0.1), torch.randint(1, 9, ()).float())]
+    compiled = assert_matches_eager(_adam_like, args, {"atol": 1e-5, "rtol": 1e-5})
+    scalar = [k for k in compiled.kernels if k.xnumel == 1]
+    assert len(scalar) == 1 and len(compiled.kernels) == 6 + 1, \
+        [(k.name, k.xnumel) for k in compiled.kernels]
+    assert compiled.wrapper_source.count(".run(") == 6 + 1  # launches: 12 before
+    # steps + 1 and 0.9 ** steps - 1 for each parameter
+    assert scalar[0].source.count("tl.store(") == 12
