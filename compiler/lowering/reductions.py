@@ -51,19 +51,11 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
                         src_dtype: torch.dtype | None = None) -> TensorBox:
     """Build and realize the Reduction of ``x`` over ``dims`` (kept dims become size 1)."""
     size = list(x.get_size())
-    kept = [d for d in range(len(size)) if d not in dims]
-    ranges = tuple(size[d] for d in kept)
-    rranges = tuple(size[d] for d in dims)
-    loader = x.make_loader()
+    ranges, rranges, load = reduction_ranges(x, dims)
     src = src_dtype or x.get_dtype()
 
     def inner_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        full: list[Expr] = [sympy.Integer(0)] * len(size)
-        for d, i in zip(kept, index):
-            full[d] = i
-        for d, r in zip(dims, rindex):
-            full[d] = r
-        value = loader(full)
+        value = load(index, rindex)
         return ops.to_dtype(value, src, x.get_dtype()) if src != x.get_dtype() else value
 
     if prod(rranges) == 1:
@@ -317,9 +309,10 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     return var, mean_out
 
 
-def _welford_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tuple[Expr, ...],
+def reduction_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tuple[Expr, ...],
                                                          Any]:
-    """(kept ranges, reduced ranges, inner_fn) of a reduction of ``x`` over ``dims``."""
+    """(kept ranges, reduced ranges, inner_fn) of a reduction of ``x`` over ``dims``: the
+    function loads the element at (kept index, reduced index)."""
     size = list(x.get_size())
     kept = [d for d in range(len(size)) if d not in dims]
     loader = x.make_loader()
@@ -341,7 +334,7 @@ def _welford_split(x: IRNode, dims: list[int]) -> Split:
     a sum; the chunks' index innermost only (a column Welford keeps one stage)."""
     if x.get_device().type != "cuda" or not dims:
         return Split()
-    ranges, rranges, inner_fn = _welford_ranges(x, dims)
+    ranges, rranges, inner_fn = reduction_ranges(x, dims)
     numel_expr, rnumel_expr = prod(ranges), prod(rranges)
     if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
         return Split()
@@ -360,7 +353,7 @@ def _split_welford(x: IRNode, dims: list[int], acc: torch.dtype, keepdim: bool,
     combines them as the parallel form of Welford's update does for equal counts ``c``:
     mean = sum(mean_j) / k, then m2 = sum(m2_j + c * (mean_j - mean)^2), each chunk's
     deviation taken from the final mean (no difference of large sums)."""
-    ranges, rranges, inner_fn = _welford_ranges(x, dims)
+    ranges, rranges, inner_fn = reduction_ranges(x, dims)
     device = x.get_device()
     k = split.factor
     chunk = int(prod(rranges)) // k
