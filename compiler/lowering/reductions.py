@@ -331,7 +331,8 @@ def reduction_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tupl
 def _welford_split(x: IRNode, dims: list[int]) -> Split:
     """A GPU Welford reduction of few rows over many elements (batch norm's statistics in
     training: 64 channels over batch x height x width) in chunks, as ``_gpu_split`` splits
-    a sum; the chunks' index innermost only (a column Welford keeps one stage)."""
+    a sum: the chunks' index innermost, or outermost for a column reduction (channels-last
+    data, the channel contiguous: unsplit, one program of 64 channels walked all rows)."""
     if x.get_device().type != "cuda" or not dims:
         return Split()
     ranges, rranges, inner_fn = reduction_ranges(x, dims)
@@ -340,9 +341,7 @@ def _welford_split(x: IRNode, dims: list[int]) -> Split:
         return Split()
     inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
                                           len(ranges))
-    if outer > inner:
-        return Split()
-    split = _gpu_split(int(numel_expr), int(rnumel_expr), False)
+    split = _gpu_split(int(numel_expr), int(rnumel_expr), outer > inner)
     return split if split.factor > 1 else Split()
 
 
@@ -361,28 +360,32 @@ def _split_welford(x: IRNode, dims: list[int], acc: torch.dtype, keepdim: bool,
     parts = (sympy.Integer(k),)
 
     def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        return inner_fn(index[:n], unflatten_index(index[n] * chunk + rindex[0], rranges))
+        part, kept = (index[0], index[1:]) if split.outer else (index[n], index[:n])
+        return inner_fn(kept, unflatten_index(part * chunk + rindex[0], rranges))
 
-    partials = []
+    loaders = []
     for output_index in (0, 1):
-        box = TensorBox.create(Reduction(device, acc, stage1, ranges + parts,
+        box = TensorBox.create(Reduction(device, acc, stage1,
+                                         parts + ranges if split.outer else ranges + parts,
                                          (sympy.Integer(chunk),), "welford_reduce", acc,
                                          output_index))
         box.realize()
-        partials.append(box.make_loader())
-    load_mean, load_m2 = partials
+        loaders.append(box.make_loader())
+
+    def partial(which: int, index: Sequence[Expr], part: Expr) -> Any:
+        return loaders[which]([part, *index] if split.outer else [*index, part])
 
     def mean_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        return ops.truediv(load_mean([*index, rindex[0]]), ops.constant(float(k), acc))
+        return ops.truediv(partial(0, index, rindex[0]), ops.constant(float(k), acc))
 
     mean = TensorBox.create(Reduction(device, acc, mean_fn, ranges, parts, "sum", acc))
     mean.realize()
     load_total_mean = mean.make_loader()
 
     def m2_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        delta = ops.sub(load_mean([*index, rindex[0]]), load_total_mean(index))
+        delta = ops.sub(partial(0, index, rindex[0]), load_total_mean(index))
         spread = ops.mul(ops.mul(delta, delta), ops.constant(float(chunk), acc))
-        return ops.add(load_m2([*index, rindex[0]]), spread)
+        return ops.add(partial(1, index, rindex[0]), spread)
 
     m2 = TensorBox.create(Reduction(device, acc, m2_fn, ranges, parts, "sum", acc))
     m2.realize()

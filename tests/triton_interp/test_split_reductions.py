@@ -243,9 +243,15 @@ def test_split_welford_matches_eager(offset: float) -> None:
     _close_to_truth(_run(compiled, [x]), _channel_stats, [x], torch.float32, offset)
 
 
-def test_welford_of_a_column_keeps_one_stage() -> None:
-    """Channels-last data (the channel contiguous): no split, one Welford kernel."""
+def test_welford_of_a_column_splits_by_rows() -> None:
+    """Channels-last data (the channel contiguous): the rows split into parts, the part
+    index outermost so that stage one reads whole rows of channels (unsplit, 4 channels
+    were one program walking all 65536 rows); stage two combines the 32 parts."""
     x = rand(16, 4, 64, 64).contiguous(memory_format=torch.channels_last)
     compiled = _compile_for_cuda(_channel_stats, [x], SM16)
-    assert [k.kind for k in compiled.kernels] == ["reduction"]
+    shapes = [(k.kind, k.xnumel, k.rnumel) for k in compiled.kernels]
+    assert shapes == [("reduction", 32 * 4, 2048), ("reduction", 4, 32)], shapes
+    assert "empty_strided_cuda((32, 4), (4, 1)" in compiled.wrapper_source
+    stage1 = compiled.kernels[0]
+    compiled.configs[stage1.name] = dict(min(stage1.configs, key=lambda c: c["RBLOCK"]))
     _close_to_truth(_run(compiled, [x]), _channel_stats, [x], torch.float32)
