@@ -15,8 +15,8 @@ fallbacks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -67,9 +67,7 @@ def child(name: str, mode: str, backends: list[str], steps: int, top: int) -> di
         figures: dict[str, Any] = {}
         graphs = KilnGraphs() if backend == "kiln" else None
         try:
-            with warnings.catch_warnings():
-                if graphs:
-                    graphs.__enter__()
+            with warnings.catch_warnings(), graphs or contextlib.nullcontext():
                 wrap = None if backend == "eager" else compile_backend(backend, False)
                 t0 = time.perf_counter()
                 step = case.step(case.copy(), wrap)
@@ -98,10 +96,8 @@ def child(name: str, mode: str, backends: list[str], steps: int, top: int) -> di
                 figures.update(_profile(step, inputs, top))
         except Exception as exc:  # a failing backend is a result
             figures["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
-        finally:
-            if graphs:
-                graphs.__exit__(None, None, None)
-                figures.update(graphs=graphs.graphs, fallback_ops=graphs.fallback_ops)
+        if graphs:
+            figures.update(graphs=graphs.graphs, fallback_ops=graphs.fallback_ops)
         out["backends"][backend] = figures
         torch.cuda.empty_cache()
     return out
@@ -128,8 +124,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", name, "--mode", args.mode,
                "--backends", args.backends, "--steps", str(args.steps), "--top", str(args.top)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                  env=dict(os.environ))
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             row = (json.loads(found[-1][len(RESULT):]) if found else
                    {"model": name, "error": (proc.stderr or proc.stdout)[-3000:]})

@@ -282,9 +282,10 @@ def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
     against Inductor's 0.3)."""
     want = (buf.get_device().type, buf.get_dtype())
     nbytes = storage_bytes(buf)
+    named = graph.name_to_buffer  # type: ignore[attr-defined]
     recent: list[int] = []
     for i in reversed(range(len(pool))):
-        other = graph.name_to_buffer[pool[i]]  # type: ignore[attr-defined]
+        other = named[pool[i]]
         if (other.get_device().type, other.get_dtype()) == want and \
                 V.graph.sizevars.statically_known_equals(storage_bytes(other), nbytes):
             recent.append(i)
@@ -292,7 +293,6 @@ def _take_reusable(pool: list[str], buf: Buffer, graph: object) -> str | None:
                 break
     if not recent:
         return None
-    named = graph.name_to_buffer  # type: ignore[attr-defined]
     same = [i for i in recent if _same_storage(named[pool[i]], buf)]
     return pool.pop((same or recent)[0])
 

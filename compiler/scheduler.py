@@ -449,13 +449,7 @@ class Scheduler:
                     self.will_fusion_create_cycle(batch, node):
                 batch = node
                 continue
-            fused = FusedSchedulerNode.fuse(batch, node)
-            self.fusions.append((batch.get_name(), node.get_name()))
-            for name in fused.get_names():
-                self.current[name] = fused
-            self.nodes = [fused if n is batch else n for n in self.nodes if n is not node]
-            self._refresh_ancestors(fused, batch, node)
-            batch = fused
+            batch = self._apply_fusion(batch, node, FusedSchedulerNode.fuse(batch, node))
 
     def _lone_scalar(self, node: BaseSchedulerNode) -> bool:
         if node.is_extern() or node.is_nop() or node.is_template() or node.is_reduction():
@@ -478,12 +472,17 @@ class Scheduler:
                 continue
             if not self.can_fuse(node1, node2) or self.will_fusion_create_cycle(node1, node2):
                 continue
-            fused = self.fuse_pair(node1, node2)
-            self.fusions.append((node1.get_name(), node2.get_name()))
-            for name in fused.get_names():
-                fused_into[name] = fused
-            self.nodes = [fused if n is node1 else n for n in self.nodes if n is not node2]
-            self._refresh_ancestors(fused, node1, node2)
+            self._apply_fusion(node1, node2, self.fuse_pair(node1, node2))
+
+    def _apply_fusion(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode,
+                      fused: FusedSchedulerNode) -> FusedSchedulerNode:
+        """``fused`` takes node1's place in the order and both nodes' names."""
+        self.fusions.append((node1.get_name(), node2.get_name()))
+        for name in fused.get_names():
+            self.current[name] = fused
+        self.nodes = [fused if n is node1 else n for n in self.nodes if n is not node2]
+        self._refresh_ancestors(fused, node1, node2)
+        return fused
 
     def fuse_pair(self, node1: BaseSchedulerNode, node2: BaseSchedulerNode
                   ) -> FusedSchedulerNode:

@@ -80,29 +80,41 @@ def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[list[
             for i in range(n)]
 
 
+def _compound(name: str) -> Any:
+    """One element of ``addcmul``/``addcdiv``/``lerp``: its scalar (``value``/``weight``)
+    positional or a keyword, defaulted for ``addcmul`` and ``addcdiv``."""
+    fn, arity = _COMPOUND[name], 2 if name == "lerp" else 3
+
+    def element(*args: Any, **kwargs: Any) -> Any:
+        scalar = kwargs.get("value", kwargs.get("weight", _DEFAULT_SCALAR.get(name)))
+        if len(args) > arity:
+            scalar = args[arity]
+        if isinstance(scalar, torch.Tensor):
+            raise EagerInstead("a host tensor of scalars")
+        return fn(*args[:arity], scalar)
+
+    return element
+
+
+def _element_lowering(name: str) -> Any:
+    """The lowering of one element of ``_foreach_<name>``."""
+    if name in _COMPOUND:
+        return _compound(name)
+    if name == "copy":  # (self, src, non_blocking): src in self's dtype
+        return lambda dst, src, *_, **__: lowerings[aten.copy.default](dst, src)
+    if name == "zero":
+        return lambda x: lowerings[aten.fill.Scalar](x, 0)
+    base = _BASE[name]
+    op = getattr(base, base.overloads()[0])  # every overload of a packet shares a lowering
+    # looked up at call time: the base op's module may register after this one
+    return lambda *args, **kwargs: lowerings[op](*args, **kwargs)
+
+
 def _foreach_lowering(name: str) -> Any:
+    element = _element_lowering(name)
+
     def lowering(*args: Any, **kwargs: Any) -> list[Any]:
-        out = []
-        for elem_args, elem_kwargs in _elements(args, kwargs):
-            if name in _COMPOUND:
-                scalar = elem_kwargs.pop("value", elem_kwargs.pop("weight", None))
-                if len(elem_args) > (2 if name == "lerp" else 3):
-                    scalar = elem_args.pop()
-                if scalar is None:
-                    scalar = _DEFAULT_SCALAR[name]
-                if isinstance(scalar, torch.Tensor):
-                    raise EagerInstead("a host tensor of scalars")
-                out.append(_COMPOUND[name](*elem_args, scalar))
-            elif name == "copy":
-                elem_kwargs.pop("non_blocking", None)
-                out.append(lowerings[aten.copy.default](*elem_args[:2]))
-            elif name == "zero":
-                out.append(lowerings[aten.fill.Scalar](elem_args[0], 0))
-            else:
-                base = _BASE[name]
-                fn = lowerings[getattr(base, base.overloads()[0])]
-                out.append(fn(*elem_args, **elem_kwargs))
-        return out
+        return [element(*a, **k) for a, k in _elements(args, kwargs)]
 
     lowering.__name__ = f"foreach_{name}"
     return lowering

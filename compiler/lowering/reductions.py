@@ -51,7 +51,7 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
                         src_dtype: torch.dtype | None = None) -> TensorBox:
     """Build and realize the Reduction of ``x`` over ``dims`` (kept dims become size 1)."""
     size = list(x.get_size())
-    ranges, rranges, load = reduction_ranges(x, dims)
+    ranges, rranges, load = _reduction_ranges(x, dims)
     src = src_dtype or x.get_dtype()
 
     def inner_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
@@ -65,7 +65,8 @@ def make_reduction_node(x: IRNode, dims: list[int], reduction_type: str, dtype: 
         result: TensorBox = Pointwise.create(
             x.get_device(), dtype, lambda idx: ops.to_dtype(single(inner_fn(idx, zeros), dtype),
                                                             dtype), ranges)
-    elif (split := _split_factor(x, inner_fn, reduction_type, ranges, rranges)).factor > 1:
+    elif reduction_type in _SPLITTABLE and \
+            (split := _split_factor(x, inner_fn, reduction_type, ranges, rranges)).factor > 1:
         result = _split_reduction(x, inner_fn, ranges, rranges, reduction_type, dtype, src,
                                   split)
     else:
@@ -114,13 +115,17 @@ def sm_count() -> int:
 
 def _split_factor(x: IRNode, inner_fn: Any, reduction_type: str, ranges: Sequence[Expr],
                   rranges: Sequence[Expr]) -> Split:
-    if reduction_type not in _SPLITTABLE:
+    """How a reduction splits. A Welford reduction splits on a GPU only (``var_mean_welford``
+    combines its chunks; batch norm's training statistics over 64 channels were 64
+    programs, or one for channels-last data, walking 1.6M elements each)."""
+    gpu = x.get_device().type == "cuda"
+    if reduction_type not in _SPLITTABLE and not (gpu and reduction_type == "welford_reduce"):
         return Split()
     numel_expr, rnumel_expr = prod(ranges), prod(rranges)
     if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
         return Split()  # chunks of a symbolic row: not split (one looped reduction instead)
     numel, rnumel = int(numel_expr), int(rnumel_expr)
-    if x.get_device().type == "cuda":
+    if gpu:
         inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
                                               len(ranges))
         return _gpu_split(numel, rnumel, outer > inner)
@@ -161,12 +166,11 @@ def _row_parts(rows: int) -> int:
     return parts
 
 
-def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
-                     rranges: tuple[Expr, ...], reduction_type: str, dtype: torch.dtype,
-                     src: torch.dtype, split: Split) -> TensorBox:
-    """Reduce ``split.factor`` chunks into a partials buffer, then reduce the partials."""
+def _stage_one(inner_fn: Any, ranges: tuple[Expr, ...], rranges: tuple[Expr, ...],
+               split: Split) -> tuple[Any, tuple[Expr, ...], tuple[Expr, ...]]:
+    """Stage one of a split reduction: (inner function, ranges, reduced range) of the
+    partials, one per (chunk, kept index); ``_part_index`` finds a chunk's partial."""
     chunk = int(prod(rranges)) // split.factor
-    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     n = len(ranges)
     parts = (sympy.Integer(split.factor),)
 
@@ -174,16 +178,30 @@ def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
         part, kept = (index[0], index[1:]) if split.outer else (index[n], index[:n])
         return inner_fn(kept, unflatten_index(part * chunk + rindex[0], rranges))
 
-    partial = TensorBox.create(Reduction(x.get_device(), acc, stage1,
-                                         parts + ranges if split.outer else ranges + parts,
-                                         (sympy.Integer(chunk),), reduction_type, src))
+    return stage1, parts + ranges if split.outer else ranges + parts, (sympy.Integer(chunk),)
+
+
+def _part_index(index: Sequence[Expr], part: Expr, split: Split) -> list[Expr]:
+    """The partials' index of chunk ``part`` at the kept ``index``."""
+    return [part, *index] if split.outer else [*index, part]
+
+
+def _split_reduction(x: IRNode, inner_fn: Any, ranges: tuple[Expr, ...],
+                     rranges: tuple[Expr, ...], reduction_type: str, dtype: torch.dtype,
+                     src: torch.dtype, split: Split) -> TensorBox:
+    """Reduce ``split.factor`` chunks into a partials buffer, then reduce the partials."""
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    stage1, partial_ranges, chunk = _stage_one(inner_fn, ranges, rranges, split)
+    partial = TensorBox.create(Reduction(x.get_device(), acc, stage1, partial_ranges, chunk,
+                                         reduction_type, src))
     partial.realize()
     load = partial.make_loader()
 
     def stage2(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        return load([rindex[0], *index] if split.outer else [*index, rindex[0]])
+        return load(_part_index(index, rindex[0], split))
 
-    final = TensorBox.create(Reduction(x.get_device(), dtype, stage2, ranges, parts,
+    final = TensorBox.create(Reduction(x.get_device(), dtype, stage2, ranges,
+                                       (sympy.Integer(split.factor),),
                                        _SPLITTABLE[reduction_type], acc))
     final.realize()
     return final
@@ -285,7 +303,8 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     dims = _dims(x, dim)
     n = prod(x.get_size()[d] for d in dims)
     src = to_dtype(x, acc)
-    split = _welford_split(src, dims)
+    ranges, rranges, inner_fn = _reduction_ranges(src, dims)
+    split = _split_factor(src, inner_fn, "welford_reduce", ranges, rranges)
     if split.factor > 1:
         mean_, m2 = _split_welford(src, dims, acc, keepdim, split)
     else:
@@ -309,8 +328,8 @@ def var_mean_welford(x: IRNode, dim: Any, correction: float, keepdim: bool
     return var, mean_out
 
 
-def reduction_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tuple[Expr, ...],
-                                                         Any]:
+def _reduction_ranges(x: IRNode, dims: list[int]
+                      ) -> tuple[tuple[Expr, ...], tuple[Expr, ...], Any]:
     """(kept ranges, reduced ranges, inner_fn) of a reduction of ``x`` over ``dims``: the
     function loads the element at (kept index, reduced index)."""
     size = list(x.get_size())
@@ -328,23 +347,6 @@ def reduction_ranges(x: IRNode, dims: list[int]) -> tuple[tuple[Expr, ...], tupl
     return tuple(size[d] for d in kept), tuple(size[d] for d in dims), inner_fn
 
 
-def _welford_split(x: IRNode, dims: list[int]) -> Split:
-    """A GPU Welford reduction of few rows over many elements (batch norm's statistics in
-    training: 64 channels over batch x height x width) in chunks, as ``_gpu_split`` splits
-    a sum: the chunks' index innermost, or outermost for a column reduction (channels-last
-    data, the channel contiguous: unsplit, one program of 64 channels walked all rows)."""
-    if x.get_device().type != "cuda" or not dims:
-        return Split()
-    ranges, rranges, inner_fn = reduction_ranges(x, dims)
-    numel_expr, rnumel_expr = prod(ranges), prod(rranges)
-    if not (numel_expr.is_Integer and rnumel_expr.is_Integer):
-        return Split()
-    inner, outer = reduction_access_order(extract_read_writes(inner_fn, ranges, rranges),
-                                          len(ranges))
-    split = _gpu_split(int(numel_expr), int(rnumel_expr), outer > inner)
-    return split if split.factor > 1 else Split()
-
-
 def _split_welford(x: IRNode, dims: list[int], acc: torch.dtype, keepdim: bool,
                    split: Split) -> tuple[IRNode, IRNode]:
     """(mean, m2) of ``x`` over ``dims`` in two stages. Stage one: a Welford reduction of
@@ -352,28 +354,21 @@ def _split_welford(x: IRNode, dims: list[int], acc: torch.dtype, keepdim: bool,
     combines them as the parallel form of Welford's update does for equal counts ``c``:
     mean = sum(mean_j) / k, then m2 = sum(m2_j + c * (mean_j - mean)^2), each chunk's
     deviation taken from the final mean (no difference of large sums)."""
-    ranges, rranges, inner_fn = reduction_ranges(x, dims)
+    ranges, rranges, inner_fn = _reduction_ranges(x, dims)
     device = x.get_device()
     k = split.factor
     chunk = int(prod(rranges)) // k
-    n = len(ranges)
     parts = (sympy.Integer(k),)
-
-    def stage1(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
-        part, kept = (index[0], index[1:]) if split.outer else (index[n], index[:n])
-        return inner_fn(kept, unflatten_index(part * chunk + rindex[0], rranges))
-
+    stage1, partial_ranges, chunk_range = _stage_one(inner_fn, ranges, rranges, split)
     loaders = []
-    for output_index in (0, 1):
-        box = TensorBox.create(Reduction(device, acc, stage1,
-                                         parts + ranges if split.outer else ranges + parts,
-                                         (sympy.Integer(chunk),), "welford_reduce", acc,
-                                         output_index))
+    for output_index in (0, 1):  # mean and m2: one kernel
+        box = TensorBox.create(Reduction(device, acc, stage1, partial_ranges, chunk_range,
+                                         "welford_reduce", acc, output_index))
         box.realize()
         loaders.append(box.make_loader())
 
     def partial(which: int, index: Sequence[Expr], part: Expr) -> Any:
-        return loaders[which]([part, *index] if split.outer else [*index, part])
+        return loaders[which](_part_index(index, part, split))
 
     def mean_fn(index: Sequence[Expr], rindex: Sequence[Expr]) -> Any:
         return ops.truediv(partial(0, index, rindex[0]), ops.constant(float(k), acc))
